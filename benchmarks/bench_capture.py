@@ -1,0 +1,75 @@
+"""Capture op cost: eager per call, and per layer inside one CUDA graph of 61 layers.
+
+Floor: a plain ``buffer[:n, layer] = topk_ids`` copy per layer in the same kind of graph (it knows
+its row count on the host, which is exactly what a graph must not do; it is the cheapest possible
+write of the same bytes). Target: capture within 1.1x of that copy inside the graph.
+
+    python benchmarks/bench_capture.py [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.harness import Table, do_bench_median_us, graph_replay_us
+from moe_ops import BatchLayout, capture_routing
+
+LAYERS, TOP_K, MAX_TOKENS = 61, 8, 8192
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--csv", default=None)
+    parser.add_argument("--sizes", default="1,64,512,8192")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_capture needs a CUDA GPU; nothing measured")
+        return
+    dev = torch.device("cuda")
+    table = Table(
+        "capture op (61 layers, top_k 8, int32 ids and buffer)",
+        ["layout", "n", "eager_us/call", "graph_us/layer", "copy_us/layer", "ratio_vs_copy"],
+    )
+    buffer = torch.zeros(MAX_TOKENS, LAYERS, TOP_K, dtype=torch.int32, device=dev)
+    for layout in (BatchLayout.LOCAL, BatchLayout.GATHERED):
+        for n in (int(s) for s in args.sizes.split(",")):
+            dp = 1 if layout == BatchLayout.LOCAL else 4
+            rows = n * dp
+            ids = [torch.randint(0, 256, (rows, TOP_K), dtype=torch.int32, device=dev) for _ in range(LAYERS)]
+            counts = torch.full((dp,), n, dtype=torch.int32, device=dev)
+            rank = dp - 1  # last rank: the GATHERED offset is a sum over the others
+            start = rank * n
+
+            def capture_all():
+                for layer in range(LAYERS):
+                    capture_routing(
+                        buffer, ids[layer], layer, token_counts=counts, dp_rank=rank, layout=layout
+                    )
+
+            def copy_all():
+                for layer in range(LAYERS):
+                    buffer[:n, layer] = ids[layer][start : start + n]
+
+            eager = do_bench_median_us(
+                lambda: capture_routing(buffer, ids[0], 0, token_counts=counts, dp_rank=rank, layout=layout)
+            )
+            cap = graph_replay_us(capture_all) / LAYERS
+            floor = graph_replay_us(copy_all) / LAYERS
+            expected = torch.stack([i[start : start + n] for i in ids], dim=1)
+            capture_all()
+            torch.cuda.synchronize()
+            assert torch.equal(buffer[:n], expected), "benchmark capture wrote wrong rows"
+            table.add(layout.name, n, eager, cap, floor, cap / floor)
+    if args.csv:
+        table.write_csv(args.csv)
+    table.print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Shared benchmark harness: medians, CUDA-graph replay timing, one table printed last, CSV rows.
+
+Every benchmark compares against a floor or a peer measured in the same run and reports the ratio;
+absolute times are context. CSV rows carry the GPU name, torch/triton versions and the git sha.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Table", "do_bench_median_us", "environment", "graph_replay_us"]
+
+
+def environment() -> dict[str, str]:
+    """Machine and version fields stamped on every CSV row."""
+    try:
+        sha = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+            or "unknown"
+        )
+    except OSError:
+        sha = "unknown"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton_version, "git_sha": sha}
+
+
+def do_bench_median_us(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200) -> float:
+    """Median time of ``fn`` in microseconds (triton.testing.do_bench: CUDA events, L2 flushed)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+
+
+def graph_replay_us(fn: Callable[[], object], replays: int = 50, trials: int = 15) -> float:
+    """Median over ``trials`` of the mean time of one replay of a CUDA graph of ``fn``, in us.
+
+    ``fn`` is warmed up on a side stream, captured once, and replayed ``replays`` times between two
+    CUDA events per trial: launch overhead is the graph's, as in a CUDA-graphed serving step.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / replays)
+    return statistics.median(times)
+
+
+@dataclass
+class Table:
+    """Rows of one benchmark; ``print()`` shows them as a table, ``write_csv`` appends them."""
+
+    name: str
+    columns: list[str]
+    rows: list[list[object]] = field(default_factory=list)
+
+    def add(self, *values: object) -> None:
+        assert len(values) == len(self.columns), (values, self.columns)
+        self.rows.append(list(values))
+
+    def format(self) -> str:
+        cells = [[self._fmt(v) for v in row] for row in self.rows]
+        widths = [
+            max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(self.columns)
+        ]
+        lines = [f"## {self.name}", "  ".join(c.rjust(w) for c, w in zip(self.columns, widths))]
+        lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+        return "\n".join(lines)
+
+    def print(self) -> None:
+        print(self.format(), flush=True)
+
+    def write_csv(self, path: str) -> None:
+        env = environment()
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(["benchmark", *self.columns, *env.keys()])
+            for row in self.rows:
+                writer.writerow([self.name, *row, *env.values()])
+
+    @staticmethod
+    def _fmt(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+        return str(v)

@@ -1,0 +1,20 @@
+"""moe-ops: rollout routing replay for mixture-of-experts models.
+
+Records which experts a MoE router chose, for every token and every MoE layer, while the model runs
+eagerly, under ``torch.compile`` or replayed from CUDA graphs. The data path is the package layout:
+route -> capture -> transfer -> store -> wire.
+"""
+
+from .capture import CaptureFaultError, capture_error_counter, capture_routing, check_capture_errors
+from .layout import BatchLayout, infer_layout
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchLayout",
+    "CaptureFaultError",
+    "capture_error_counter",
+    "capture_routing",
+    "check_capture_errors",
+    "infer_layout",
+]

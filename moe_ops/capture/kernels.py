@@ -1,0 +1,224 @@
+"""The slicing kernel: copies this DP rank's rows of ``topk_ids`` into one layer of the capture buffer.
+
+The row window is computed on the device from ``token_counts`` / ``sizes`` (never on the host), so a
+CUDA graph captured once replays correctly for any live counts. Two implementations of one contract:
+
+* :func:`capture_rows_triton` - the Triton kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1``);
+* :func:`capture_rows_torch` - its PyTorch reference twin (the CPU path, and the test oracle).
+
+Contract (both): with ``c = token_counts[dp_rank]`` and ``start`` from the layout (see
+:mod:`moe_ops.layout`), ``buffer[r, layer_id, :] = topk_ids[start + r, :]`` for ``r < c_eff`` where
+``c_eff = clamp(c, 0, min(n - start, buffer rows))``; every other element of ``buffer`` keeps its
+value. A clamped call adds 1 to ``errors[0]`` and ORs its fault bits into ``errors[1]``.
+
+:func:`rows_window` is the device-side offset rule shared with the fused router kernels, so both
+paths select rows in exactly the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._triton import HAS_TRITON, next_power_of_2
+from ..layout import BatchLayout
+from .errors import FAULT_BAD_OFFSET, FAULT_DEST_SHORT, FAULT_NEGATIVE_COUNT, FAULT_SOURCE_SHORT
+
+__all__ = ["capture_rows_torch", "capture_rows_triton", "window_first_size"]
+
+# 1024 ids per program: one program covers a decode batch; n=8192, k=8 uses 64 programs.
+_TILE_ELEMENTS = 1024
+
+
+def window_first_size(layout: int, dp_rank: int, shards_per_rank: int) -> int:
+    """Number of leading ``sizes`` entries that precede this rank's rows (host arithmetic on ints)."""
+    if layout == BatchLayout.GATHERED:
+        return dp_rank
+    if layout == BatchLayout.SHARDED:
+        return dp_rank * shards_per_rank
+    return 0  # LOCAL, and SEQUENCE_PARALLEL after its gather
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    # Triton kernels may only read globals that are constexpr.
+    _NEGATIVE_COUNT = tl.constexpr(FAULT_NEGATIVE_COUNT)
+    _SOURCE_SHORT = tl.constexpr(FAULT_SOURCE_SHORT)
+    _DEST_SHORT = tl.constexpr(FAULT_DEST_SHORT)
+    _BAD_OFFSET = tl.constexpr(FAULT_BAD_OFFSET)
+
+    @triton.jit
+    def rows_window(counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD: tl.constexpr):
+        """Device-side row window: returns (start, c_eff, fault flags) for this rank.
+
+        start = sum(sizes[:n_first]) clamped to [0, n_src]; c_eff = clamp(c, 0, min(n_src - start,
+        n_dst)). Every program of a launch computes the same values (S_PAD <= 64 loads, cached).
+        """
+        c = tl.load(counts_ptr + dp_rank)
+        idx = tl.arange(0, S_PAD)
+        sizes = tl.load(sizes_ptr + idx, mask=idx < n_first, other=0)
+        start = tl.sum(sizes, axis=0)
+        n_negative = tl.sum((sizes < 0).to(tl.int32), axis=0)
+        flags = tl.where(c < 0, _NEGATIVE_COUNT, 0)
+        c = tl.maximum(c, 0)
+        flags |= tl.where((n_negative > 0) | (start < 0) | (start > n_src), _BAD_OFFSET, 0)
+        start = tl.minimum(tl.maximum(start, 0), n_src)
+        flags |= tl.where(c > n_src - start, _SOURCE_SHORT, 0)
+        flags |= tl.where(c > n_dst, _DEST_SHORT, 0)
+        c_eff = tl.minimum(tl.minimum(c, n_src - start), n_dst)
+        return start, c_eff, flags
+
+    @triton.jit
+    def record_faults(errors_ptr, flags):
+        """Called by program 0 only: one count per faulty call, flags OR-ed."""
+        if flags != 0:
+            tl.atomic_add(errors_ptr, 1)
+            tl.atomic_or(errors_ptr + 1, flags)
+
+    # Counts live on the device, so nothing that changes per step is a specialisation key: the
+    # row count n_src, the layer and the rank are runtime ints (no recompile per layer or batch).
+    @triton.jit(do_not_specialize=["n_src", "n_dst", "layer_id", "dp_rank", "n_first"])
+    def _capture_rows_kernel(
+        buf_ptr,
+        ids_ptr,
+        counts_ptr,
+        sizes_ptr,
+        errors_ptr,
+        n_src,
+        n_dst,
+        layer_id,
+        dp_rank,
+        n_first,
+        stride_bm,
+        stride_bl,
+        stride_bk,
+        stride_im,
+        stride_ik,
+        TOP_K: tl.constexpr,
+        K_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        S_PAD: tl.constexpr,
+        FROM_ROW_0: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        row0 = pid * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, K_PAD)
+        col_ok = (cols < TOP_K)[None, :]
+        dst = buf_ptr + layer_id.to(tl.int64) * stride_bl + rows.to(tl.int64)[:, None] * stride_bm
+        dst += cols[None, :] * stride_bk
+        if FROM_ROW_0:
+            # LOCAL (and rank 0 of a gather): the source rows do not depend on device values, so
+            # the id load is issued before the count arrives instead of after it (one global-memory
+            # latency less on the critical path of a launch-bound kernel).
+            window = tl.minimum(n_src, n_dst)
+            ids = tl.load(
+                ids_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_ik,
+                mask=(rows < window)[:, None] & col_ok,
+            )
+            start, c_eff, flags = rows_window(counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD)
+            if pid == 0:
+                record_faults(errors_ptr, flags)
+            tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=(rows < c_eff)[:, None] & col_ok)
+        else:
+            start, c_eff, flags = rows_window(counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD)
+            if pid == 0:
+                record_faults(errors_ptr, flags)
+            if row0 < c_eff:
+                mask = (rows < c_eff)[:, None] & col_ok
+                src = (start + rows).to(tl.int64)
+                ids = tl.load(ids_ptr + src[:, None] * stride_im + cols[None, :] * stride_ik, mask=mask)
+                tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mask)
+
+
+def capture_rows_triton(
+    buffer: torch.Tensor,
+    topk_ids: torch.Tensor,
+    token_counts: torch.Tensor,
+    sizes: torch.Tensor,
+    errors: torch.Tensor,
+    layer_id: int,
+    dp_rank: int,
+    n_first: int,
+) -> None:
+    """Launches the slicing kernel (validated arguments assumed; see ``capture_routing``).
+
+    buffer: (max_tokens, num_layers, top_k) int16/int32/int64 - written in place, rows [0, c_eff)
+    topk_ids: (n, top_k) integer - source rows
+    token_counts: (dp_size,) int32 - real tokens of each DP rank, read on the device
+    sizes: (S,) int32 - per-rank (GATHERED) or per-shard (SHARDED) row counts; the first ``n_first``
+        entries precede this rank's block
+    errors: (2,) int32 - fault counter, see :mod:`moe_ops.capture.errors`
+    """
+    n_src, top_k = topk_ids.shape
+    n_dst = buffer.shape[0]
+    k_pad = next_power_of_2(top_k)
+    block_m = max(1, _TILE_ELEMENTS // k_pad)
+    window = min(n_src, n_dst)
+    # At least one program, so a call whose counts overflow an empty source still records its fault.
+    grid = (max(1, triton.cdiv(window, block_m)),)
+    _capture_rows_kernel[grid](
+        buffer,
+        topk_ids,
+        token_counts,
+        sizes,
+        errors,
+        n_src,
+        n_dst,
+        layer_id,
+        dp_rank,
+        n_first,
+        buffer.stride(0),
+        buffer.stride(1),
+        buffer.stride(2),
+        topk_ids.stride(0),
+        topk_ids.stride(1),
+        TOP_K=top_k,
+        K_PAD=k_pad,
+        BLOCK_M=block_m,
+        S_PAD=next_power_of_2(sizes.shape[0]),
+        FROM_ROW_0=n_first == 0,
+    )
+
+
+# reference
+def capture_rows_torch(
+    buffer: torch.Tensor,
+    topk_ids: torch.Tensor,
+    token_counts: torch.Tensor,
+    sizes: torch.Tensor,
+    errors: torch.Tensor,
+    layer_id: int,
+    dp_rank: int,
+    n_first: int,
+) -> None:
+    """PyTorch twin of :func:`capture_rows_triton`: same arguments, same writes, same fault bits.
+
+    Fixed shapes and no host reads (``torch.where`` over the static window ``min(n, rows)``), so it
+    runs on any device and inside graphs; on CPU it is the capture op's implementation.
+    """
+    n_src = topk_ids.shape[0]
+    n_dst = buffer.shape[0]
+    c = token_counts[dp_rank].to(torch.int64)
+    head = sizes[:n_first].to(torch.int64)
+    start = head.sum()
+    flags = torch.where(c < 0, FAULT_NEGATIVE_COUNT, 0)
+    c = c.clamp(min=0)
+    bad_offset = (head < 0).any() | (start < 0) | (start > n_src)
+    flags = flags | torch.where(bad_offset, FAULT_BAD_OFFSET, 0)
+    start = start.clamp(0, n_src)
+    flags = flags | torch.where(c > n_src - start, FAULT_SOURCE_SHORT, 0)
+    flags = flags | torch.where(c > n_dst, FAULT_DEST_SHORT, 0)
+    c_eff = torch.minimum(c, n_src - start).clamp(max=n_dst)
+
+    window = min(n_src, n_dst)
+    if window > 0:
+        rows = torch.arange(window, device=buffer.device)
+        src = (start + rows).clamp(max=n_src - 1)
+        valid = (rows < c_eff)[:, None]
+        dst = buffer[:window, layer_id]
+        dst.copy_(torch.where(valid, topk_ids[src].to(buffer.dtype), dst))
+    faulty = (flags != 0).to(errors.dtype)
+    errors[0] += faulty
+    errors[1] |= flags.to(errors.dtype)

@@ -1,0 +1,41 @@
+"""Test setup: Triton interpretation on CPU-only machines, the `gpu` marker, hypothesis profiles.
+
+TRITON_INTERPRET must be set before any kernel module is imported (Triton decides at decoration
+time), so it is set here, before the test modules import moe_ops.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+HAS_CUDA = torch.cuda.is_available()
+
+settings.register_profile(
+    "default",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=False,
+    print_blob=True,
+)
+settings.register_profile("quick", parent=settings.get_profile("default"), max_examples=20)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none found: torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def cuda_device():
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    return torch.device("cuda")

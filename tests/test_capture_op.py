@@ -1,0 +1,287 @@
+"""The capture op against the layout definitions: every layout, padding, dtypes, poisoned buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import POISON, capture_cases
+
+import moe_ops
+from moe_ops import BatchLayout, capture_routing
+from moe_ops._triton import triton_runs_on
+from moe_ops.capture.errors import (
+    FAULT_BAD_OFFSET,
+    FAULT_DEST_SHORT,
+    FAULT_NEGATIVE_COUNT,
+    FAULT_SOURCE_SHORT,
+    CaptureFaultError,
+)
+from moe_ops.capture.kernels import capture_rows_torch, capture_rows_triton, window_first_size
+
+# (implementation, device): "op" is the public capture_routing (reference on CPU, Triton on CUDA);
+# "triton"/"torch" call one kernel implementation directly.
+BACKENDS = [
+    pytest.param(("op", "cpu"), id="op-cpu"),
+    pytest.param(("triton", "cpu"), id="triton-interpret"),
+    pytest.param(("op", "cuda"), id="op-cuda", marks=pytest.mark.gpu),
+    pytest.param(("torch", "cuda"), id="torch-cuda", marks=pytest.mark.gpu),
+]
+
+
+def _skip_unavailable(impl: str, device: str) -> None:
+    if impl == "triton" and not triton_runs_on(torch.device(device)):
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
+
+
+def run_capture(impl: str, case, buffer, topk_ids, counts, sizes) -> torch.Tensor:
+    """Runs one capture and returns the device fault counter it wrote to."""
+    if impl == "op":
+        capture_routing(
+            buffer,
+            topk_ids,
+            case.layer_id,
+            token_counts=counts,
+            dp_rank=case.dp_rank,
+            layout=case.layout,
+            shard_sizes=sizes,
+        )
+        return moe_ops.capture_error_counter(buffer.device)
+    errors = torch.zeros(2, dtype=torch.int32, device=buffer.device)
+    spr = 1 if sizes is None else max(1, sizes.shape[0] // counts.shape[0])
+    n_first = window_first_size(int(case.layout), case.dp_rank, spr)
+    fn = capture_rows_triton if impl == "triton" else capture_rows_torch
+    fn(
+        buffer,
+        topk_ids,
+        counts,
+        counts if sizes is None else sizes,
+        errors,
+        case.layer_id,
+        case.dp_rank,
+        n_first,
+    )
+    return errors
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=1500)
+@given(case=capture_cases())
+def test_capture_matches_layout_definition(backend, case):
+    impl, device = backend
+    _skip_unavailable(impl, device)
+    buffer, topk_ids, counts, sizes = case.tensors(device)
+    expected = case.expected(buffer)
+    errors = run_capture(impl, case, buffer, topk_ids, counts, sizes)
+    assert torch.equal(buffer, expected), (
+        f"rows written differ from the layout definition ({case.layout.name})"
+    )
+    assert int(errors[0]) == 0, "a consistent call must not record a fault"
+
+
+@pytest.mark.parametrize("layout", list(BatchLayout))
+def test_each_layout_example(layout):
+    """One hand-checked example per layout (documents the diagrams in moe_ops.layout)."""
+    buf = torch.full((4, 2, 1), POISON, dtype=torch.int32)
+    counts = torch.tensor([2, 3], dtype=torch.int32)
+    if layout == BatchLayout.SHARDED:
+        ids = torch.tensor([[10], [11], [12], [-1], [20], [21], [22], [-1]], dtype=torch.int32)
+        capture_routing(
+            buf,
+            ids,
+            1,
+            token_counts=counts,
+            dp_rank=1,
+            layout=layout,
+            shard_sizes=torch.tensor([2, 2, 2, 2], dtype=torch.int32),
+        )
+        assert buf[:, 1, 0].tolist() == [20, 21, 22, POISON]
+    elif layout == BatchLayout.GATHERED:
+        ids = torch.tensor([[10], [11], [-1], [20], [21], [22]], dtype=torch.int32)
+        capture_routing(
+            buf,
+            ids,
+            1,
+            token_counts=counts,
+            dp_rank=1,
+            layout=layout,
+            shard_sizes=torch.tensor([3, 3], dtype=torch.int32),
+        )
+        assert buf[:, 1, 0].tolist() == [20, 21, 22, POISON]
+    else:
+        ids = torch.tensor([[20], [21], [22], [-1]], dtype=torch.int32)
+        capture_routing(buf, ids, 1, token_counts=counts, dp_rank=1, layout=layout)
+        assert buf[:, 1, 0].tolist() == [20, 21, 22, POISON]
+    assert (buf[:, 0] == POISON).all(), "another layer was touched"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=300)
+@given(case=capture_cases(), extra=st.integers(1, 40), negative=st.booleans())
+def test_inconsistent_counts_are_clamped_and_recorded(backend, case, extra, negative):
+    """A count larger than the rows available (or negative) must not read or write out of bounds."""
+    impl, device = backend
+    _skip_unavailable(impl, device)
+    buffer, topk_ids, counts, sizes = case.tensors(device)
+    before = buffer.clone()
+    bad = -extra if negative else case.c + case.max_tokens + topk_ids.shape[0] + extra
+    counts[case.dp_rank] = bad
+    moe_ops.check_capture_errors(device, raise_error=False)  # start from a clean counter
+    errors = run_capture(impl, case, buffer, topk_ids, counts, sizes)
+    calls, flags = errors.tolist()
+    assert calls == 1
+    if negative:
+        assert flags & FAULT_NEGATIVE_COUNT
+        assert torch.equal(buffer, before), "a negative count must write nothing"
+    else:
+        assert flags & (FAULT_SOURCE_SHORT | FAULT_DEST_SHORT)
+        # what was written is exactly the clamped window, in place
+        c_eff = min(topk_ids.shape[0] - case.start, case.max_tokens)
+        c_eff = max(c_eff, 0)
+        exp = before.clone()
+        exp[:c_eff, case.layer_id] = topk_ids[case.start : case.start + c_eff].to(exp.dtype)
+        assert torch.equal(buffer, exp)
+    if impl == "op":
+        with pytest.raises(CaptureFaultError, match="clamped"):
+            moe_ops.check_capture_errors(device)
+        assert moe_ops.check_capture_errors(device) == 0, "reset=True must zero the counter"
+
+
+def test_negative_shard_size_is_recorded():
+    buf = torch.full((4, 1, 1), POISON, dtype=torch.int32)
+    ids = torch.arange(6, dtype=torch.int32)[:, None]
+    counts = torch.tensor([1, 2], dtype=torch.int32)
+    moe_ops.check_capture_errors("cpu", raise_error=False)
+    capture_routing(
+        buf,
+        ids,
+        0,
+        token_counts=counts,
+        dp_rank=1,
+        layout=BatchLayout.GATHERED,
+        shard_sizes=torch.tensor([-3, 2], dtype=torch.int32),
+    )
+    calls, flags = moe_ops.capture_error_counter("cpu").tolist()
+    assert calls == 1 and flags & FAULT_BAD_OFFSET
+    assert buf[:2, 0, 0].tolist() == [0, 1]  # start clamped to 0
+    moe_ops.check_capture_errors("cpu", raise_error=False)
+
+
+def test_no_retrace_per_layer_or_count():
+    """Layer ids and counts are runtime values: one Triton specialisation serves them all."""
+    if not triton_runs_on(torch.device("cuda" if torch.cuda.is_available() else "cpu")):
+        pytest.skip("Triton does not run here")
+    from moe_ops.capture import kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    buf = torch.full((64, 8, 4), POISON, dtype=torch.int32, device=device)
+    errors = torch.zeros(2, dtype=torch.int32, device=device)
+    kern = kernels._capture_rows_kernel
+    for layer in range(8):
+        for n in (3, 17, 32, 64):
+            ids = torch.randint(0, 8, (n, 4), dtype=torch.int32, device=device)
+            counts = torch.tensor([n - layer % 3], dtype=torch.int32, device=device)
+            capture_rows_triton(buf, ids, counts, counts, errors, layer, 0, 0)
+            assert torch.equal(buf[: n - layer % 3, layer], ids[: n - layer % 3])
+    if hasattr(kern, "device_caches"):  # compiled (not interpreted) Triton keeps a cache per device
+        caches = kern.device_caches[torch.cuda.current_device()][0]
+        assert len(caches) == 1, f"expected one compiled variant, got {len(caches)}"
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, match",
+    [
+        (lambda a: a.update(buffer=a["buffer"].float()), ValueError, "buffer must be int16, int32 or int64"),
+        (lambda a: a.update(buffer=a["buffer"][0]), ValueError, "buffer must be 3-D"),
+        (
+            lambda a: a.update(topk_ids=a["topk_ids"].float()),
+            ValueError,
+            "topk_ids must have an integer dtype",
+        ),
+        (lambda a: a.update(topk_ids=a["topk_ids"][0]), ValueError, "topk_ids must be 2-D"),
+        (lambda a: a.update(topk_ids=a["topk_ids"][:, :2]), ValueError, "top_k=2 columns"),
+        (lambda a: a.update(layer_id=3), IndexError, r"layer_id must be in \[0, 3\)"),
+        (lambda a: a.update(layer_id=-1), IndexError, "layer_id"),
+        (lambda a: a.update(token_counts=a["token_counts"].long()), ValueError, "token_counts must be int32"),
+        (lambda a: a.update(token_counts=a["token_counts"][None]), ValueError, "token_counts must be 1-D"),
+        (lambda a: a.update(dp_rank=2), ValueError, r"dp_rank must be an int in \[0, 2\)"),
+        (lambda a: a.update(layout=7), ValueError, "layout must be a BatchLayout"),
+        (lambda a: a.update(layout=BatchLayout.SHARDED), ValueError, "SHARDED needs shard_sizes"),
+        (
+            lambda a: a.update(layout=BatchLayout.SHARDED, shard_sizes=torch.ones(3, dtype=torch.int32)),
+            ValueError,
+            "multiple of dp_size=2",
+        ),
+        (
+            lambda a: a.update(layout=BatchLayout.GATHERED, shard_sizes=torch.ones(3, dtype=torch.int32)),
+            ValueError,
+            "GATHERED shard_sizes must have dp_size=2",
+        ),
+        (
+            lambda a: a.update(shard_sizes=torch.ones(2, dtype=torch.int32)),
+            ValueError,
+            "shard_sizes is only used by GATHERED and SHARDED",
+        ),
+        (
+            lambda a: a.update(buffer=a["buffer"][:4]),
+            ValueError,
+            "buffer has 4 rows but the LOCAL batch has 6",
+        ),
+        (lambda a: a.update(tp_group=object()), ValueError, "tp_group is only used by SEQUENCE_PARALLEL"),
+    ],
+)
+def test_bad_input_raises_and_leaves_buffer_untouched(mutate, exc, match):
+    buffer = torch.full((8, 3, 4), POISON, dtype=torch.int32)
+    args = dict(
+        buffer=buffer,
+        topk_ids=torch.zeros(6, 4, dtype=torch.int32),
+        layer_id=0,
+        token_counts=torch.tensor([2, 3], dtype=torch.int32),
+        dp_rank=1,
+        layout=BatchLayout.LOCAL,
+        shard_sizes=None,
+        tp_group=None,
+    )
+    mutate(args)
+    passed = args.pop("buffer")
+    before = passed.clone()
+    with pytest.raises(exc, match=match):
+        capture_routing(passed, args.pop("topk_ids"), args.pop("layer_id"), **args)
+    assert (buffer == POISON).all() and torch.equal(passed, before), "a rejected call wrote to the buffer"
+
+
+@pytest.mark.gpu
+def test_device_mismatch_raises(cuda_device):
+    buffer = torch.full((8, 2, 2), POISON, dtype=torch.int32, device=cuda_device)
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    counts = torch.tensor([2], dtype=torch.int32, device=cuda_device)
+    with pytest.raises(ValueError, match="topk_ids must be on the buffer's device"):
+        capture_routing(buffer, ids, 0, token_counts=counts)
+    with pytest.raises(ValueError, match="token_counts must be on the buffer's device"):
+        capture_routing(buffer, ids.to(cuda_device), 0, token_counts=counts.cpu())
+    assert (buffer == POISON).all()
+
+
+def test_opcheck_cpu():
+    buf = torch.full((8, 3, 4), POISON, dtype=torch.int32)
+    ids = torch.randint(0, 64, (10, 4), dtype=torch.int32)
+    counts = torch.tensor([3, 5], dtype=torch.int32)
+    errors = torch.zeros(2, dtype=torch.int32)
+    torch.library.opcheck(
+        torch.ops.moe_ops.capture_routing_.default,
+        (buf, ids, counts, counts, errors, 1, 1, int(BatchLayout.GATHERED), 1),
+    )
+
+
+@pytest.mark.gpu
+def test_opcheck_cuda(cuda_device):
+    buf = torch.full((8, 3, 4), POISON, dtype=torch.int32, device=cuda_device)
+    ids = torch.randint(0, 64, (10, 4), dtype=torch.int32, device=cuda_device)
+    counts = torch.tensor([3, 5], dtype=torch.int32, device=cuda_device)
+    sizes = torch.tensor([2, 3, 2, 3], dtype=torch.int32, device=cuda_device)
+    errors = torch.zeros(2, dtype=torch.int32, device=cuda_device)
+    torch.library.opcheck(
+        torch.ops.moe_ops.capture_routing_.default,
+        (buf, ids, counts, sizes, errors, 2, 1, int(BatchLayout.SHARDED), 2),
+    )
