@@ -27,6 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--csv", default=None)
     parser.add_argument("--sizes", default="1,64,512,8192")
+    parser.add_argument("--sweep", action="store_true", help="also sweep launch configs at small n")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_capture needs a CUDA GPU; nothing measured")
@@ -66,9 +67,40 @@ def main() -> None:
             torch.cuda.synchronize()
             assert torch.equal(buffer[:n], expected), "benchmark capture wrote wrong rows"
             table.add(layout.name, n, eager, cap, floor, cap / floor)
-    if args.csv:
-        table.write_csv(args.csv)
-    table.print()
+    tables = [table]
+    if args.sweep:
+        tables.append(sweep_launch_config(buffer))
+    for t in tables:
+        if args.csv:
+            t.write_csv(args.csv)
+        t.print()
+
+
+def sweep_launch_config(buffer: torch.Tensor) -> Table:
+    """Graph time per layer for fixed (rows per program, warps) choices at small n (tuning aid)."""
+    from moe_ops.capture import kernels
+
+    dev = buffer.device
+    table = Table("launch-config sweep (graph us/layer)", ["layout", "n", "block_m", "warps", "graph_us/layer"])
+    default = kernels.launch_config
+    try:
+        for layout, dp in ((BatchLayout.LOCAL, 1), (BatchLayout.GATHERED, 4)):
+            for n in (1, 64):
+                ids = [torch.randint(0, 256, (n * dp, TOP_K), dtype=torch.int32, device=dev) for _ in range(LAYERS)]
+                counts = torch.full((dp,), n, dtype=torch.int32, device=dev)
+                for block_m, warps in ((1, 1), (n, 1), (n, 4), (128, 1), (128, 4)):
+                    kernels.launch_config = lambda window, k_pad, b=block_m, w=warps: (max(1, b), w)
+
+                    def capture_all():
+                        for layer in range(LAYERS):
+                            capture_routing(
+                                buffer, ids[layer], layer, token_counts=counts, dp_rank=dp - 1, layout=layout
+                            )
+
+                    table.add(layout.name, n, block_m, warps, graph_replay_us(capture_all) / LAYERS)
+    finally:
+        kernels.launch_config = default
+    return table
 
 
 if __name__ == "__main__":

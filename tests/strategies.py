@@ -86,14 +86,25 @@ def _split(draw, total: int, parts: int) -> list[int]:
 
 
 @st.composite
-def capture_cases(draw, layouts=tuple(BatchLayout), max_count: int = 24, max_top_k: int = 16):
-    """A batch in one of ``layouts`` (SEQUENCE_PARALLEL here means tp_size 1, i.e. no group)."""
+def capture_cases(
+    draw,
+    layouts=tuple(BatchLayout),
+    max_count: int = 24,
+    top_ks=tuple(range(1, 17)),
+    buffer_dtypes=(torch.int32, torch.int16, torch.int64),
+    ids_dtypes=(torch.int32, torch.int64, torch.int16),
+):
+    """A batch in one of ``layouts`` (SEQUENCE_PARALLEL here means tp_size 1, i.e. no group).
+
+    On a GPU each distinct (dtype, top_k) pair is a Triton compile, so GPU tests narrow
+    ``top_ks`` and the dtypes; the CPU tests (reference and interpreted Triton) take them all.
+    """
     layout = draw(st.sampled_from(layouts))
     single_dp = layout in (BatchLayout.LOCAL, BatchLayout.SEQUENCE_PARALLEL) and draw(st.booleans())
     dp_size = 1 if single_dp else draw(st.integers(1, 8))
     dp_rank = draw(st.integers(0, dp_size - 1))
     counts = draw(st.lists(st.integers(0, max_count), min_size=dp_size, max_size=dp_size))
-    top_k = draw(st.integers(1, max_top_k))
+    top_k = draw(st.sampled_from(top_ks))
     n_experts = draw(st.sampled_from([8, 64, 256, 512]))
     # CUDA-graph style padding of each rank's batch up to a captured size
     pads = draw(st.lists(st.integers(0, 9), min_size=dp_size, max_size=dp_size))
@@ -136,8 +147,8 @@ def capture_cases(draw, layouts=tuple(BatchLayout), max_count: int = 24, max_top
         max_tokens=min_rows + draw(st.integers(0, 5)),
         num_layers=num_layers,
         layer_id=draw(st.integers(0, num_layers - 1)),
-        buffer_dtype=draw(st.sampled_from([torch.int32, torch.int16, torch.int64])),
-        ids_dtype=draw(st.sampled_from([torch.int32, torch.int64, torch.int16])),
+        buffer_dtype=draw(st.sampled_from(buffer_dtypes)),
+        ids_dtype=draw(st.sampled_from(ids_dtypes)),
     )
 
 
@@ -149,3 +160,9 @@ def layout_queries(draw):
     pads = draw(st.lists(st.integers(0, 16), min_size=dp_size, max_size=dp_size))
     local_sizes = [c + p for c, p in zip(counts, pads)] if draw(st.booleans()) else None
     return counts, local_sizes, draw(st.integers(0, dp_size - 1)), draw(st.sampled_from([1, 1, 2, 4]))
+
+
+# What the GPU property tests draw from: a few compiles, not hundreds (each costs ~0.4 s).
+GPU_CASES = dict(
+    top_ks=(1, 2, 6, 8), buffer_dtypes=(torch.int32, torch.int16), ids_dtypes=(torch.int32, torch.int64)
+)

@@ -23,10 +23,19 @@ from .._triton import HAS_TRITON, next_power_of_2
 from ..layout import BatchLayout
 from .errors import FAULT_BAD_OFFSET, FAULT_DEST_SHORT, FAULT_NEGATIVE_COUNT, FAULT_SOURCE_SHORT
 
-__all__ = ["capture_rows_torch", "capture_rows_triton", "window_first_size"]
+__all__ = ["capture_rows_torch", "capture_rows_triton", "launch_config", "window_first_size"]
 
-# 1024 ids per program: one program covers a decode batch; n=8192, k=8 uses 64 programs.
+# At most 1024 ids per program (n=8192, k=8 uses 64 programs). Small batches get a tile just
+# big enough and one warp: a 1024-id tile with 4 warps for n=1 cost 1.15 us per layer inside a CUDA
+# graph against 0.97 us for a plain copy (H200).
 _TILE_ELEMENTS = 1024
+
+
+def launch_config(window: int, k_pad: int) -> tuple[int, int]:
+    """(rows per program, warps) for a kernel that covers ``window`` rows of ``k_pad`` ids."""
+    block_m = max(1, min(_TILE_ELEMENTS // k_pad, next_power_of_2(window)))
+    num_warps = 1 if block_m * k_pad <= 256 else 4
+    return block_m, num_warps
 
 
 def window_first_size(layout: int, dp_rank: int, shards_per_rank: int) -> int:
@@ -78,7 +87,21 @@ if HAS_TRITON:
 
     # Counts live on the device, so nothing that changes per step is a specialisation key: the
     # row count n_src, the layer and the rank are runtime ints (no recompile per layer or batch).
-    @triton.jit(do_not_specialize=["n_src", "n_dst", "layer_id", "dp_rank", "n_first"])
+    # Strides other than the innermost ones are runtime values too: specialising them (Triton keys
+    # on stride % 16 and stride == 1) multiplied the compiled variants for no speed-up.
+    @triton.jit(
+        do_not_specialize=[
+            "n_src",
+            "n_dst",
+            "layer_id",
+            "dp_rank",
+            "n_first",
+            "top_k",
+            "stride_bm",
+            "stride_bl",
+            "stride_im",
+        ]
+    )
     def _capture_rows_kernel(
         buf_ptr,
         ids_ptr,
@@ -95,7 +118,7 @@ if HAS_TRITON:
         stride_bk,
         stride_im,
         stride_ik,
-        TOP_K: tl.constexpr,
+        top_k,
         K_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         S_PAD: tl.constexpr,
@@ -105,7 +128,7 @@ if HAS_TRITON:
         row0 = pid * BLOCK_M
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, K_PAD)
-        col_ok = (cols < TOP_K)[None, :]
+        col_ok = (cols < top_k)[None, :]
         dst = buf_ptr + layer_id.to(tl.int64) * stride_bl + rows.to(tl.int64)[:, None] * stride_bm
         dst += cols[None, :] * stride_bk
         if FROM_ROW_0:
@@ -154,8 +177,8 @@ def capture_rows_triton(
     n_src, top_k = topk_ids.shape
     n_dst = buffer.shape[0]
     k_pad = next_power_of_2(top_k)
-    block_m = max(1, _TILE_ELEMENTS // k_pad)
     window = min(n_src, n_dst)
+    block_m, num_warps = launch_config(window, k_pad)
     # At least one program, so a call whose counts overflow an empty source still records its fault.
     grid = (max(1, triton.cdiv(window, block_m)),)
     _capture_rows_kernel[grid](
@@ -174,11 +197,12 @@ def capture_rows_triton(
         buffer.stride(2),
         topk_ids.stride(0),
         topk_ids.stride(1),
-        TOP_K=top_k,
+        top_k,
         K_PAD=k_pad,
         BLOCK_M=block_m,
         S_PAD=next_power_of_2(sizes.shape[0]),
         FROM_ROW_0=n_first == 0,
+        num_warps=num_warps,
     )
 
 
