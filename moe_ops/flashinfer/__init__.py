@@ -1,0 +1,23 @@
+"""FlashInfer integration: monolithic MoE kernels and fused routing as compile-safe custom ops.
+
+* :mod:`.ops` - the table of wrapped FlashInfer functions and the ops generated from it
+  (``torch.ops.moe_ops.flashinfer_<name>``), with :func:`call`;
+* :mod:`.experts` - the monolithic capture contract (experts base, scratch, binding);
+* :mod:`.routing` - :func:`route_flashinfer`, DeepSeek-V3 routing with fused capture;
+* :mod:`.backends` - which backend runs what on this machine (``moe_ops.backends()``);
+* :mod:`.targets` - the capturer / capture-target protocols and the capture step.
+
+FlashInfer itself (``flashinfer-python``, the ``moe-ops[flashinfer]`` extra) is imported lazily, on
+the first kernel call or device query: importing this package does not import it.
+"""
+
+from .backends import BackendsReport, Support, backends
+from .ops import SPECS, call
+
+__all__ = [
+    "SPECS",
+    "BackendsReport",
+    "Support",
+    "backends",
+    "call",
+]
