@@ -12,12 +12,32 @@ the first kernel call or device query: importing this package does not import it
 """
 
 from .backends import BackendsReport, Support, backends
+from .experts import (
+    FlashInferExperts,
+    LayerCapture,
+    MoEDispatchConfig,
+    RoutingReplayExperts,
+    RoutingReplayLayer,
+    bind_routing_capture,
+    unbind_routing_capture,
+)
 from .ops import SPECS, call
+from .targets import CaptureTarget, CaptureTargetLike, RoutingCapturerLike
 
 __all__ = [
     "SPECS",
     "BackendsReport",
+    "CaptureTarget",
+    "CaptureTargetLike",
+    "FlashInferExperts",
+    "LayerCapture",
+    "MoEDispatchConfig",
+    "RoutingCapturerLike",
+    "RoutingReplayExperts",
+    "RoutingReplayLayer",
     "Support",
     "backends",
+    "bind_routing_capture",
     "call",
+    "unbind_routing_capture",
 ]
