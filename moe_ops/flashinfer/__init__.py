@@ -22,9 +22,11 @@ from .experts import (
     unbind_routing_capture,
 )
 from .ops import SPECS, call
+from .routing import DEEPSEEK_V3, route_flashinfer
 from .targets import CaptureTarget, CaptureTargetLike, RoutingCapturerLike
 
 __all__ = [
+    "DEEPSEEK_V3",
     "SPECS",
     "BackendsReport",
     "CaptureTarget",
@@ -39,5 +41,6 @@ __all__ = [
     "backends",
     "bind_routing_capture",
     "call",
+    "route_flashinfer",
     "unbind_routing_capture",
 ]
