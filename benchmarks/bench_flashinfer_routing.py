@@ -37,11 +37,7 @@ LAYERS, MAX_TOKENS = 61, 4096
 
 def _capture_target(buffer, counts):
     """moe_ops.capture.target.CaptureTarget (issue 3) when it exists, else this package's twin."""
-    try:
-        from moe_ops.capture.target import CaptureTarget as Target
-    except ImportError:
-        Target = CaptureTarget
-    return Target(
+    fields = dict(
         buffer=buffer,
         layer_id=LAYERS - 1,
         token_counts=counts,
@@ -49,6 +45,13 @@ def _capture_target(buffer, counts):
         layout=BatchLayout.LOCAL,
         shard_sizes=None,
     )
+    try:
+        from moe_ops.capture.target import CaptureTarget as Target
+
+        return Target(**fields)
+    except (ImportError, TypeError) as exc:
+        print(f"using moe_ops.flashinfer.CaptureTarget ({type(exc).__name__}: {exc})")
+        return CaptureTarget(**fields)
 
 
 def main() -> None:
