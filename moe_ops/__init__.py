@@ -6,6 +6,7 @@ route -> capture -> transfer -> store -> wire.
 """
 
 from .capture import CaptureFaultError, capture_error_counter, capture_routing, check_capture_errors
+from .flashinfer.backends import backends
 from .layout import BatchLayout, infer_layout
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchLayout",
     "CaptureFaultError",
+    "backends",
     "capture_error_counter",
     "capture_routing",
     "check_capture_errors",

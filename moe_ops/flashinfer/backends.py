@@ -1,0 +1,260 @@
+"""Which backend each routing method and each wrapped FlashInfer kernel uses on this machine, and why.
+
+``moe_ops.backends()`` returns a :class:`BackendsReport`; ``moe-ops backends`` prints it. The same
+checks gate the ops at run time (:func:`kernel_support`) and ``route(..., backend="auto")``
+(:func:`routing_backend`), so the report says exactly what a call would do.
+
+FlashInfer is imported only when a CUDA device exists (its architecture lists live in its modules);
+on a machine without CUDA nothing is imported beyond the package metadata.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DEEPSEEK_V3",
+    "BackendLine",
+    "BackendsReport",
+    "Support",
+    "backends",
+    "flashinfer_version",
+    "fused_topk_support",
+    "kernel_support",
+    "routing_backend",
+    "trtllm_moe_support",
+]
+
+# RoutingMethod.DEEPSEEK_V3 of moe_ops.route (issue 3); FlashInfer's RoutingMethodType.DeepSeekV3 is
+# 2 as well (checked in tests/test_flashinfer_ops.py).
+DEEPSEEK_V3 = 2
+
+# backend="auto" prefers FlashInfer's fused routing where it runs. To be confirmed or flipped by the
+# measured ratio in benchmarks/bench_flashinfer_routing.py (docs/performance.md).
+PREFER_FLASHINFER_ROUTING = True
+
+_INSTALL_HINT = "flashinfer not installed (pip install 'moe-ops[flashinfer]')"
+
+
+@dataclass(frozen=True)
+class Support:
+    """Whether a kernel can run on a device, with the one-line reason either way."""
+
+    # True when the kernel can run on the device asked about
+    ok: bool
+    # why (not), e.g. "trtllm MoE: needs SM100/SM103, found SM90"
+    reason: str
+
+
+@dataclass(frozen=True)
+class BackendLine:
+    """One row of the report: a routing method or a kernel, the backend it uses, and why."""
+
+    # a routing method name (DEEPSEEK_V3) or a FlashInfer function name (trtllm_bf16_moe)
+    subject: str
+    # "flashinfer", "triton", "torch" or "unavailable"
+    backend: str
+    # one line: what runs, or what is missing
+    reason: str
+
+
+@dataclass(frozen=True)
+class BackendsReport:
+    """What :func:`backends` found; ``str(report)`` is the text ``moe-ops backends`` prints."""
+
+    # the device described, e.g. "NVIDIA H200 (SM90)" or "no CUDA device"
+    device: str
+    # installed flashinfer-python version, or "not installed"
+    flashinfer: str
+    # one line per routing method, for route(..., backend="auto")
+    routing: tuple[BackendLine, ...]
+    # one line per wrapped FlashInfer function (torch.ops.moe_ops.flashinfer_<name>)
+    kernels: tuple[BackendLine, ...]
+
+    def format(self) -> str:
+        width = max(len(line.subject) for line in (*self.routing, *self.kernels))
+        lines = [
+            f"moe-ops backends on {self.device}; flashinfer {self.flashinfer}",
+            'routing (backend="auto"):',
+        ]
+        lines += [f"  {ln.subject:<{width}}  {ln.backend:<11}  {ln.reason}" for ln in self.routing]
+        lines.append("FlashInfer kernels (torch.ops.moe_ops.flashinfer_<name>):")
+        lines += [f"  {ln.subject:<{width}}  {ln.backend:<11}  {ln.reason}" for ln in self.kernels]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+@functools.cache
+def flashinfer_version() -> str | None:
+    """The installed flashinfer-python version (package metadata only: does not import it; cached)."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return None
+    try:
+        return importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown version"
+
+
+def _cuda_device(device: torch.device | str | int | None) -> torch.device | None:
+    """The CUDA device to describe (None: none available, or a non-CUDA device was asked about)."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+    if not torch.cuda.is_available():
+        return None
+    if device is None or device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _sm(cc: tuple[int, int]) -> str:
+    return f"SM{cc[0]}{cc[1]}"
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _no_cuda(device: torch.device | str | int | None) -> str:
+    if device is not None and torch.device(device).type != "cuda":
+        return f"needs a CUDA device, asked about {torch.device(device)}"
+    return "no CUDA device"
+
+
+def _has_nvcc() -> bool:
+    if shutil.which("nvcc"):
+        return True
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    return os.path.exists(os.path.join(cuda_home, "bin", "nvcc"))
+
+
+def fused_topk_support(device: torch.device | str | int | None = None) -> Support:
+    """Can FlashInfer's ``fused_topk_deepseek`` run on ``device`` (default: the current CUDA device)?
+
+    It runs on the architectures FlashInfer lists for it (SM89, SM90, SM100/103/107, SM120/121 in
+    0.7.2) and is JIT-compiled with nvcc on first use (about 20 s on an H200); no download.
+    """
+    if flashinfer_version() is None:
+        return Support(False, _INSTALL_HINT)
+    cuda = _cuda_device(device)
+    if cuda is None:
+        return Support(False, _no_cuda(device))
+    return _fused_topk_support_cc(_capability(cuda.index))
+
+
+@functools.cache
+def _fused_topk_support_cc(cc: tuple[int, int]) -> Support:
+    from flashinfer.fused_moe import fused_topk_deepseek
+
+    if not fused_topk_deepseek.is_compute_capability_supported(cc[0] * 10 + cc[1]):
+        return Support(False, f"fused_topk_deepseek: needs SM89/SM90/SM100+, found {_sm(cc)}")
+    if not _has_nvcc() and importlib.util.find_spec("flashinfer_jit_cache") is None:
+        return Support(False, "fused_topk_deepseek: JIT-compiled on first use, but no nvcc was found")
+    return Support(True, f"fused_topk_deepseek on {_sm(cc)} (nvcc JIT on first use, about 20 s)")
+
+
+def trtllm_moe_support(device: torch.device | str | int | None = None) -> Support:
+    """Can FlashInfer's monolithic trtllm MoE kernels run on ``device``?
+
+    They need SM100/SM103 (FlashInfer's ``is_trtllm_moe_supported`` is False below major 10 and its
+    module is built for sm100) and download their cubins on first use.
+    """
+    if flashinfer_version() is None:
+        return Support(False, _INSTALL_HINT)
+    cuda = _cuda_device(device)
+    if cuda is None:
+        return Support(False, _no_cuda(device))
+    return _trtllm_support_on(cuda.index)
+
+
+@functools.cache
+def _trtllm_support_on(index: int) -> Support:
+    cc = _capability(index)
+    if cc not in ((10, 0), (10, 3)):
+        return Support(False, f"trtllm MoE: needs SM100/SM103, found {_sm(cc)}")
+    from flashinfer.fused_moe.core import is_trtllm_moe_supported
+    from flashinfer.tllm_enums import DtypeTrtllmGen
+
+    with torch.cuda.device(index):
+        if not is_trtllm_moe_supported(DtypeTrtllmGen.Bfloat16, DtypeTrtllmGen.Bfloat16):
+            return Support(False, f"trtllm MoE: is_trtllm_moe_supported is False on {_sm(cc)}")
+    return Support(True, f"trtllm-gen MoE on {_sm(cc)} (cubins downloaded on first use)")
+
+
+def kernel_support(name: str, device: torch.device | str | int | None = None) -> Support:
+    """Support of the wrapped FlashInfer function ``name`` (see :data:`moe_ops.flashinfer.ops.SPECS`)."""
+    from .ops import spec_for
+
+    spec_for(name)
+    if name == "fused_topk_deepseek":
+        return fused_topk_support(device)
+    return trtllm_moe_support(device)
+
+
+def _triton_line(method_name: str, device: torch.device | str | int | None, why_not: str) -> BackendLine:
+    from .._triton import HAS_TRITON
+
+    if _cuda_device(device) is not None and HAS_TRITON:
+        return BackendLine(method_name, "triton", f"Triton router ({why_not})")
+    return BackendLine(method_name, "torch", f"PyTorch reference router ({why_not}; Triton needs CUDA)")
+
+
+def routing_backend(method: int, device: torch.device | str | int | None = None) -> BackendLine:
+    """The backend ``route(..., backend="auto")`` uses for ``method`` on ``device``, and why."""
+    name = getattr(method, "name", None) or (
+        "DEEPSEEK_V3" if int(method) == DEEPSEEK_V3 else str(int(method))
+    )
+    if int(method) != DEEPSEEK_V3:
+        return _triton_line(name, device, "FlashInfer's fused routing covers DEEPSEEK_V3 only")
+    support = fused_topk_support(device)
+    if not support.ok:
+        return _triton_line(name, device, support.reason)
+    if not PREFER_FLASHINFER_ROUTING:
+        return _triton_line(name, device, "measured faster than fused_topk_deepseek")
+    return BackendLine(name, "flashinfer", support.reason)
+
+
+def _routing_methods() -> list:
+    """Members of ``moe_ops.RoutingMethod`` when it exists (issue 3), else DEEPSEEK_V3 alone."""
+    import moe_ops
+
+    methods = getattr(moe_ops, "RoutingMethod", None)
+    return list(methods) if methods is not None else [DEEPSEEK_V3]
+
+
+def backends(device: torch.device | str | int | None = None) -> BackendsReport:
+    """Reports which backend each routing method and each wrapped FlashInfer kernel uses, and why.
+
+    Args:
+        device: the device to describe (default: the current CUDA device, if any).
+    """
+    from .ops import SPECS
+
+    cuda = _cuda_device(device)
+    if cuda is None and device is not None and torch.device(device).type != "cuda":
+        where = f"{torch.device(device)} (FlashInfer kernels need CUDA)"
+    elif cuda is None:
+        where = _no_cuda(device)
+    else:
+        where = f"{torch.cuda.get_device_name(cuda)} ({_sm(_capability(cuda.index))})"
+    version = flashinfer_version() or "not installed"
+    routing = tuple(routing_backend(m, device) for m in _routing_methods())
+    kernels = []
+    for spec in SPECS.values():
+        support = kernel_support(spec.name, device)
+        reason = support.reason
+        if not spec.writes_replay:
+            reason += "; precomputed top-k: leaves routing_replay_out untouched"
+        kernels.append(BackendLine(spec.name, "flashinfer" if support.ok else "unavailable", reason))
+    return BackendsReport(device=where, flashinfer=version, routing=routing, kernels=tuple(kernels))
