@@ -179,10 +179,10 @@ class OpSpec:
             if p.name in self.mutates:
                 alias = f"({next(letters)}!)"
                 type_ = f"Tensor{alias}?" if p.type == "Tensor?" else f"Tensor{alias}"
-            text = f"{type_} {p.name}"
-            if p.has_default:
-                text += "=" + ('"' + p.default + '"' if isinstance(p.default, str) else repr(p.default))
-            args.append(text)
+            # No defaults in the schema: ops.call passes every argument. torch 2.11's dispatcher
+            # drops trailing default-valued arguments before its ADInplaceOrView kernel indexes the
+            # mutated ones (IndexError on the H200 machine); 2.13 fills them back in.
+            args.append(f"{type_} {p.name}")
         return "(" + ", ".join(args) + ") -> ()"
 
 
