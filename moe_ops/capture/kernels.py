@@ -122,29 +122,36 @@ if HAS_TRITON:
         K_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         S_PAD: tl.constexpr,
-        FROM_ROW_0: tl.constexpr,
+        SOURCE_ORDER: tl.constexpr,
     ):
         pid = tl.program_id(0)
         row0 = pid * BLOCK_M
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, K_PAD)
         col_ok = (cols < top_k)[None, :]
-        dst = buf_ptr + layer_id.to(tl.int64) * stride_bl + rows.to(tl.int64)[:, None] * stride_bm
-        dst += cols[None, :] * stride_bk
-        if FROM_ROW_0:
-            # LOCAL (and rank 0 of a gather): the source rows do not depend on device values, so
-            # the id load is issued before the count arrives instead of after it (one global-memory
-            # latency less on the critical path of a launch-bound kernel).
-            window = tl.minimum(n_src, n_dst)
+        layer_base = buf_ptr + layer_id.to(tl.int64) * stride_bl + cols[None, :] * stride_bk
+        if SOURCE_ORDER:
+            # Programs walk SOURCE rows: the id load does not wait for the counts (its addresses
+            # are known at launch), only the store does (row r goes to buffer row r - start). One
+            # global-memory round trip less on the critical path of a launch-bound kernel (GATHERED
+            # n=1 in a 61-layer CUDA graph on an H200 with the dependent load: 1.29 us per layer,
+            # a plain copy 0.97 us). Used when start is 0 (LOCAL, rank 0) or the source is small.
             ids = tl.load(
                 ids_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_ik,
-                mask=(rows < window)[:, None] & col_ok,
+                mask=(rows < n_src)[:, None] & col_ok,
             )
             start, c_eff, flags = rows_window(counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD)
             if pid == 0:
                 record_faults(errors_ptr, flags)
-            tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=(rows < c_eff)[:, None] & col_ok)
+            dst_rows = rows - start
+            ok = (dst_rows >= 0) & (dst_rows < c_eff)
+            tl.store(
+                layer_base + dst_rows.to(tl.int64)[:, None] * stride_bm,
+                ids.to(buf_ptr.dtype.element_ty),
+                mask=ok[:, None] & col_ok,
+            )
         else:
+            # Programs walk DESTINATION rows (large gathers: read only this rank's block).
             start, c_eff, flags = rows_window(counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD)
             if pid == 0:
                 record_faults(errors_ptr, flags)
@@ -152,7 +159,11 @@ if HAS_TRITON:
                 mask = (rows < c_eff)[:, None] & col_ok
                 src = (start + rows).to(tl.int64)
                 ids = tl.load(ids_ptr + src[:, None] * stride_im + cols[None, :] * stride_ik, mask=mask)
-                tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mask)
+                tl.store(
+                    layer_base + rows.to(tl.int64)[:, None] * stride_bm,
+                    ids.to(buf_ptr.dtype.element_ty),
+                    mask=mask,
+                )
 
 
 def capture_rows_triton(
@@ -177,10 +188,13 @@ def capture_rows_triton(
     n_src, top_k = topk_ids.shape
     n_dst = buffer.shape[0]
     k_pad = next_power_of_2(top_k)
-    window = min(n_src, n_dst)
-    block_m, num_warps = launch_config(window, k_pad)
+    # Walk source rows when that reads nothing extra (this rank's block starts at row 0) or little
+    # (the whole source is at most 8 tiles of 1024 ids); otherwise walk this rank's window only.
+    source_order = n_first == 0 or n_src * k_pad <= 8 * _TILE_ELEMENTS
+    rows = n_src if source_order else min(n_src, n_dst)
+    block_m, num_warps = launch_config(rows, k_pad)
     # At least one program, so a call whose counts overflow an empty source still records its fault.
-    grid = (max(1, triton.cdiv(window, block_m)),)
+    grid = (max(1, triton.cdiv(rows, block_m)),)
     _capture_rows_kernel[grid](
         buffer,
         topk_ids,
@@ -201,7 +215,7 @@ def capture_rows_triton(
         K_PAD=k_pad,
         BLOCK_M=block_m,
         S_PAD=next_power_of_2(sizes.shape[0]),
-        FROM_ROW_0=n_first == 0,
+        SOURCE_ORDER=source_order,
         num_warps=num_warps,
     )
 
