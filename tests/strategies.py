@@ -321,7 +321,7 @@ GPU_ROUTER_CASES = dict(
 
 
 @st.composite
-def routed_capture_cases(draw, configs=None, capture_kw=None):
+def routed_capture_cases(draw, configs=None, capture_kw=None, dtypes=LOGIT_DTYPES):
     """(CaptureCase, RouterCase) with matching rows and top_k: a batch to route and record.
 
     The CaptureCase supplies the layout, counts, padding, buffer and layer; its ``rows`` are
@@ -338,7 +338,7 @@ def routed_capture_cases(draw, configs=None, capture_kw=None):
     router = RouterCase(
         config=config,
         n=case.rows.shape[0],
-        dtype=draw(st.sampled_from(LOGIT_DTYPES)),
+        dtype=draw(st.sampled_from(dtypes)),
         seed=draw(st.integers(0, 2**32 - 1)),
         kind="normal",
         scale=1.0,
@@ -346,9 +346,11 @@ def routed_capture_cases(draw, configs=None, capture_kw=None):
     return case, router
 
 
-# What the GPU fused-capture tests draw from: DeepSeek-V3 routing into int32/int16 buffers; the
-# shard-size count (dp_size * shards_per_rank, rounded up to a power of two) adds variants: <= 12.
+# What the GPU fused-capture tests draw from: DeepSeek-V3 routing of bf16 logits into int32/int16
+# buffers; the shard-size count (dp_size * shards_per_rank, rounded up to a power of two) adds
+# variants: <= 12.
 GPU_CAPTURE_ROUTERS = dict(
     configs=st.just(MODEL_ROUTERS[0]),
     capture_kw=dict(buffer_dtypes=(torch.int32, torch.int16)),
+    dtypes=(torch.bfloat16,),
 )

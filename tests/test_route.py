@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from routing_checks import check_routing
 from strategies import GPU_ROUTER_CASES, MODEL_ROUTERS, RouterCase, router_cases
 
@@ -62,28 +63,37 @@ def test_triton_interpreted_matches_float64(backend, case):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@settings(max_examples=120)
+@settings(max_examples=80)
 @given(case=router_cases(**GPU_ROUTER_CASES))
 def test_route_matches_float64_gpu(backend, case):
     check_case(backend, case)
 
 
-def _triton_device() -> str:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not triton_runs_on(torch.device(device)):
-        pytest.skip("Triton does not run here")
-    return device
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 
-@settings(max_examples=120)
-@given(case=router_cases(max_tokens=16, kinds=("special", "ties")))
-def test_triton_equals_reference_twin_on_edge_values(case):
+@pytest.mark.parametrize(
+    "device, cases",
+    [
+        pytest.param("cpu", router_cases(max_tokens=16, kinds=("special", "ties")), id="interpret"),
+        pytest.param(
+            "cuda",
+            router_cases(**GPU_ROUTER_CASES, kinds=("special", "ties")),
+            id="cuda",
+            marks=pytest.mark.gpu,
+        ),
+    ],
+)
+@settings(max_examples=100)
+@given(data=st.data())
+def test_triton_equals_reference_twin_on_edge_values(device, cases, data):
     """+-inf, NaN, -0.0 and exact ties: the kernel and its PyTorch twin agree bit for bit on ids.
 
     NaN ranks below every number and -0.0 equals 0.0. Weights of rows with a non-finite logit are
     unspecified (documented); the other rows' weights agree.
     """
-    device = _triton_device()
+    _skip_unavailable("triton", device)
+    case = data.draw(cases)
     logits, _, tri_w, tri_ids = run_route(case, "triton", device)
     _, _, ref_w, ref_ids = run_route(case, "torch", device)
     if case.config.method not in (RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2):
@@ -104,11 +114,10 @@ def _tie_logits(config, n: int, seed: int, device):
 
 
 @pytest.mark.parametrize("config", MODELS)
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", DEVICES)
 def test_ties_triton_and_reference_agree(config, device):
     """Data built with ties: same expert sets and the same weights per expert in both backends."""
-    if not triton_runs_on(torch.device(device)):
-        pytest.skip("Triton does not run here")
+    _skip_unavailable("triton", device)
     logits, bias = _tie_logits(config, 48, 7, device)
     kw = config.route_kwargs(bias)
     tri_w, tri_ids = route(logits, config.top_k, config.method, backend="triton", **kw)
@@ -139,9 +148,9 @@ def test_ties_triton_and_reference_agree(config, device):
 
 
 @pytest.mark.parametrize("config", MODELS)
-def test_fp32_weight_accuracy_interpreted(config):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_weight_accuracy(config, device):
     """Weights of fp32 logits within 1e-5 relative error of float64, on each model's routing."""
-    device = _triton_device()
     case = RouterCase(config, n=64, dtype=torch.float32, seed=3, kind="normal", scale=2.0)
     check_case(("triton", device), case)
 

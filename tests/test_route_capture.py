@@ -101,7 +101,7 @@ def test_fused_capture_equals_route_then_capture(backend, cases):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@settings(max_examples=80)
+@settings(max_examples=60)
 @given(cases=routed_capture_cases(**GPU_CAPTURE_ROUTERS))
 def test_fused_capture_equals_route_then_capture_gpu(backend, cases):
     check_fused(backend, *cases)
@@ -133,7 +133,7 @@ def test_inconsistent_counts_fault_the_same_way(backend, cases, extra, negative)
         pytest.param(
             "cuda",
             (2,),
-            dict(configs=GPU_CAPTURE_ROUTERS["configs"], capture_kw=dict(buffer_dtypes=(torch.int32,))),
+            dict(GPU_CAPTURE_ROUTERS, capture_kw=dict(buffer_dtypes=(torch.int32,))),
             id="cuda",
             marks=pytest.mark.gpu,
         ),
