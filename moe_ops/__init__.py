@@ -5,18 +5,28 @@ eagerly, under ``torch.compile`` or replayed from CUDA graphs. The data path is 
 route -> capture -> transfer -> store -> wire.
 """
 
-from .capture import CaptureFaultError, capture_error_counter, capture_routing, check_capture_errors
+from .capture import (
+    CaptureFaultError,
+    CaptureTarget,
+    capture_error_counter,
+    capture_routing,
+    check_capture_errors,
+)
 from .flashinfer.backends import backends
 from .layout import BatchLayout, infer_layout
+from .route import RoutingMethod, route
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchLayout",
     "CaptureFaultError",
+    "CaptureTarget",
+    "RoutingMethod",
     "backends",
     "capture_error_counter",
     "capture_routing",
     "check_capture_errors",
     "infer_layout",
+    "route",
 ]

@@ -2,5 +2,12 @@
 
 from .errors import CaptureFaultError, capture_error_counter, check_capture_errors
 from .op import capture_routing
+from .target import CaptureTarget
 
-__all__ = ["CaptureFaultError", "capture_error_counter", "capture_routing", "check_capture_errors"]
+__all__ = [
+    "CaptureFaultError",
+    "CaptureTarget",
+    "capture_error_counter",
+    "capture_routing",
+    "check_capture_errors",
+]

@@ -1,0 +1,200 @@
+"""Routing methods (``RoutingMethod``) and the checks every router backend runs before it computes.
+
+``RoutingMethod`` has the integer values and semantics of FlashInfer's ``RoutingMethodType`` so that
+an id means the same method in every backend. Selection and weights, per method (``x`` = logits,
+``s = sigmoid(x)``, ``sel`` = the chosen experts of a token, ``scale`` = ``routed_scaling_factor``)::
+
+    value  name               chooses by            weights
+    0      DEFAULT            x (softmax order)     softmax(x)[sel] (over all experts, not renormalised)
+    1      RENORMALIZE        x                     softmax(x[sel])
+    2      DEEPSEEK_V3        s + bias, in groups   s * scale / (sum s + 1e-20)
+    3      LLAMA4             x, top_k = 1          s
+    4      RENORMALIZE_NAIVE  x (softmax order)     p[sel] / sum p[sel], p = softmax(x)
+    5      TOPK               x                     x
+    6      SIGMOID_RENORM     x (sigmoid order)     s / max(sum s, 1e-20)
+    7      MINIMAX2           s + bias              s * scale / (sum s + 1e-20)
+    8      SIGMOID            x (sigmoid order)     s
+    9      TOPK_SIGMOID       x                     s
+
+DeepSeek-V3 groups: a group's score is the sum of its two best ``s + bias`` values (its one value
+when a group has a single expert); the ``topk_group`` best groups stay and the top-k experts are
+chosen inside them. ``n_group`` None or ``<= 1`` means no grouping.
+
+Tie-break rule (all backends of this package): **among equal selection scores the lowest expert
+index wins**, and the chosen experts are listed by descending score, equal scores in ascending
+index. Groups tie the same way. Methods without a bias choose on the raw logits (softmax and
+sigmoid keep their order), so rounding inside a softmax or a saturating sigmoid never merges two
+different logits into a tie; NaN scores rank below every number (as -inf), and -0.0 equals 0.0.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "BIAS_METHODS",
+    "LOGIT_DTYPES",
+    "SCALED_METHODS",
+    "RouteConfig",
+    "RoutingMethod",
+    "method_from_value",
+    "validate_route_args",
+]
+
+
+class RoutingMethod(enum.IntEnum):
+    """How a router turns logits into (weights, ids); values equal FlashInfer's RoutingMethodType."""
+
+    DEFAULT = 0  # softmax over all experts, then top-k; weights not renormalised
+    RENORMALIZE = 1  # top-k on logits, then softmax over the k selected
+    DEEPSEEK_V3 = 2  # sigmoid + bias, grouped top-k; weights unbiased sigmoid, normalised, scaled
+    LLAMA4 = 3  # top-1 on logits, weight sigmoid(logit)
+    RENORMALIZE_NAIVE = 4  # softmax, top-k, renormalise (same ids and weights as RENORMALIZE)
+    TOPK = 5  # top-k on logits; weights are the raw logits
+    SIGMOID_RENORM = 6  # sigmoid, top-k, divide by the sum
+    MINIMAX2 = 7  # sigmoid + bias chooses top-k; weights unbiased sigmoid, normalised, scaled
+    SIGMOID = 8  # sigmoid, top-k, no renormalisation
+    TOPK_SIGMOID = 9  # top-k on raw logits, then sigmoid
+
+
+# Methods whose selection key is sigmoid(x) + bias (the only ones that take a bias).
+BIAS_METHODS = frozenset({RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2})
+# Methods that multiply their weights by routed_scaling_factor.
+SCALED_METHODS = BIAS_METHODS
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def method_from_value(method: RoutingMethod | int) -> RoutingMethod:
+    """Returns ``method`` as a :class:`RoutingMethod`, raising ValueError for unknown values."""
+    if not isinstance(method, bool):
+        try:
+            return RoutingMethod(int(method))
+        except (ValueError, TypeError):
+            pass
+    names = ", ".join(f"{m.name}={m.value}" for m in RoutingMethod)
+    raise ValueError(f"method must be a RoutingMethod ({names}), got {method!r}")
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    """Validated routing arguments, normalised for the kernels (host values only)."""
+
+    # the routing method
+    method: RoutingMethod
+    # experts per token, 1 <= top_k <= num_experts (1 for LLAMA4)
+    top_k: int
+    # experts of the router, >= 1
+    num_experts: int
+    # DeepSeek-V3 groups; 1 when there is no grouping; divides num_experts
+    n_group: int
+    # groups kept per token, 1 <= topk_group <= n_group (== n_group when there is no grouping)
+    topk_group: int
+    # multiplies the weights of SCALED_METHODS (1.0 when not given); finite
+    routed_scaling_factor: float
+
+    @property
+    def grouped(self) -> bool:
+        return self.n_group > 1
+
+    @property
+    def group_size(self) -> int:
+        return self.num_experts // self.n_group
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate_route_args(
+    router_logits: torch.Tensor,
+    top_k: int,
+    method: RoutingMethod | int,
+    bias: torch.Tensor | None,
+    n_group: int | None,
+    topk_group: int | None,
+    routed_scaling_factor: float | None,
+) -> RouteConfig:
+    """Checks everything that is known without reading device values; returns the normalised config.
+
+    Raises TypeError for non-tensors and ValueError naming the argument and the expected value
+    otherwise. Reads shapes, dtypes and devices only (no host sync).
+    """
+    method = method_from_value(method)
+    if not isinstance(router_logits, torch.Tensor):
+        raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
+    if router_logits.dim() != 2:
+        raise ValueError(
+            f"router_logits must be 2-D (n_tokens, num_experts), got shape {tuple(router_logits.shape)}"
+        )
+    if router_logits.dtype not in LOGIT_DTYPES:
+        raise ValueError(f"router_logits must be float32, bfloat16 or float16, got {router_logits.dtype}")
+    num_experts = router_logits.shape[1]
+    if num_experts < 1:
+        raise ValueError("router_logits must have at least one expert column, got num_experts=0")
+    if not _is_int(top_k) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+    if method == RoutingMethod.LLAMA4 and top_k != 1:
+        raise ValueError(f"LLAMA4 routing picks one expert per token: top_k must be 1, got {top_k}")
+
+    if bias is not None:
+        if method not in BIAS_METHODS:
+            raise ValueError(f"bias is only used by DEEPSEEK_V3 and MINIMAX2, not {method.name}; pass None")
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if tuple(bias.shape) != (num_experts,):
+            raise ValueError(
+                f"bias must have shape (num_experts,) = ({num_experts},), got {tuple(bias.shape)}"
+            )
+        if bias.dtype not in LOGIT_DTYPES:
+            raise ValueError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
+        if bias.device != router_logits.device:
+            raise ValueError(
+                f"bias must be on router_logits' device {router_logits.device}, got {bias.device}"
+            )
+
+    if method != RoutingMethod.DEEPSEEK_V3 and (n_group is not None or topk_group is not None):
+        raise ValueError(f"n_group/topk_group are only used by DEEPSEEK_V3, not {method.name}; pass None")
+    groups, kept = 1, 1
+    if n_group is not None:
+        if not _is_int(n_group) or n_group < 0:
+            raise ValueError(f"n_group must be a non-negative int or None, got {n_group!r}")
+        groups = max(n_group, 1)
+    if topk_group is not None:
+        if n_group is None:
+            raise ValueError("topk_group needs n_group (the number of expert groups); pass both or neither")
+        if not _is_int(topk_group) or topk_group < 1:
+            raise ValueError(f"topk_group must be a positive int, got {topk_group!r}")
+        if topk_group > groups:
+            raise ValueError(f"topk_group={topk_group} must be <= n_group={n_group}")
+        kept = topk_group
+    if groups > 1:
+        if num_experts % groups:
+            raise ValueError(f"n_group={groups} must divide num_experts={num_experts}")
+        if topk_group is None:
+            raise ValueError(f"n_group={groups} > 1 needs topk_group (groups kept per token)")
+        size = num_experts // groups
+        if top_k > kept * size:
+            raise ValueError(
+                f"top_k={top_k} experts cannot be chosen from topk_group={kept} groups of {size} "
+                f"experts (n_group={groups}, num_experts={num_experts})"
+            )
+    else:
+        kept = 1
+
+    scale = 1.0
+    if routed_scaling_factor is not None:
+        if method not in SCALED_METHODS:
+            raise ValueError(
+                f"routed_scaling_factor is only used by DEEPSEEK_V3 and MINIMAX2, not {method.name}; "
+                "pass None"
+            )
+        if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+            raise ValueError(f"routed_scaling_factor must be a float, got {routed_scaling_factor!r}")
+        scale = float(routed_scaling_factor)
+        if not math.isfinite(scale):
+            raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor!r}")
+    return RouteConfig(method, top_k, num_experts, groups, kept, scale)

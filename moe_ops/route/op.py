@@ -1,0 +1,266 @@
+"""``moe_ops.route`` and its registered custom ops ``moe_ops::route_`` and ``moe_ops::route_capture_``.
+
+Destination-passing, like the capture op: ``route`` allocates the two outputs and calls one op that
+writes them (and, with a capture target, the replay buffer and the fault counter). Each op declares
+what it mutates and has a fake implementation, so ``torch.compile(fullgraph=True)`` traces ``route``
+without a graph break and CUDA graphs capture it after one warm-up call (which compiles the Triton
+kernel and allocates the fault counter).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from .._triton import triton_runs_on
+from ..capture.errors import capture_error_counter
+from ..capture.kernels import window_first_size
+from ..capture.op import capture_routing
+from ..capture.target import CaptureTarget
+from ..layout import BatchLayout
+from .kernels import TRITON_MAX_TILE, FusedCapture, route_rows_torch, route_rows_triton, tile_shape
+from .methods import RouteConfig, RoutingMethod, validate_route_args
+
+__all__ = ["BACKENDS", "route"]
+
+BACKENDS = ("auto", "triton", "torch", "flashinfer")
+
+
+# torch.library infers the schema from these annotations; it needs typing.Optional, not "X | None".
+@torch.library.custom_op("moe_ops::route_", mutates_args=("weights", "ids"))
+def route_op(
+    router_logits: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    use_triton: bool,
+) -> None:
+    """Writes every token's routing into ``weights`` and ``ids`` (see kernels.py)."""
+    args = (router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor)
+    if use_triton:
+        route_rows_triton(*args)
+    else:
+        route_rows_torch(*args)
+
+
+@route_op.register_fake
+def _(router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor, use_triton):
+    return None
+
+
+@torch.library.custom_op("moe_ops::route_capture_", mutates_args=("weights", "ids", "buffer", "errors"))
+def route_capture_op(
+    router_logits: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    buffer: torch.Tensor,
+    token_counts: torch.Tensor,
+    sizes: torch.Tensor,
+    errors: torch.Tensor,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    layer_id: int,
+    dp_rank: int,
+    layout: int,
+    shards_per_rank: int,
+    use_triton: bool,
+) -> None:
+    """Routes and records this rank's ids into ``buffer[:, layer_id]`` in the same launch.
+
+    ``sizes``, ``layout`` and ``shards_per_rank`` as in ``moe_ops::capture_routing_``; ``layout`` is
+    LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
+    """
+    capture = FusedCapture(
+        buffer,
+        token_counts,
+        sizes,
+        errors,
+        layer_id,
+        dp_rank,
+        window_first_size(layout, dp_rank, shards_per_rank),
+    )
+    args = (router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor, capture)
+    if use_triton:
+        route_rows_triton(*args)
+    else:
+        route_rows_torch(*args)
+
+
+@route_capture_op.register_fake
+def _(
+    router_logits,
+    bias,
+    weights,
+    ids,
+    buffer,
+    token_counts,
+    sizes,
+    errors,
+    method,
+    n_group,
+    topk_group,
+    routed_scaling_factor,
+    layer_id,
+    dp_rank,
+    layout,
+    shards_per_rank,
+    use_triton,
+):
+    return None
+
+
+def _use_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
+    """Whether the Triton kernel runs (True) or the PyTorch reference (False); raises for "triton"
+    where it cannot run."""
+    ng_pad, g_pad = tile_shape(cfg.num_experts, cfg.n_group)
+    fits = ng_pad * g_pad <= TRITON_MAX_TILE
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return device.type == "cuda" and triton_runs_on(device) and fits
+    if not triton_runs_on(device):
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
+            f"moe_ops is imported); router_logits are on {device}"
+        )
+    if not fits:
+        raise ValueError(
+            f"backend='triton' holds a padded row of at most {TRITON_MAX_TILE} experts; "
+            f"num_experts={cfg.num_experts} with n_group={cfg.n_group} pads to {ng_pad * g_pad}. "
+            "Use backend='torch' (or 'auto')"
+        )
+    return True
+
+
+def _route_flashinfer(
+    router_logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor, capture
+):
+    try:
+        from ..flashinfer.routing import route_flashinfer
+    except ImportError as exc:
+        raise ValueError(
+            f"backend='flashinfer' is not available: importing moe_ops.flashinfer.routing failed ({exc})"
+        ) from exc
+    return route_flashinfer(
+        router_logits,
+        top_k,
+        method,
+        bias=bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
+        capture=capture,
+    )
+
+
+def route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    method: RoutingMethod | int = RoutingMethod.RENORMALIZE,
+    *,
+    bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float | None = None,
+    capture: CaptureTarget | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes every token to ``top_k`` experts and, with ``capture``, records the ids for replay.
+
+    Args:
+        router_logits: (n, num_experts) float32/bf16/fp16 - router outputs; bf16/fp16 are upcast
+            to float32 inside the kernel. n may be 0.
+        top_k: experts per token, in [1, num_experts] (1 for LLAMA4).
+        method: a :class:`RoutingMethod` (semantics and weight formulas in
+            :mod:`moe_ops.route.methods`).
+        bias: (num_experts,) float - DEEPSEEK_V3/MINIMAX2 selection bias (None: no bias).
+        n_group, topk_group: DEEPSEEK_V3 groups; ``n_group`` None or <= 1 means no grouping.
+        routed_scaling_factor: multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0).
+        capture: a :class:`CaptureTarget`: write the ids into ``capture.buffer[:, layer_id]`` as
+            ``capture_routing`` would. LOCAL, GATHERED and SHARDED are recorded by the router kernel
+            itself; SEQUENCE_PARALLEL routes, then calls ``capture_routing`` (it needs its TP
+            all-gather first).
+        backend: "auto" (Triton on CUDA, the PyTorch reference on CPU or for rows wider than the
+            kernel's tile), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
+            reference), "flashinfer" (``moe_ops.flashinfer.routing.route_flashinfer``).
+
+    Returns:
+        weights: (n, top_k) float32 - routing weights, in the order of ``ids``.
+        ids: (n, top_k) int32 - chosen experts by descending selection score; among equal scores
+            the lowest expert index wins (and comes first).
+
+    No host reads, no synchronisation, no allocation beyond the two outputs (the Triton and
+    reference paths; SEQUENCE_PARALLEL with tp_size > 1 adds the capture's all-gather output).
+    Bad arguments raise before anything is written (ValueError naming the argument; TypeError for
+    non-tensors; IndexError for a capture layer out of range).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    cfg = validate_route_args(router_logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+    device = router_logits.device
+    if capture is not None:
+        if not isinstance(capture, CaptureTarget):
+            raise TypeError(f"capture must be a CaptureTarget or None, got {type(capture).__name__}")
+        if capture.buffer.device != device:
+            raise ValueError(
+                f"router_logits must be on the capture buffer's device {capture.buffer.device}, got {device}"
+            )
+    if backend == "flashinfer":
+        return _route_flashinfer(
+            router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, capture
+        )
+    use_triton = _use_triton(backend, device, cfg)
+
+    n_tokens = router_logits.shape[0]
+    weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=device)
+    ids = torch.empty((n_tokens, top_k), dtype=torch.int32, device=device)
+    route_args = (int(cfg.method), cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+    if capture is None:
+        torch.ops.moe_ops.route_(router_logits, bias, weights, ids, *route_args, use_triton)
+        return weights, ids
+
+    layout, shards_per_rank = capture.validate(ids)
+    if layout == BatchLayout.SEQUENCE_PARALLEL:
+        torch.ops.moe_ops.route_(router_logits, bias, weights, ids, *route_args, use_triton)
+        capture_routing(
+            capture.buffer,
+            ids,
+            capture.layer_id,
+            token_counts=capture.token_counts,
+            dp_rank=capture.dp_rank,
+            layout=layout,
+            tp_group=capture.tp_group,
+        )
+        return weights, ids
+    buffer = capture.buffer
+    sizes = capture.token_counts if capture.shard_sizes is None else capture.shard_sizes
+    errors = capture_error_counter(device)
+    if isinstance(buffer, FakeTensor):
+        # Traced outside dynamo (FakeTensorMode, make_fx): a fake stand-in for the real counter.
+        errors = torch.empty(2, dtype=torch.int32, device=device)
+    torch.ops.moe_ops.route_capture_(
+        router_logits,
+        bias,
+        weights,
+        ids,
+        buffer,
+        capture.token_counts,
+        sizes,
+        errors,
+        *route_args,
+        capture.layer_id,
+        capture.dp_rank,
+        int(layout),
+        shards_per_rank,
+        use_triton,
+    )
+    return weights, ids

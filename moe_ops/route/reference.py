@@ -1,0 +1,147 @@
+"""PyTorch reference routers: every :class:`RoutingMethod`, literally, in any floating dtype.
+
+This is the oracle of the Triton kernels and the CPU implementation of ``moe_ops.route``. It runs
+in the dtype of its input: float32 for the CPU path (bf16/fp16 logits are upcast first), float64
+for the accuracy tests. No host reads and fixed output shapes, so it traces under torch.compile and
+captures in CUDA graphs.
+
+Selection follows the package's tie-break rule (see :mod:`moe_ops.route.methods`): a stable
+descending sort, so among equal scores the lowest expert index wins (``torch.topk`` promises no
+order among ties). Methods without a bias sort the raw logits; DEEPSEEK_V3 and MINIMAX2 sort
+``sigmoid(x) + bias``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .methods import BIAS_METHODS, RoutingMethod
+
+__all__ = [
+    "SUM_EPSILON",
+    "group_scores",
+    "route_reference",
+    "select_experts",
+    "selection_keys",
+    "weights_for_ids",
+]
+
+# Added to (DEEPSEEK_V3, MINIMAX2) or the floor of (SIGMOID_RENORM) the sum of the chosen weights,
+# as FlashInfer's runners and Hugging Face's DeepSeek-V3 do: a guard against 0/0, invisible otherwise.
+SUM_EPSILON = 1e-20
+
+
+def _canonical(keys: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf (ranks below every number) and -0.0 -> 0.0 (a radix sort would split them)."""
+    keys = torch.where(torch.isnan(keys), torch.full_like(keys, float("-inf")), keys)
+    return torch.where(keys == 0, torch.zeros_like(keys), keys)
+
+
+def selection_keys(x: torch.Tensor, method: RoutingMethod, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-expert score that selection sorts, in ``x``'s dtype.
+
+    x: (n, E) float - logits already in the compute dtype
+    bias: (E,) float or None - DEEPSEEK_V3/MINIMAX2 selection bias
+    Returns (n, E): ``sigmoid(x) + bias`` for the bias methods, ``x`` otherwise (canonicalised).
+    """
+    if method in BIAS_METHODS:
+        keys = torch.sigmoid(x)
+        if bias is not None:
+            keys = keys + bias.to(x.dtype)
+    else:
+        keys = x
+    return _canonical(keys)
+
+
+def _sort_desc(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # stable: equal values keep ascending index order, i.e. the lowest index wins a tie
+    return torch.sort(values, dim=-1, descending=True, stable=True)
+
+
+def group_scores(keys: torch.Tensor, n_group: int) -> torch.Tensor:
+    """DeepSeek-V3 group scores: the sum of each group's two best keys (one key for 1-expert groups).
+
+    keys: (n, E) float - selection keys
+    Returns (n, n_group) float, canonicalised (inf + -inf = NaN -> -inf).
+    """
+    n, num_experts = keys.shape
+    size = num_experts // n_group
+    top = _sort_desc(keys.view(n, n_group, size))[0][..., : min(2, size)]
+    score = top[..., 0] + top[..., 1] if size >= 2 else top[..., 0]
+    return _canonical(score)
+
+
+def select_experts(keys: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """Chosen experts by descending key, ties to the lowest index, inside the kept groups.
+
+    keys: (n, E) float - selection keys (canonical: no NaN)
+    Returns (n, top_k) int64 expert ids.
+    """
+    n, num_experts = keys.shape
+    order = _sort_desc(keys)[1]
+    if n_group > 1:
+        groups = _sort_desc(group_scores(keys, n_group))[1][:, :topk_group]
+        kept = torch.zeros(n, n_group, dtype=torch.bool, device=keys.device)
+        kept.scatter_(1, groups, True)
+        kept = kept.repeat_interleave(num_experts // n_group, dim=1)
+        # Kept experts first, each part still in key order: a stable sort on "kept" after the key
+        # sort is a lexicographic (kept, key, -index) order. A -inf key inside a kept group thus
+        # still beats every expert of a dropped group.
+        kept_in_order = kept.gather(1, order).to(torch.int8)
+        order = order.gather(1, _sort_desc(kept_in_order)[1])
+    return order[:, :top_k]
+
+
+def weights_for_ids(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    method: RoutingMethod,
+    routed_scaling_factor: float = 1.0,
+) -> torch.Tensor:
+    """The method's weights of the experts ``ids``, computed literally in ``x``'s dtype.
+
+    x: (n, E) float - logits in the compute dtype
+    ids: (n, k) int64 - chosen experts
+    Returns (n, k) in ``x``'s dtype.
+    """
+    xs = x.gather(1, ids)
+    if method == RoutingMethod.TOPK:
+        return xs
+    if method == RoutingMethod.DEFAULT:
+        return torch.softmax(x, dim=-1).gather(1, ids)
+    if method == RoutingMethod.RENORMALIZE:
+        return torch.softmax(xs, dim=-1)
+    if method == RoutingMethod.RENORMALIZE_NAIVE:
+        probs = torch.softmax(x, dim=-1).gather(1, ids)
+        return probs / probs.sum(-1, keepdim=True)
+    s = torch.sigmoid(xs)
+    if method in BIAS_METHODS:
+        return s * routed_scaling_factor / (s.sum(-1, keepdim=True) + SUM_EPSILON)
+    if method == RoutingMethod.SIGMOID_RENORM:
+        return s / s.sum(-1, keepdim=True).clamp(min=SUM_EPSILON)
+    return s  # LLAMA4, SIGMOID, TOPK_SIGMOID
+
+
+def route_reference(
+    router_logits: torch.Tensor,
+    top_k: int,
+    method: RoutingMethod,
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes every token; arguments as validated by :func:`validate_route_args`.
+
+    router_logits: (n, E) float - router outputs
+    bias: (E,) float or None - DEEPSEEK_V3/MINIMAX2 selection bias
+    dtype: compute dtype (default: float32, or float64 for float64 logits)
+    Returns ``(weights (n, top_k) dtype, ids (n, top_k) int64)``.
+    """
+    if dtype is None:
+        dtype = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
+    x = router_logits.to(dtype)
+    keys = selection_keys(x, method, bias)
+    ids = select_experts(keys, top_k, n_group, topk_group)
+    return weights_for_ids(x, ids, method, routed_scaling_factor), ids

@@ -1,0 +1,140 @@
+"""moe_ops.route under torch.compile(fullgraph=True) and FakeTensor tracing; opcheck of its ops."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from capture_models import layout_inputs
+from route_models import RoutedMoE
+
+from graphs import CompileCounters, count_graph_breaks
+from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
+from moe_ops._triton import triton_runs_on
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+# every layout on CPU; on CUDA (an inductor compile each) LOCAL and SHARDED here, GATHERED in the
+# reduce-overhead test and SEQUENCE_PARALLEL in the CUDA-graph tests
+LAYOUT_DEVICES = [(layout, "cpu") for layout in BatchLayout] + [
+    pytest.param(layout, "cuda", marks=pytest.mark.gpu) for layout in (BatchLayout.LOCAL, BatchLayout.SHARDED)
+]
+
+
+def _inputs(layout, device):
+    # SEQUENCE_PARALLEL without a TP group (tp_size 1) sees the LOCAL batch
+    base = BatchLayout.LOCAL if layout == BatchLayout.SEQUENCE_PARALLEL else layout
+    return layout_inputs(base, [5, 6], [8, 8], device=device)
+
+
+@pytest.mark.parametrize("layout, device", LAYOUT_DEVICES, ids=lambda v: getattr(v, "name", v))
+def test_compiled_route_equals_eager_without_graph_breaks(layout, device):
+    model = RoutedMoE(layout=layout, dp_rank=1).to(device)
+    eager = copy.deepcopy(model)
+    x, counts, sizes, start = _inputs(layout, device)
+    assert count_graph_breaks(model, x, counts, sizes) == 0
+
+    compiled = torch.compile(model, fullgraph=True)
+    with CompileCounters() as cc:
+        for live in ([5, 6], [0, 3], [8, 8], [2, 0], [7, 1]):  # counts change in place: no recompile
+            counts.copy_(torch.tensor(live, dtype=torch.int32))
+            model.routing.fill_(-7)
+            eager.routing.fill_(-7)
+            y, ids = compiled(x, counts, sizes)
+            ref_y, ref_ids = eager(x, counts, sizes)
+            c = live[1]
+            assert torch.equal(ids, ref_ids), f"compiled routing differs from eager at {live}"
+            torch.testing.assert_close(y, ref_y)
+            assert torch.equal(model.routing, eager.routing), f"compiled capture differs from eager at {live}"
+            assert torch.equal(model.routing[:c], ids[start : start + c])
+            assert (model.routing[c:] == -7).all(), "rows past the live count were written"
+    assert cc.graph_breaks == 0
+    assert cc.graphs <= 1, f"recompiled {cc.graphs} times for changing counts"
+
+
+def test_compiled_interpreted_triton_without_graph_breaks():
+    """The Triton path (interpreted here) behind the same custom op compiles the same way."""
+    if not triton_runs_on(torch.device("cpu")):
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    model = RoutedMoE(layout=BatchLayout.GATHERED, dp_rank=1, backend="triton")
+    eager = copy.deepcopy(model)
+    x, counts, sizes, _ = _inputs(BatchLayout.GATHERED, "cpu")
+    compiled = torch.compile(model, fullgraph=True)
+    with CompileCounters() as cc:
+        for live in ([5, 6], [1, 2]):
+            counts.copy_(torch.tensor(live, dtype=torch.int32))
+            _, ids = compiled(x, counts, sizes)
+            _, ref_ids = eager(x, counts, sizes)
+            assert torch.equal(ids, ref_ids) and torch.equal(model.routing, eager.routing)
+    assert cc.graph_breaks == 0 and cc.graphs <= 1
+
+
+@pytest.mark.parametrize("method", list(RoutingMethod), ids=lambda m: m.name)
+def test_every_method_compiles_without_graph_breaks(method):
+    top_k = 1 if method == RoutingMethod.LLAMA4 else 4
+    scaled = method in (RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2)
+    kw = dict(bias=torch.randn(16) * 0.1, routed_scaling_factor=2.0) if scaled else {}
+
+    def fn(logits):
+        weights, ids = route(logits, top_k, method, **kw)
+        return weights * 2, ids
+
+    logits = torch.randn(6, 16)
+    assert count_graph_breaks(fn, logits) == 0
+    weights, ids = torch.compile(fn, fullgraph=True)(logits)
+    ref_w, ref_ids = route(logits, top_k, method, **kw)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w * 2)
+
+
+def test_fake_tensor_tracing_does_not_run_the_kernel():
+    """route traces under FakeTensorMode (fake implementations), with and without a capture."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        logits = torch.empty(6, 64)
+        buffer = torch.empty(8, 2, 8, dtype=torch.int32)
+        counts = torch.empty(1, dtype=torch.int32)
+        weights, ids = route(logits, 8, capture=CaptureTarget(buffer, 1, token_counts=counts))
+        assert weights.shape == (6, 8) and ids.dtype == torch.int32
+        route(logits, 8, RoutingMethod.DEEPSEEK_V3, n_group=8, topk_group=4, bias=torch.empty(64))
+
+
+def _opcheck_args(device):
+    logits = torch.randn(10, 32, device=device)
+    bias = torch.randn(32, device=device)
+    weights = torch.empty(10, 4, device=device)
+    ids = torch.empty(10, 4, dtype=torch.int32, device=device)
+    buffer = torch.full((8, 3, 4), -7, dtype=torch.int32, device=device)
+    counts = torch.tensor([3, 5], dtype=torch.int32, device=device)
+    sizes = torch.tensor([2, 3, 2, 3], dtype=torch.int32, device=device)
+    errors = torch.zeros(2, dtype=torch.int32, device=device)
+    route_args = (int(RoutingMethod.DEEPSEEK_V3), 4, 2, 2.5)
+    return (
+        (logits, bias, weights, ids, *route_args),
+        (
+            logits,
+            bias,
+            weights,
+            ids,
+            buffer,
+            counts,
+            sizes,
+            errors,
+            *route_args,
+            2,
+            1,
+            int(BatchLayout.SHARDED),
+            2,
+        ),
+    )
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device, use_triton):
+    if use_triton and not triton_runs_on(torch.device(device)):
+        pytest.skip("Triton does not run here")
+    route_args, capture_args = _opcheck_args(device)
+    torch.library.opcheck(torch.ops.moe_ops.route_.default, (*route_args, use_triton))
+    torch.library.opcheck(torch.ops.moe_ops.route_capture_.default, (*capture_args, use_triton))
