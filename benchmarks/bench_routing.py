@@ -12,7 +12,13 @@ None when it does not apply):
   inductor compile);
 * ``eager-ref`` - the PyTorch reference, eagerly.
 
-Another peer (e.g. FlashInfer's ``fused_topk_deepseek``) is one more function in ``PEERS``.
+* ``flashinfer`` / ``flashinfer+replay`` - FlashInfer's ``fused_topk_deepseek`` kernel without and
+  with its int16 ``routing_replay_out`` (DeepSeek-V3, where FlashInfer runs);
+* ``flashinfer+capture`` - ``route(..., backend="flashinfer", capture=...)``: that kernel's replay
+  rows plus one ``capture_routing`` into the buffer.
+
+``vs_flashinfer`` divides by the ``flashinfer`` graph time measured in the same run (by the quoted
+figures below when FlashInfer does not run).
 
 Each peer is timed eagerly (``do_bench`` median) and as one CUDA-graph replay (median). Targets,
 from the issue: ``triton+capture`` within 1.02x of ``triton`` (the capture nearly free), and for
@@ -152,10 +158,59 @@ def peer_compiled_reference(case: Case, x: Inputs) -> Callable[[], object] | Non
     return torch.compile(_reference(case, x), fullgraph=True, dynamic=False)
 
 
+def _flashinfer_runs(case: Case, x: Inputs) -> bool:
+    """FlashInfer's fused_topk_deepseek is a peer for DeepSeek-V3 where it runs (SM89+, installed)."""
+    if case.method != RoutingMethod.DEEPSEEK_V3:
+        return False
+    from moe_ops.flashinfer.backends import fused_topk_support
+
+    return fused_topk_support(x.logits.device).ok
+
+
+def peer_flashinfer_kernel(replay: bool) -> Callable[[Case, Inputs], Callable[[], object] | None]:
+    """The bare ``fused_topk_deepseek`` kernel, with or without its int16 ``routing_replay_out``."""
+
+    def build(case: Case, x: Inputs) -> Callable[[], object] | None:
+        if not _flashinfer_runs(case, x):
+            return None
+        from moe_ops.flashinfer import ops
+
+        n, dev = x.logits.shape[0], x.logits.device
+        values = torch.empty(n, case.top_k, dtype=x.logits.dtype, device=dev)
+        indices = torch.empty(n, case.top_k, dtype=torch.int32, device=dev)
+        out = torch.empty(n, case.top_k, dtype=torch.int16, device=dev) if replay else None
+        return lambda: ops.call(
+            "fused_topk_deepseek",
+            scores=x.logits,
+            bias=x.bias,
+            n_group=case.n_group,
+            topk_group=case.topk_group,
+            topk=case.top_k,
+            routed_scaling_factor=case.routed_scaling_factor,
+            topk_values=values,
+            topk_indices=indices,
+            routing_replay_out=out,
+        )
+
+    return build
+
+
+def peer_flashinfer_capture(case: Case, x: Inputs) -> Callable[[], object] | None:
+    """``route(..., backend="flashinfer", capture=...)``: the kernel's replay rows + the capture op."""
+    if not _flashinfer_runs(case, x):
+        return None
+    kw = x.kwargs(case)
+    target = CaptureTarget(x.buffer, LAYERS - 1, token_counts=x.counts)
+    return lambda: route(x.logits, case.top_k, case.method, capture=target, backend="flashinfer", **kw)
+
+
 # name -> builder(case, inputs) -> zero-argument callable (or None: not measured for this case)
 PEERS: dict[str, Callable[[Case, Inputs], Callable[[], object] | None]] = {
     "triton+capture": peer_triton_capture,
     "triton": peer_triton,
+    "flashinfer": peer_flashinfer_kernel(replay=False),
+    "flashinfer+replay": peer_flashinfer_kernel(replay=True),
+    "flashinfer+capture": peer_flashinfer_capture,
     "triton+capture[G]": peer_triton_capture_gathered,
     "triton[G]": peer_triton_gathered,
     "compiled-ref": peer_compiled_reference,
@@ -176,11 +231,11 @@ def measure(sizes: list[int]) -> tuple[Table, Table]:
     dev = torch.device("cuda")
     table = Table(
         "routing (bf16 logits; us; ratios of graph-replay times)",
-        ["case", "n", "peer", "eager_us", "graph_us", "vs_triton", "vs_flashinfer_quoted"],
+        ["case", "n", "peer", "eager_us", "graph_us", "vs_triton", "vs_flashinfer"],
     )
     summary = Table(
         "targets",
-        ["case", "n", "capture/route eager", "capture/route graph", "capture/FI quoted (<= 1.2)"],
+        ["case", "n", "capture/route eager", "capture/route graph", "capture/FI (<= 1.2)"],
     )
     for case in CASES:
         for n in sizes:
@@ -195,6 +250,8 @@ def measure(sizes: list[int]) -> tuple[Table, Table]:
                 eager[name] = do_bench_median_us(fn)
                 graph[name] = graph_replay_us(fn)
             quoted = FLASHINFER_QUOTED_US.get(n) if case.method == RoutingMethod.DEEPSEEK_V3 else None
+            if "flashinfer" in graph:  # measured in this run: the real peer replaces the quote
+                quoted = graph["flashinfer"]
             for name in graph:
                 floor = graph["triton[G]"] if name.endswith("[G]") else graph["triton"]
                 fi = graph[name] / quoted if quoted else ""

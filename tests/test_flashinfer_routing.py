@@ -13,8 +13,8 @@ import torch
 from strategies import POISON
 
 from graphs import CompileCounters, count_graph_breaks
-from moe_ops import BatchLayout, check_capture_errors
-from moe_ops.flashinfer import CaptureTarget, ops, route_flashinfer
+from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, check_capture_errors, route
+from moe_ops.flashinfer import ops, route_flashinfer
 from moe_ops.flashinfer.routing import _replay_scratch, _scratch
 
 # DeepSeek-V3's router: 256 experts in 8 groups, 4 groups kept, 8 experts, weights scaled by 2.5
@@ -30,7 +30,6 @@ def deepseek_v3_reference(logits, bias, top_k=TOP_K, n_group=N_GROUP, topk_group
     at a decision boundary (group ``topk_group`` vs the next, expert ``top_k`` vs the next): rows
     with a tiny margin may legitimately differ in a float32 kernel.
     """
-    # after the merge of issue 3: also compare with moe_ops.route(..., backend="triton") here
     scores = torch.sigmoid(logits.double())
     biased = scores + bias.double()
     n = logits.shape[0]
@@ -129,10 +128,10 @@ def test_bad_capture_targets_are_refused_before_the_kernel():
     with pytest.raises(TypeError, match="object lacks buffer, layer_id"):
         route_flashinfer(_meta_logits(), TOP_K, 2, n_group=8, topk_group=4, capture=object())
     with pytest.raises(IndexError, match="layer_id"):
-        target = CaptureTarget(buffer, 2, counts, 0, BatchLayout.LOCAL)
+        target = CaptureTarget(buffer, 2, token_counts=counts)
         route_flashinfer(_meta_logits(), TOP_K, 2, n_group=8, topk_group=4, capture=target)
     with pytest.raises(ValueError, match="top_k"):
-        target = CaptureTarget(buffer[..., :4], 0, counts, 0, BatchLayout.LOCAL)
+        target = CaptureTarget(buffer[..., :4], 0, token_counts=counts)
         route_flashinfer(_meta_logits(), TOP_K, 2, n_group=8, topk_group=4, capture=target)
 
 
@@ -166,7 +165,7 @@ def test_route_with_capture_compiles_fullgraph_on_fake_tensors(layout):
     dp_size = 1 if layout == BatchLayout.LOCAL else 3
     buffer = torch.full((16, 2, TOP_K), POISON, dtype=torch.int32, device=dev)
     counts = torch.zeros(dp_size, dtype=torch.int32, device=dev)
-    target = CaptureTarget(buffer, 1, counts, dp_size - 1, layout)
+    target = CaptureTarget(buffer, 1, token_counts=counts, dp_rank=dp_size - 1, layout=layout)
 
     def step(logits, bias):
         return route_flashinfer(
@@ -207,7 +206,7 @@ def test_route_with_capture_compiles_fullgraph_on_fake_tensors(layout):
 
 def test_zero_tokens_skip_the_kernel_but_not_the_capture():
     buffer = torch.full((4, 1, TOP_K), POISON, dtype=torch.int32, device="meta")
-    target = CaptureTarget(buffer, 0, torch.zeros(1, dtype=torch.int32, device="meta"), 0, BatchLayout.LOCAL)
+    target = CaptureTarget(buffer, 0, token_counts=torch.zeros(1, dtype=torch.int32, device="meta"))
     weights, ids = route_flashinfer(_meta_logits(0), TOP_K, 2, n_group=8, topk_group=4, capture=target)
     assert weights.shape == ids.shape == (0, TOP_K)
 
@@ -258,6 +257,19 @@ def test_fused_topk_replay_matches_reference(fused_topk_device, n):
     assert torch.equal(replay[:n].cpu().long(), tri_ids.long()), "replay rows differ from topk_indices"
     assert (replay[n:] == POISON).all(), "rows past num_tokens were written"
     assert_weights_match(values.cpu(), tri_ids, ref_w, ref_ids)
+    # the project's own routers (Triton kernel and PyTorch reference) choose the same sets
+    for backend in ("triton", "torch"):
+        _, our_ids = route(
+            logits,
+            TOP_K,
+            RoutingMethod.DEEPSEEK_V3,
+            bias=bias,
+            n_group=N_GROUP,
+            topk_group=TOPK_GROUP,
+            routed_scaling_factor=SCALE,
+            backend=backend,
+        )
+        assert torch.equal(rows_as_sets(our_ids.cpu()), rows_as_sets(tri_ids)), f"route(backend={backend!r})"
 
 
 @pytest.mark.gpu
@@ -273,7 +285,7 @@ def test_route_flashinfer_captures_this_ranks_rows(fused_topk_device, layout):
     buffer = torch.full((16, 3, TOP_K), POISON, dtype=torch.int32, device=dev)
     counts = torch.tensor(counts_list, dtype=torch.int32, device=dev)
     sizes = torch.tensor(padded, dtype=torch.int32, device=dev) if layout == BatchLayout.GATHERED else None
-    target = CaptureTarget(buffer, 2, counts, rank, layout, sizes)
+    target = CaptureTarget(buffer, 2, token_counts=counts, dp_rank=rank, layout=layout, shard_sizes=sizes)
     weights, ids = route_flashinfer(
         logits,
         TOP_K,
@@ -301,7 +313,7 @@ def test_route_flashinfer_in_a_cuda_graph_follows_live_counts(fused_topk_device)
     logits, bias, *_ = _inputs(padded, dev, seed=3)
     buffer = torch.full((padded, 2, TOP_K), POISON, dtype=torch.int32, device=dev)
     counts = torch.tensor([padded], dtype=torch.int32, device=dev)
-    target = CaptureTarget(buffer, 1, counts, 0, BatchLayout.LOCAL)
+    target = CaptureTarget(buffer, 1, token_counts=counts)
 
     def step():
         return route_flashinfer(
@@ -345,7 +357,7 @@ def test_route_flashinfer_compiled_equals_eager(fused_topk_device):
     buffers = [torch.full((64, 1, TOP_K), POISON, dtype=torch.int32, device=dev) for _ in range(2)]
     counts = torch.tensor([50], dtype=torch.int32, device=dev)
 
-    targets = [CaptureTarget(buffer, 0, counts, 0, BatchLayout.LOCAL) for buffer in buffers]
+    targets = [CaptureTarget(buffer, 0, token_counts=counts) for buffer in buffers]
 
     def step(logits, bias, target):
         return route_flashinfer(

@@ -37,7 +37,7 @@ __all__ = [
 DEEPSEEK_V3 = 2
 
 # backend="auto" prefers FlashInfer's fused routing where it runs. To be confirmed or flipped by the
-# measured ratio in benchmarks/bench_flashinfer_routing.py (docs/performance.md).
+# measured ratio in benchmarks/bench_routing.py (peers flashinfer, flashinfer+capture) (docs/performance.md).
 PREFER_FLASHINFER_ROUTING = True
 
 _INSTALL_HINT = "flashinfer not installed (pip install 'moe-ops[flashinfer]')"

@@ -115,8 +115,15 @@ class LayerCapture:
         For layers whose experts take precomputed top-k: their router, not the kernel, captures.
         """
         c = self.capturer
+        layout = layout_from_value(layout)
+        uses_sizes = layout in (BatchLayout.GATHERED, BatchLayout.SHARDED)
         return CaptureTarget(
-            c.buffer, self.layer_id, c.token_counts, c.dp_rank, layout_from_value(layout), c.shard_sizes
+            c.buffer,
+            self.layer_id,
+            token_counts=c.token_counts,
+            dp_rank=c.dp_rank,
+            layout=layout,
+            shard_sizes=c.shard_sizes if uses_sizes else None,
         )
 
 

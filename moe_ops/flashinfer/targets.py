@@ -17,12 +17,12 @@ callback and no host read runs per step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..capture import capture_routing
+from ..capture.target import CaptureTarget
 from ..layout import BatchLayout, layout_from_value
 
 __all__ = ["CaptureTarget", "CaptureTargetLike", "RoutingCapturerLike", "capture_ids", "check_capturer"]
@@ -56,24 +56,6 @@ class CaptureTargetLike(RoutingCapturerLike, Protocol):
 
     layer_id: int
     layout: BatchLayout
-
-
-@dataclass(frozen=True)
-class CaptureTarget:
-    """A plain :class:`CaptureTargetLike`: what a bound layer hands its router (``LayerCapture.target``)."""
-
-    # (max_tokens, num_layers, top_k) integer capture buffer, written in place
-    buffer: torch.Tensor
-    # index into buffer's layer dimension
-    layer_id: int
-    # (dp_size,) int32 on the buffer's device: real tokens of each DP rank this step
-    token_counts: torch.Tensor
-    # this rank's index into token_counts
-    dp_rank: int
-    # how the rows of the ids handed to the capture are arranged
-    layout: BatchLayout
-    # GATHERED/SHARDED padded row counts per rank (shard), int32; None: token_counts
-    shard_sizes: torch.Tensor | None = None
 
 
 _CAPTURER_FIELDS = ("buffer", "token_counts", "dp_rank", "shard_sizes")
