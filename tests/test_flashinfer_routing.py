@@ -397,6 +397,8 @@ def test_opcheck_fused_topk_deepseek(fused_topk_device):
         SCALE,
         torch.empty(16, TOP_K, device=dev),
         torch.empty(16, TOP_K, dtype=torch.int32, device=dev),
+        True,  # launch_with_pdl: the schema has no defaults (see ops.OpSpec.schema)
+        torch.empty(20, TOP_K, dtype=torch.int16, device=dev),  # routing_replay_out
+        "default",  # backend
     )
-    kwargs = {"routing_replay_out": torch.empty(20, TOP_K, dtype=torch.int16, device=dev)}
-    torch.library.opcheck(ops.op_for("fused_topk_deepseek"), args, kwargs)
+    torch.library.opcheck(ops.op_for("fused_topk_deepseek"), args)

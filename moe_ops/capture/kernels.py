@@ -58,21 +58,27 @@ if HAS_TRITON:
     _BAD_OFFSET = tl.constexpr(FAULT_BAD_OFFSET)
 
     @triton.jit
-    def rows_window(counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD: tl.constexpr):
+    def rows_window(
+        counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD: tl.constexpr, HAS_OFFSET: tl.constexpr
+    ):
         """Device-side row window: returns (start, c_eff, fault flags) for this rank.
 
         start = sum(sizes[:n_first]) clamped to [0, n_src]; c_eff = clamp(c, 0, min(n_src - start,
         n_dst)). Every program of a launch computes the same values (S_PAD <= 64 loads, cached).
+        HAS_OFFSET=False (n_first == 0: LOCAL, rank 0) compiles the sizes load away: start is 0.
         """
         c = tl.load(counts_ptr + dp_rank)
-        idx = tl.arange(0, S_PAD)
-        sizes = tl.load(sizes_ptr + idx, mask=idx < n_first, other=0)
-        start = tl.sum(sizes, axis=0)
-        n_negative = tl.sum((sizes < 0).to(tl.int32), axis=0)
         flags = tl.where(c < 0, _NEGATIVE_COUNT, 0)
         c = tl.maximum(c, 0)
-        flags |= tl.where((n_negative > 0) | (start < 0) | (start > n_src), _BAD_OFFSET, 0)
-        start = tl.minimum(tl.maximum(start, 0), n_src)
+        if HAS_OFFSET:
+            idx = tl.arange(0, S_PAD)
+            sizes = tl.load(sizes_ptr + idx, mask=idx < n_first, other=0)
+            start = tl.sum(sizes, axis=0)
+            n_negative = tl.sum((sizes < 0).to(tl.int32), axis=0)
+            flags |= tl.where((n_negative > 0) | (start < 0) | (start > n_src), _BAD_OFFSET, 0)
+            start = tl.minimum(tl.maximum(start, 0), n_src)
+        else:
+            start = 0
         flags |= tl.where(c > n_src - start, _SOURCE_SHORT, 0)
         flags |= tl.where(c > n_dst, _DEST_SHORT, 0)
         c_eff = tl.minimum(tl.minimum(c, n_src - start), n_dst)
@@ -123,6 +129,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         S_PAD: tl.constexpr,
         SOURCE_ORDER: tl.constexpr,
+        HAS_OFFSET: tl.constexpr,
     ):
         pid = tl.program_id(0)
         row0 = pid * BLOCK_M
@@ -140,7 +147,9 @@ if HAS_TRITON:
                 ids_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_ik,
                 mask=(rows < n_src)[:, None] & col_ok,
             )
-            start, c_eff, flags = rows_window(counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD)
+            start, c_eff, flags = rows_window(
+                counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD, HAS_OFFSET
+            )
             if pid == 0:
                 record_faults(errors_ptr, flags)
             dst_rows = rows - start
@@ -152,7 +161,9 @@ if HAS_TRITON:
             )
         else:
             # Programs walk DESTINATION rows (large gathers: read only this rank's block).
-            start, c_eff, flags = rows_window(counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD)
+            start, c_eff, flags = rows_window(
+                counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD, HAS_OFFSET
+            )
             if pid == 0:
                 record_faults(errors_ptr, flags)
             if row0 < c_eff:
@@ -216,6 +227,7 @@ def capture_rows_triton(
         BLOCK_M=block_m,
         S_PAD=next_power_of_2(sizes.shape[0]),
         SOURCE_ORDER=source_order,
+        HAS_OFFSET=n_first > 0,
         num_warps=num_warps,
     )
 

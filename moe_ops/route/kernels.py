@@ -200,6 +200,7 @@ if HAS_TRITON:
         G_PAD: tl.constexpr,
         K_PAD: tl.constexpr,
         S_PAD: tl.constexpr,
+        HAS_OFFSET: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -207,7 +208,9 @@ if HAS_TRITON:
         if CAPTURE:
             # The capture op's window, computed here exactly as there; its loads overlap the
             # logits load below.
-            start, c_eff, flags = rows_window(counts_ptr, sizes_ptr, dp_rank, n_first, n_tokens, n_dst, S_PAD)
+            start, c_eff, flags = rows_window(
+                counts_ptr, sizes_ptr, dp_rank, n_first, n_tokens, n_dst, S_PAD, HAS_OFFSET
+            )
             if pid == 0:
                 record_faults(errors_ptr, flags)
         else:
@@ -379,6 +382,7 @@ def route_rows_triton(
         G_PAD=g_pad,
         K_PAD=next_power_of_2(top_k),
         S_PAD=s_pad,
+        HAS_OFFSET=n_first > 0,
         num_warps=num_warps,
     )
 
