@@ -270,6 +270,17 @@ def test_fused_topk_replay_matches_reference(fused_topk_device, n):
             backend=backend,
         )
         assert torch.equal(rows_as_sets(our_ids.cpu()), rows_as_sets(tri_ids)), f"route(backend={backend!r})"
+    # backend="auto" without capture is this very kernel (measured faster than the Triton router)
+    _, auto_ids = route(
+        logits,
+        TOP_K,
+        RoutingMethod.DEEPSEEK_V3,
+        bias=bias,
+        n_group=N_GROUP,
+        topk_group=TOPK_GROUP,
+        routed_scaling_factor=SCALE,
+    )
+    assert torch.equal(auto_ids.cpu(), tri_ids), "auto should route DeepSeek-V3 with fused_topk_deepseek"
 
 
 @pytest.mark.gpu

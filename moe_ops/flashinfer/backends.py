@@ -36,8 +36,11 @@ __all__ = [
 # 2 as well (checked in tests/test_flashinfer_ops.py).
 DEEPSEEK_V3 = 2
 
-# backend="auto" prefers FlashInfer's fused routing where it runs. To be confirmed or flipped by the
-# measured ratio in benchmarks/bench_routing.py (peers flashinfer, flashinfer+capture) (docs/performance.md).
+# backend="auto" for DEEPSEEK_V3 on an H200 (bf16 logits, 256 experts, k 8, 8 groups; one CUDA-graph
+# replay, benchmarks/bench_routing.py): without capture FlashInfer's fused_topk_deepseek is faster
+# (3.98 / 4.47 / 13.8 us at n = 1 / 128 / 4096 against Triton's 6.25 / 6.48 / 18.4); with capture the
+# Triton router's fused capture wins (6.33 / 6.87 / 18.9 us against fused_topk + replay + the capture
+# op, 6.87 / 8.65 / 18.6). So auto routes with FlashInfer only when nothing is captured.
 PREFER_FLASHINFER_ROUTING = True
 
 _INSTALL_HINT = "flashinfer not installed (pip install 'moe-ops[flashinfer]')"
@@ -210,8 +213,13 @@ def _triton_line(method_name: str, device: torch.device | str | int | None, why_
     return BackendLine(method_name, "torch", f"PyTorch reference router ({why_not}; Triton needs CUDA)")
 
 
-def routing_backend(method: int, device: torch.device | str | int | None = None) -> BackendLine:
-    """The backend ``route(..., backend="auto")`` uses for ``method`` on ``device``, and why."""
+def routing_backend(
+    method: int, device: torch.device | str | int | None = None, *, capture: bool = False
+) -> BackendLine:
+    """The backend ``route(..., backend="auto")`` uses for ``method`` on ``device``, and why.
+
+    ``capture``: whether the call records ids (then the Triton router's fused capture is used).
+    """
     name = getattr(method, "name", None) or (
         "DEEPSEEK_V3" if int(method) == DEEPSEEK_V3 else str(int(method))
     )
@@ -220,9 +228,17 @@ def routing_backend(method: int, device: torch.device | str | int | None = None)
     support = fused_topk_support(device)
     if not support.ok:
         return _triton_line(name, device, support.reason)
+    if capture:
+        return _triton_line(
+            name + " +capture",
+            device,
+            "its fused capture measured faster than fused_topk_deepseek + capture op",
+        )
     if not PREFER_FLASHINFER_ROUTING:
         return _triton_line(name, device, "measured faster than fused_topk_deepseek")
-    return BackendLine(name, "flashinfer", support.reason)
+    return BackendLine(
+        name, "flashinfer", support.reason + "; with capture: Triton (fused capture is faster)"
+    )
 
 
 def _routing_methods() -> list:

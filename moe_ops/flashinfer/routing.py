@@ -49,7 +49,7 @@ def _scratch(device: torch.device, top_k: int, rows: int) -> torch.Tensor:
     return scratch[:rows]
 
 
-def _check_grouping(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+def check_grouping(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
     """fused_topk_deepseek's limits (FlashInfer 0.7.2 checks these too, but only when it runs)."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= min(8, num_experts):
         raise ValueError(
@@ -161,7 +161,7 @@ def route_flashinfer(
     n, num_experts = router_logits.shape
     n_group = 1 if n_group is None else int(n_group)
     topk_group = 1 if topk_group is None else int(topk_group)
-    _check_grouping(num_experts, top_k, n_group, topk_group)
+    check_grouping(num_experts, top_k, n_group, topk_group)
     if bias is None:
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
     elif bias.shape != (num_experts,) or bias.dtype not in _LOGIT_DTYPES or bias.device != device:

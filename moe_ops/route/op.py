@@ -141,6 +141,31 @@ def _use_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
     return True
 
 
+@torch._dynamo.assume_constant_result
+def _auto_uses_flashinfer(
+    device: torch.device, method: int, num_experts: int, top_k: int, n_group, topk_group
+) -> bool:
+    """backend="auto" without capture: FlashInfer's fused_topk_deepseek where it runs and takes
+    these arguments (measured faster there; see moe_ops.flashinfer.backends). Host-only checks,
+    evaluated once at trace time under torch.compile."""
+    if device.type != "cuda" or method != RoutingMethod.DEEPSEEK_V3:
+        return False
+    try:
+        from ..flashinfer.backends import routing_backend
+        from ..flashinfer.routing import check_grouping
+    except ImportError:
+        return False
+    if routing_backend(method, device).backend != "flashinfer":
+        return False
+    try:
+        check_grouping(
+            num_experts, top_k, 1 if n_group is None else n_group, 1 if topk_group is None else topk_group
+        )
+    except ValueError:
+        return False
+    return True
+
+
 def _route_flashinfer(
     router_logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor, capture
 ):
@@ -190,7 +215,9 @@ def route(
             itself; SEQUENCE_PARALLEL routes, then calls ``capture_routing`` (it needs its TP
             all-gather first).
         backend: "auto" (Triton on CUDA, the PyTorch reference on CPU or for rows wider than the
-            kernel's tile), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
+            kernel's tile; DEEPSEEK_V3 without ``capture`` on CUDA goes to FlashInfer's
+            ``fused_topk_deepseek`` where it is installed and runs, measured faster there; its
+            column order is the kernel's), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
             reference), "flashinfer" (``moe_ops.flashinfer.routing.route_flashinfer``).
 
     Returns:
@@ -217,6 +244,14 @@ def route(
     if backend == "flashinfer":
         return _route_flashinfer(
             router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, capture
+        )
+    if (
+        backend == "auto"
+        and capture is None
+        and _auto_uses_flashinfer(device, int(cfg.method), cfg.num_experts, top_k, n_group, topk_group)
+    ):
+        return _route_flashinfer(
+            router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, None
         )
     use_triton = _use_triton(backend, device, cfg)
 
