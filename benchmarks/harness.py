@@ -20,15 +20,16 @@ __all__ = ["Table", "do_bench_median_us", "environment", "graph_replay_us"]
 
 def environment() -> dict[str, str]:
     """Machine and version fields stamped on every CSV row."""
-    try:
-        sha = (
-            subprocess.run(
+    # A copy of the tree without .git (e.g. on a lent GPU machine) takes the sha from the environment.
+    sha = os.environ.get("MOE_OPS_GIT_SHA", "")
+    if not sha:
+        try:
+            out = subprocess.run(
                 ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-            ).stdout.strip()
-            or "unknown"
-        )
-    except OSError:
-        sha = "unknown"
+            )
+            sha = out.stdout.strip() or "unknown"
+        except OSError:
+            sha = "unknown"
     try:
         import triton
 
