@@ -7,14 +7,18 @@ route -> capture -> transfer -> store -> wire.
 
 from .capture import CaptureFaultError, capture_error_counter, capture_routing, check_capture_errors
 from .layout import BatchLayout, infer_layout
+from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchLayout",
     "CaptureFaultError",
+    "RoutingShape",
     "capture_error_counter",
     "capture_routing",
     "check_capture_errors",
     "infer_layout",
+    "narrow_dtype",
+    "resolve_routing_shape",
 ]
