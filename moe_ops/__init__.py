@@ -8,13 +8,17 @@ route -> capture -> transfer -> store -> wire.
 from .capture import CaptureFaultError, capture_error_counter, capture_routing, check_capture_errors
 from .layout import BatchLayout, infer_layout
 from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
+from .transfer import RingFullError, SnapshotHandle, TransferPipeline
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchLayout",
     "CaptureFaultError",
+    "RingFullError",
     "RoutingShape",
+    "SnapshotHandle",
+    "TransferPipeline",
     "capture_error_counter",
     "capture_routing",
     "check_capture_errors",
