@@ -6,6 +6,7 @@ route -> capture -> transfer -> store -> wire.
 """
 
 from .capture import CaptureFaultError, capture_error_counter, capture_routing, check_capture_errors
+from .capture.capturer import RoutingCapturer
 from .layout import BatchLayout, infer_layout
 from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
 from .transfer import RingFullError, SnapshotHandle, TransferPipeline
@@ -16,6 +17,7 @@ __all__ = [
     "BatchLayout",
     "CaptureFaultError",
     "RingFullError",
+    "RoutingCapturer",
     "RoutingShape",
     "SnapshotHandle",
     "TransferPipeline",
