@@ -9,6 +9,7 @@ from .capture import CaptureFaultError, capture_error_counter, capture_routing, 
 from .capture.capturer import RoutingCapturer
 from .layout import BatchLayout, infer_layout
 from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
+from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
 from .transfer import RingFullError, SnapshotHandle, TransferPipeline
 
 __version__ = "0.1.0"
@@ -16,9 +17,13 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchLayout",
     "CaptureFaultError",
+    "FinishedRouting",
     "RingFullError",
     "RoutingCapturer",
+    "RoutingLedger",
     "RoutingShape",
+    "ScheduledStep",
+    "SlotStore",
     "SnapshotHandle",
     "TransferPipeline",
     "capture_error_counter",
