@@ -11,6 +11,7 @@ from .layout import BatchLayout, infer_layout
 from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
 from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
 from .transfer import RingFullError, SnapshotHandle, TransferPipeline
+from .wire import decode_routing, decode_routing_bytes, encode_routing, encode_routing_bytes
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,10 @@ __all__ = [
     "capture_error_counter",
     "capture_routing",
     "check_capture_errors",
+    "decode_routing",
+    "decode_routing_bytes",
+    "encode_routing",
+    "encode_routing_bytes",
     "infer_layout",
     "narrow_dtype",
     "resolve_routing_shape",
