@@ -7,6 +7,7 @@ route -> capture -> transfer -> store -> wire.
 
 from .capture import CaptureFaultError, capture_error_counter, capture_routing, check_capture_errors
 from .capture.capturer import RoutingCapturer
+from .guards import UnsupportedConfigError, validate_serving_config
 from .layout import BatchLayout, infer_layout
 from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
 from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
@@ -27,6 +28,7 @@ __all__ = [
     "SlotStore",
     "SnapshotHandle",
     "TransferPipeline",
+    "UnsupportedConfigError",
     "capture_error_counter",
     "capture_routing",
     "check_capture_errors",
@@ -37,4 +39,5 @@ __all__ = [
     "infer_layout",
     "narrow_dtype",
     "resolve_routing_shape",
+    "validate_serving_config",
 ]
