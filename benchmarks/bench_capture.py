@@ -81,12 +81,17 @@ def sweep_launch_config(buffer: torch.Tensor) -> Table:
     from moe_ops.capture import kernels
 
     dev = buffer.device
-    table = Table("launch-config sweep (graph us/layer)", ["layout", "n", "block_m", "warps", "graph_us/layer"])
+    table = Table(
+        "launch-config sweep (graph us/layer)", ["layout", "n", "block_m", "warps", "graph_us/layer"]
+    )
     default = kernels.launch_config
     try:
         for layout, dp in ((BatchLayout.LOCAL, 1), (BatchLayout.GATHERED, 4)):
             for n in (1, 64):
-                ids = [torch.randint(0, 256, (n * dp, TOP_K), dtype=torch.int32, device=dev) for _ in range(LAYERS)]
+                ids = [
+                    torch.randint(0, 256, (n * dp, TOP_K), dtype=torch.int32, device=dev)
+                    for _ in range(LAYERS)
+                ]
                 counts = torch.full((dp,), n, dtype=torch.int32, device=dev)
                 for block_m, warps in ((1, 1), (n, 1), (n, 4), (128, 1), (128, 4)):
                     kernels.launch_config = lambda window, k_pad, b=block_m, w=warps: (max(1, b), w)
