@@ -69,11 +69,13 @@ class _Copy:
 
 @dataclass(eq=False)
 class _Request:
+    # the engine's id of the request
     req_id: Hashable
     # KV block table of the current attempt (empty while preempted)
     blocks: list[int] = field(default_factory=list)
     # tokens [0, computed) of the current attempt are scheduled or prefix-hit
     computed: int = 0
+    # attempts started so far minus one (0 = first run, +1 per resume)
     attempt: int = 0
     # "running", "preempted", "finished" or "aborted"
     state: str = "running"
@@ -85,6 +87,7 @@ class _Request:
 
 @dataclass(eq=False)
 class _Step:
+    # the step's sequence number (its key in the ledger's in-flight steps)
     seq: int
     # (n,) slot of each row
     slots: np.ndarray

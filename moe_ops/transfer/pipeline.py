@@ -65,6 +65,7 @@ class RingFullError(RuntimeError):
 
 @dataclass(eq=False)
 class _Slot:
+    # position in the ring, 0 <= index < depth
     index: int
     # (max_rows, L, K) host buffer: pinned on CUDA; the handle's array views it
     host: torch.Tensor
@@ -99,6 +100,7 @@ class SnapshotHandle:
     seq: int
     # rows copied: the array has shape (num_rows, L, K)
     num_rows: int
+    # True once release() returned the slot; the handle's rows are gone from then on
     released: bool = False
 
     def ready(self) -> bool:
