@@ -255,6 +255,8 @@ def test_steps_queued_behind_a_long_kernel_keep_their_own_counts(cuda_device):
     ids = {n: torch.full((16, 2), n, dtype=torch.int64, device=cuda_device) for n in range(2, 12)}
     cap.set_step([1])
     cap.capture(layer, ids[2])  # warm-up: kernel compile, fault counter
+    with cap.snapshot(16) as warm:  # and the snapshot's kernels (lazy module loading may synchronise)
+        warm.result()
     cap.buffer.fill_(-1)
     torch.cuda.synchronize()
     done = torch.cuda.Event()

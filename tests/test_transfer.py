@@ -183,6 +183,10 @@ def test_snapshot_does_not_synchronise_the_forward_stream(cuda_device):
     source = torch.full((64, 4, 2), POISON, dtype=torch.int32, device=cuda_device)
     pipe = TransferPipeline(source, np.uint8, depth=2)
     rows = torch.randint(0, 200, (64, 4, 2), dtype=torch.int32, device=cuda_device)
+    with pipe.snapshot(64) as warm:  # load every kernel first: lazy module loading may synchronise
+        warm.result()
+    source.copy_(rows)
+    source.fill_(POISON)
     torch.cuda.synchronize()
     after_sleep = torch.cuda.Event()
     sleep_ms(200)  # on the forward stream
@@ -204,6 +208,10 @@ def test_guard_source_keeps_a_delayed_snapshot_from_seeing_the_next_step(cuda_de
     guard_source(): the snapshot must still copy the old rows."""
     source = torch.full((128, 2, 4), 1, dtype=torch.int32, device=cuda_device)
     pipe = TransferPipeline(source, np.uint8, depth=2)
+    with pipe.snapshot(128) as warm:  # load every kernel first: lazy module loading may synchronise
+        warm.result()
+    source.fill_(1)
+    sleep_ms(1)
     torch.cuda.synchronize()
     with torch.cuda.stream(pipe.copy_stream):
         sleep_ms(100)  # the copy stream is busy with an earlier transfer
