@@ -459,9 +459,8 @@ class CaptureHandle:
         RuntimeError, before anything is restored, when some router's ``forward`` was replaced by
         someone else after :func:`attach_capture` (remove that wrapper first).
         """
-        for module, _, wrapper in self._wrapped:
+        for path, (module, _, wrapper) in zip(self.paths, self._wrapped):
             if module.__dict__.get("forward") is not wrapper:
-                path = self.paths[[m for m, _, _ in self._wrapped].index(module)]
                 raise RuntimeError(
                     f"the forward of the router at {path!r} was replaced after attach_capture; "
                     "remove that wrapper first"
