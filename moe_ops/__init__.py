@@ -12,9 +12,15 @@ from .capture import (
     capture_routing,
     check_capture_errors,
 )
+from .capture.capturer import RoutingCapturer
 from .flashinfer.backends import backends
+from .guards import UnsupportedConfigError, validate_serving_config
 from .layout import BatchLayout, infer_layout
 from .route import RoutingMethod, route
+from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
+from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
+from .transfer import RingFullError, SnapshotHandle, TransferPipeline
+from .wire import decode_routing, decode_routing_bytes, encode_routing, encode_routing_bytes
 
 __version__ = "0.1.0"
 
@@ -22,11 +28,28 @@ __all__ = [
     "BatchLayout",
     "CaptureFaultError",
     "CaptureTarget",
+    "FinishedRouting",
+    "RingFullError",
+    "RoutingCapturer",
+    "RoutingLedger",
     "RoutingMethod",
+    "RoutingShape",
+    "ScheduledStep",
+    "SlotStore",
+    "SnapshotHandle",
+    "TransferPipeline",
+    "UnsupportedConfigError",
     "backends",
     "capture_error_counter",
     "capture_routing",
     "check_capture_errors",
+    "decode_routing",
+    "decode_routing_bytes",
+    "encode_routing",
+    "encode_routing_bytes",
     "infer_layout",
+    "narrow_dtype",
+    "resolve_routing_shape",
     "route",
+    "validate_serving_config",
 ]

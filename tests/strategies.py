@@ -406,3 +406,33 @@ GPU_CAPTURE_ROUTERS = dict(
     capture_kw=dict(buffer_dtypes=(torch.int32, torch.int16)),
     dtypes=(torch.bfloat16,),
 )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 5: routing shapes and routing arrays (capturer, transfer, store, wire)
+# ---------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def routing_shapes(draw, max_layers: int = 6, max_top_k: int = 8, experts=(8, 64, 256, 257, 4096, 70000)):
+    """A RoutingShape with some dense layers mixed in (moe_layers a random subset of the model)."""
+    from moe_ops import RoutingShape
+
+    num_model_layers = draw(st.integers(1, max_layers))
+    moe = draw(st.lists(st.booleans(), min_size=num_model_layers, max_size=num_model_layers))
+    moe_layers = [i for i, m in enumerate(moe) if m] or [num_model_layers - 1]
+    num_experts = draw(st.sampled_from(experts))
+    top_k = draw(st.integers(1, min(max_top_k, num_experts)))
+    return RoutingShape(
+        num_layers=len(moe_layers),
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_layers=tuple(moe_layers),
+        num_model_layers=num_model_layers,
+    )
+
+
+def routing_rows(rng: np.random.Generator, n: int, shape, dtype=None) -> np.ndarray:
+    """(n, num_layers, top_k) ids in [0, num_experts) in ``dtype`` (default: the shape's narrow dtype)."""
+    dtype = shape.id_dtype if dtype is None else dtype
+    return rng.integers(0, shape.num_experts, size=(n, shape.num_layers, shape.top_k)).astype(dtype)

@@ -267,6 +267,24 @@ def test_binding_binds_every_moe_layer():
     assert model[0].experts.replay_scratch is None and model[2].experts.capture_fn is None
 
 
+def test_binding_a_routing_capturer_maps_model_layers_to_buffer_columns():
+    """With moe_ops.RoutingCapturer (MoE-only layer axis) a layer's model index maps to its column."""
+    from moe_ops import RoutingCapturer, RoutingShape
+
+    factory = lambda: bf16_experts(MoEDispatchConfig(max_num_tokens=16, top_k=4))
+    # model layers 0 and 2 are dense: MoE layers 1 and 3 are buffer columns 0 and 1
+    model = torch.nn.Sequential(TinyMoE(1, factory()), torch.nn.Linear(H, H), TinyMoE(3, factory()))
+    cap = RoutingCapturer(RoutingShape(2, E, 4, moe_layers=(1, 3), num_model_layers=4), 16, "cpu")
+    assert bind_routing_capture(model, cap) == [1, 3]
+    assert model[0].experts.capture_fn == LayerCapture(cap, 0)
+    assert model[2].experts.capture_fn == LayerCapture(cap, 1)
+    assert model[2].experts.capture_fn.target().layer_id == 1
+    unbind_routing_capture(model)
+    dense = torch.nn.Sequential(TinyMoE(2, factory()))
+    with pytest.raises(ValueError, match="model layer 2 is dense"):
+        bind_routing_capture(dense, cap)
+
+
 def test_binding_a_model_without_moe_layers_raises():
     with pytest.raises(ValueError, match=r"found no MoE layer .* in Sequential: nothing would be captured"):
         bind_routing_capture(torch.nn.Sequential(torch.nn.Linear(4, 4)), capturer())

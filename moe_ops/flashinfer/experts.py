@@ -37,7 +37,7 @@ import torch
 
 from ..layout import BatchLayout, layout_from_value
 from . import ops
-from .targets import CaptureTarget, RoutingCapturerLike, capture_ids, check_capturer
+from .targets import CaptureTarget, RoutingCapturerLike, buffer_column, capture_ids, check_capturer
 
 __all__ = [
     "FlashInferExperts",
@@ -302,7 +302,9 @@ class FlashInferExperts(RoutingReplayExperts):
 class RoutingReplayLayer:
     """Mixin for an MoE layer (an ``nn.Module``) whose capture binding survives kernel rebuilds.
 
-    The layer holds ``layer_id`` (its slot in the capture buffer) and ``experts`` (a
+    The layer holds ``layer_id`` (its model layer index; a capturer with a RoutingShape, such as
+    ``moe_ops.RoutingCapturer``, maps it to its buffer column, any other capturer takes it as the
+    column itself - see :func:`~moe_ops.flashinfer.targets.buffer_column`) and ``experts`` (a
     :class:`RoutingReplayExperts`). Assigning a new experts object to ``layer.experts`` while a
     capturer is bound moves the binding to it (checked first, so a new kernel that cannot capture
     raises and the old one stays) and frees the old scratch.
@@ -316,7 +318,7 @@ class RoutingReplayLayer:
         return self.__dict__.get("_routing_capturer")
 
     def _capture_fn_for(self, capturer: RoutingCapturerLike) -> LayerCapture:
-        return LayerCapture(capturer=capturer, layer_id=self.layer_id)
+        return LayerCapture(capturer=capturer, layer_id=buffer_column(capturer, self.layer_id))
 
     def __setattr__(self, name: str, value: Any) -> None:
         capturer = self.__dict__.get("_routing_capturer")

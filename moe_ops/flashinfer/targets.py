@@ -25,7 +25,14 @@ from ..capture import capture_routing
 from ..capture.target import CaptureTarget
 from ..layout import BatchLayout, layout_from_value
 
-__all__ = ["CaptureTarget", "CaptureTargetLike", "RoutingCapturerLike", "capture_ids", "check_capturer"]
+__all__ = [
+    "CaptureTarget",
+    "CaptureTargetLike",
+    "RoutingCapturerLike",
+    "buffer_column",
+    "capture_ids",
+    "check_capturer",
+]
 
 
 @runtime_checkable
@@ -59,6 +66,19 @@ class CaptureTargetLike(RoutingCapturerLike, Protocol):
 
 
 _CAPTURER_FIELDS = ("buffer", "token_counts", "dp_rank", "shard_sizes")
+
+
+def buffer_column(capturer: object, layer_id: int) -> int:
+    """The capture-buffer column of a MoE layer.
+
+    A capturer with a ``RoutingShape`` (``moe_ops.RoutingCapturer``, whose layer axis holds MoE
+    layers only) maps the model layer index ``layer_id`` with ``shape.buffer_layer`` (ValueError for
+    a dense layer); any other capturer takes ``layer_id`` as the column.
+    """
+    shape = getattr(capturer, "shape", None)
+    if shape is not None and hasattr(shape, "buffer_layer"):
+        return shape.buffer_layer(layer_id)
+    return layer_id
 
 
 def check_capturer(capturer: object, what: str = "capturer") -> None:

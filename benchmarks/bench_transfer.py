@@ -1,0 +1,259 @@
+"""Transfer path costs: bytes per step, D2H bandwidth, compute slowdown, store and wire throughput.
+
+Each number is a ratio against a floor or peer measured in the same run:
+
+- bytes per step of 8192 tokens x 61 layers x 8 ids: int32 vs the narrow dtype (uint8 for 256
+  experts).
+- D2H bandwidth of the snapshot pipeline (narrow on the device + pinned copy, ring of 4) against a
+  plain ``pinned.copy_(device, non_blocking=True)`` of the same narrow bytes (peer). Target: >= 0.8
+  of the peer when transfers are large (an H200 copies about 54 GB/s device-to-pinned-host).
+- Compute-loop slowdown: a loop of GEMM "steps" with ``set_step`` each step, with and without a
+  snapshot per step consumed one step later. Target <= 1.02x. Context row: the blocking ``.cpu()``
+  per step that engines used first.
+- Store ``write`` (8192 tokens at engine-like slots) and ``read`` (a 32768-token request, block size
+  16): GB/s of routing rows. Target >= 2 GB/s. CPU.
+- ``encode_routing`` + ``decode_routing`` of a 32768-token request: GB/s of routing bytes. Target
+  >= 1 GB/s. CPU.
+
+    python benchmarks/bench_transfer.py [--csv out.csv] [--quick]
+
+Without a GPU only the CPU sections run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.harness import Table
+from moe_ops import (
+    RoutingCapturer,
+    RoutingShape,
+    SlotStore,
+    TransferPipeline,
+    decode_routing,
+    decode_routing_bytes,
+    encode_routing,
+    encode_routing_bytes,
+)
+from moe_ops.wire import HAS_PYBASE64
+
+LAYERS, TOP_K, EXPERTS, STEP_TOKENS, REQUEST_TOKENS = 61, 8, 256, 8192, 32768
+SHAPE = RoutingShape(num_layers=LAYERS, num_experts=EXPERTS, top_k=TOP_K)
+D2H_TARGET, SLOWDOWN_TARGET, STORE_TARGET_GBS, WIRE_TARGET_GBS = 0.8, 1.02, 2.0, 1.0
+
+
+def _median_s(fn, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bytes_per_step() -> Table:
+    table = Table(
+        f"bytes per step ({STEP_TOKENS} tokens x {LAYERS} layers x {TOP_K} ids, {EXPERTS} experts)",
+        ["dtype", "bytes", "MiB", "ratio_vs_int32"],
+    )
+    ids = STEP_TOKENS * LAYERS * TOP_K
+    for name, size in (("int32", 4), (str(SHAPE.id_dtype), SHAPE.id_dtype.itemsize)):
+        table.add(name, ids * size, ids * size / 2**20, size / 4)
+    return table
+
+
+def d2h_bandwidth(sizes: list[int], reps: int, trials: int) -> Table:
+    """Snapshot pipeline vs a plain pinned copy of the same narrow bytes, both timed the same way."""
+    dev = torch.device("cuda")
+    table = Table(
+        "D2H bandwidth: snapshot pipeline vs plain pinned copy (GB/s of narrow ids)",
+        [
+            "tokens",
+            "MB/step",
+            "peer_GBps",
+            "pipeline_GBps",
+            "ratio",
+            "int32_copy_GBps",
+            "ids_speedup",
+            "target",
+        ],
+    )
+    max_tokens = max(sizes)
+    source = torch.randint(0, EXPERTS, (max_tokens, LAYERS, TOP_K), dtype=torch.int32, device=dev)
+    pipe = TransferPipeline(source, SHAPE.id_dtype, depth=4)
+    narrow_dev = source.to(torch.uint8)
+    narrow_host = torch.empty(narrow_dev.shape, dtype=torch.uint8, pin_memory=True)
+    wide_host = torch.empty(source.shape, dtype=torch.int32, pin_memory=True)
+    copy_stream = torch.cuda.Stream()
+    for n in sizes:
+        nbytes = n * LAYERS * TOP_K
+
+        def plain(dst, src):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.cuda.stream(copy_stream):
+                for _ in range(reps):
+                    dst[:n].copy_(src[:n], non_blocking=True)
+            copy_stream.synchronize()
+            return time.perf_counter() - start
+
+        def pipeline():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            held = []
+            for _ in range(reps):
+                if len(held) == pipe.depth:
+                    held.pop(0).release()  # release never waits: the ring stays full of copies
+                held.append(pipe.snapshot(n))
+            pipe.synchronize()
+            for h in held:
+                h.release()
+            return time.perf_counter() - start
+
+        peer = statistics.median(plain(narrow_host, narrow_dev) for _ in range(trials))
+        ours = statistics.median(pipeline() for _ in range(trials))
+        wide = statistics.median(plain(wide_host, source) for _ in range(trials))
+        with pipe.snapshot(n) as h:
+            assert np.array_equal(h.result(copy=False), narrow_dev[:n].cpu().numpy()), "snapshot rows wrong"
+        peer_gbs, ours_gbs = nbytes * reps / peer / 1e9, nbytes * reps / ours / 1e9
+        table.add(
+            n,
+            nbytes / 1e6,
+            peer_gbs,
+            ours_gbs,
+            ours_gbs / peer_gbs,
+            4 * nbytes * reps / wide / 1e9,
+            wide / ours,
+            f">= {D2H_TARGET}",
+        )
+    return table
+
+
+def compute_slowdown(steps: int, trials: int, gemms: int) -> Table:
+    """A GEMM loop with set_step each step; + a snapshot per step consumed one step later."""
+    dev = torch.device("cuda")
+    table = Table(
+        f"compute-loop slowdown with snapshots ({STEP_TOKENS} tokens/step, ring 4, consumed 1 step later)",
+        ["mode", "ms/step", "slowdown", "target"],
+    )
+    capturer = RoutingCapturer(SHAPE, STEP_TOKENS, dev, ring_depth=4)
+    capturer.buffer.random_(0, EXPERTS)
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+
+    def forward():
+        for _ in range(gemms):
+            torch.mm(a, b, out=out)
+
+    def loop(mode: str) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        pending = None
+        for _ in range(steps):
+            capturer.set_step([STEP_TOKENS])
+            forward()
+            if mode == "snapshot":
+                handle = capturer.snapshot()
+                if pending is not None:  # the engine reads step k-1 while step k runs
+                    pending.result(copy=False)
+                    pending.release()
+                pending = handle
+            elif mode == "blocking .cpu()":
+                capturer.buffer[:STEP_TOKENS].to(torch.uint8).cpu()
+        if pending is not None:
+            pending.result(copy=False)
+            pending.release()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / steps
+
+    modes = ["baseline", "snapshot", "blocking .cpu()"]
+    results = {m: [] for m in modes}
+    for _ in range(trials):  # interleaved, so drift hits every mode alike
+        for m in modes:
+            results[m].append(loop(m))
+    base = statistics.median(results["baseline"])
+    for m in modes:
+        t = statistics.median(results[m])
+        table.add(m, t * 1e3, t / base, f"<= {SLOWDOWN_TARGET}" if m == "snapshot" else "context")
+    return table
+
+
+def store_throughput(reps: int) -> Table:
+    table = Table(
+        f"SlotStore throughput ({LAYERS}x{TOP_K} uint8 rows, block size 16)",
+        ["op", "tokens", "MB", "GBps", "target"],
+    )
+    block_size, num_blocks = 16, 8192
+    store = SlotStore(num_blocks * block_size, SHAPE)
+    rng = np.random.default_rng(0)
+    # engine-like slot mapping: 512 requests' next 16 tokens, each in one of its blocks
+    blocks = rng.permutation(num_blocks)[: STEP_TOKENS // block_size]
+    slots = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
+    rows = rng.integers(0, EXPERTS, size=(STEP_TOKENS, LAYERS, TOP_K), dtype=np.uint8)
+    t = _median_s(lambda: store.write(slots, rows), reps)
+    table.add("write", STEP_TOKENS, rows.nbytes / 1e6, rows.nbytes / t / 1e9, f">= {STORE_TARGET_GBS}")
+    request_blocks = rng.permutation(num_blocks)[: REQUEST_TOKENS // block_size]
+    out = store.read(request_blocks, REQUEST_TOKENS, block_size)
+    assert out.shape == (REQUEST_TOKENS, LAYERS, TOP_K)
+    t = _median_s(lambda: store.read(request_blocks, REQUEST_TOKENS, block_size), reps)
+    table.add("read", REQUEST_TOKENS, out.nbytes / 1e6, out.nbytes / t / 1e9, f">= {STORE_TARGET_GBS}")
+    return table
+
+
+def wire_throughput(reps: int) -> Table:
+    table = Table(
+        f"wire encode+decode of a {REQUEST_TOKENS}-token request (pybase64: {HAS_PYBASE64})",
+        ["format", "MB", "encode_ms", "decode_ms", "GBps", "target"],
+    )
+    rows = np.random.default_rng(1).integers(0, EXPERTS, size=(REQUEST_TOKENS, LAYERS, TOP_K), dtype=np.uint8)
+    for name, enc, dec in (
+        ("base64 .npy", encode_routing, decode_routing),
+        ("raw bytes", encode_routing_bytes, decode_routing_bytes),
+    ):
+        payload = enc(rows)
+        assert np.array_equal(dec(payload), rows)
+        t_enc = _median_s(lambda: enc(rows), reps)
+        t_dec = _median_s(lambda: dec(payload), reps)
+        gbs = rows.nbytes / (t_enc + t_dec) / 1e9
+        table.add(name, rows.nbytes / 1e6, t_enc * 1e3, t_dec * 1e3, gbs, f">= {WIRE_TARGET_GBS}")
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--csv", default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    args = parser.parse_args()
+    reps = 5 if args.quick else 20
+    tables = [bytes_per_step()]
+    if torch.cuda.is_available():
+        tables.append(
+            d2h_bandwidth([1024, STEP_TOKENS, REQUEST_TOKENS], reps=reps, trials=5 if args.quick else 9)
+        )
+        tables.append(
+            compute_slowdown(steps=20 if args.quick else 50, trials=3 if args.quick else 7, gemms=8)
+        )
+    else:
+        print("no CUDA GPU: D2H bandwidth and compute slowdown not measured")
+    tables.append(store_throughput(reps))
+    tables.append(wire_throughput(reps))
+    for t in tables:
+        if args.csv:
+            t.write_csv(args.csv)
+        t.print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""``RoutingCapturer``: the persistent capture buffer of one model, its live counts, and its snapshots.
+
+One capturer per model replica (per DP rank). Per step::
+
+    capturer.set_step(token_counts)              # host ints; copied in place, no host sync
+    ... forward: each MoE layer calls capturer.capture(layer_idx, topk_ids, layout=...) ...
+    handle = capturer.snapshot()                 # async D2H of this rank's rows, returns at once
+    ... later (1..depth steps later) ...
+    rows = handle.result(copy=False)             # (num_tokens, num_layers, top_k), narrow dtype
+    store.write(slot_mapping, rows); handle.release()
+
+Everything the capture op reads on the device (the buffer, ``token_counts``, ``shard_sizes``) is
+allocated once in ``__init__`` and updated in place, never reallocated: CUDA graphs bake these
+addresses, and they are marked as static addresses so that inductor's CUDA-graph trees
+(``mode="reduce-overhead"``) accept the op's mutation of the buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..layout import BatchLayout, layout_from_value
+from ..shapes import RoutingShape
+from ..transfer.pipeline import SnapshotHandle, TransferPipeline
+from .errors import check_capture_errors
+from .op import capture_routing
+
+__all__ = ["RoutingCapturer"]
+
+_BUFFER_LIMITS = {torch.int16: 1 << 15, torch.int32: 1 << 31, torch.int64: 1 << 63}
+
+
+def _host_ints(name: str, values: Sequence[int] | np.ndarray | torch.Tensor, length: int) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be host ints here (a CPU tensor, list or array), got {values.device}"
+            )
+        values = values.tolist()
+    try:
+        out = [int(v) for v in np.asarray(values).reshape(-1).tolist()]
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a sequence of ints, got {values!r}") from None
+    if len(out) != length:
+        raise ValueError(f"{name} must have {length} entries, got {len(out)}: {out}")
+    if any(v < 0 for v in out):
+        raise ValueError(f"{name} must be non-negative, got {out}")
+    return out
+
+
+class RoutingCapturer:
+    """Owns the capture buffer ``(max_num_tokens, shape.num_layers, shape.top_k)`` of one DP rank.
+
+    Args:
+        shape: the model's :class:`~moe_ops.RoutingShape` (the layer axis holds MoE layers only).
+        max_num_tokens: rows of the buffer: the most real tokens this rank runs in one step
+            (LOCAL: also the padded local batch, see ``capture_routing``).
+        device: where the buffer lives (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+        dtype: buffer dtype, int16/int32/int64; it must hold ids up to ``num_experts - 1``.
+        dp_size: data-parallel ranks whose counts ``token_counts`` holds.
+        dp_rank: this rank's index in ``[0, dp_size)``.
+        shards_per_rank: allocate ``shard_sizes`` with ``dp_size * shards_per_rank`` entries
+            (1 for a padded GATHERED all-gather, the TP size for SHARDED); None: no shard sizes.
+        ring_depth: snapshots that may be unreleased at once (see :class:`TransferPipeline`).
+        out_dtype: host dtype of the snapshots (default: ``shape.id_dtype``, uint8 for <= 256
+            experts, uint16 up to 65536, int32 beyond).
+
+    Attributes:
+        buffer: (max_num_tokens, num_layers, top_k) ``dtype`` on ``device`` - never reallocated.
+        token_counts: (dp_size,) int32 on ``device`` - real tokens of each DP rank this step.
+        shard_sizes: (dp_size * shards_per_rank,) int32 on ``device``, or None.
+        num_tokens: host int, this rank's count of the last :meth:`set_step` (None after a
+            :meth:`set_step` with device tensors).
+        pipeline: the :class:`TransferPipeline` that :meth:`snapshot` uses.
+    """
+
+    def __init__(
+        self,
+        shape: RoutingShape,
+        max_num_tokens: int,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.int32,
+        *,
+        dp_size: int = 1,
+        dp_rank: int = 0,
+        shards_per_rank: int | None = None,
+        ring_depth: int = 2,
+        out_dtype: np.dtype | type | None = None,
+    ):
+        if not isinstance(shape, RoutingShape):
+            raise TypeError(f"shape must be a RoutingShape, got {type(shape).__name__}")
+        if isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int) or max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be an int >= 1, got {max_num_tokens!r}")
+        if dtype not in _BUFFER_LIMITS:
+            raise ValueError(f"dtype must be torch.int16, torch.int32 or torch.int64, got {dtype}")
+        if shape.num_experts > _BUFFER_LIMITS[dtype]:
+            raise ValueError(
+                f"dtype {dtype} cannot hold expert ids up to {shape.num_experts - 1} "
+                f"(num_experts={shape.num_experts}); use torch.int32"
+            )
+        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+            raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be an int in [0, {dp_size}) (dp_size={dp_size}), got {dp_rank!r}")
+        if shards_per_rank is not None and (
+            isinstance(shards_per_rank, bool) or not isinstance(shards_per_rank, int) or shards_per_rank < 1
+        ):
+            raise ValueError(f"shards_per_rank must be None or an int >= 1, got {shards_per_rank!r}")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.shape = shape
+        self.max_num_tokens = max_num_tokens
+        self.device = device
+        self.dtype = dtype
+        self.dp_size = dp_size
+        self.dp_rank = dp_rank
+        self.shards_per_rank = shards_per_rank
+        self.num_tokens: int | None = 0
+        # model layer -> buffer layer, looked up on every capture (also while tracing)
+        self._buffer_index = {layer: i for i, layer in enumerate(shape.moe_layers)}
+
+        self.buffer = torch.full(
+            (max_num_tokens, shape.num_layers, shape.top_k), -1, dtype=dtype, device=device
+        )
+        self.token_counts = torch.zeros(dp_size, dtype=torch.int32, device=device)
+        self.shard_sizes = (
+            None
+            if shards_per_rank is None
+            else torch.zeros(dp_size * shards_per_rank, dtype=torch.int32, device=device)
+        )
+        for t in (self.buffer, self.token_counts, self.shard_sizes):
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
+        self.pipeline = TransferPipeline(
+            self.buffer, shape.id_dtype if out_dtype is None else out_dtype, depth=ring_depth
+        )
+
+    def set_step(
+        self,
+        token_counts: Sequence[int] | np.ndarray | torch.Tensor,
+        shard_sizes: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """Writes this step's counts into ``token_counts`` / ``shard_sizes`` in place.
+
+        Args:
+            token_counts: (dp_size,) real tokens of each DP rank. Host ints (list, numpy, CPU
+                tensor), checked here; or an int32 tensor on the capturer's device, copied as is
+                (device values are not checked, and ``num_tokens`` becomes unknown).
+            shard_sizes: (dp_size * shards_per_rank,) - required when the capturer has
+                ``shard_sizes``, rejected otherwise.
+            stream: the stream the step's forward runs on (default: the current stream).
+
+        Ordering: call it on the forward's stream, before the forward. It enqueues (1) a wait for
+        the last snapshot to have read the buffer (so this step's captures cannot overwrite rows a
+        queued snapshot still has to copy; an event wait, not a host sync) and (2) non-blocking
+        copies of the counts from freshly pinned host memory (the caching host allocator keeps that
+        memory until the copy ran, so the next ``set_step`` cannot overwrite counts still queued).
+        Nothing waits on the host. Bad input raises before anything is enqueued.
+        """
+        device_counts = isinstance(token_counts, torch.Tensor) and token_counts.device == self.device
+        if device_counts and self.device.type != "cpu":
+            self._check_device_tensor("token_counts", token_counts, self.dp_size)
+            counts = token_counts
+            num_tokens = None
+        else:
+            values = _host_ints("token_counts", token_counts, self.dp_size)
+            if values[self.dp_rank] > self.max_num_tokens:
+                raise ValueError(
+                    f"token_counts[{self.dp_rank}]={values[self.dp_rank]} (this rank) exceeds "
+                    f"max_num_tokens={self.max_num_tokens}, the rows of the capture buffer"
+                )
+            counts = values
+            num_tokens = values[self.dp_rank]
+        sizes = None
+        if self.shard_sizes is None:
+            if shard_sizes is not None:
+                raise ValueError(
+                    "shard_sizes given but this capturer has none: create it with shards_per_rank"
+                )
+        else:
+            n = self.shard_sizes.shape[0]
+            if shard_sizes is None:
+                raise ValueError(
+                    f"shard_sizes is required every step: this capturer has {n} shard sizes "
+                    f"(dp_size={self.dp_size} x shards_per_rank={self.shards_per_rank})"
+                )
+            if (
+                isinstance(shard_sizes, torch.Tensor)
+                and shard_sizes.device == self.device
+                and (self.device.type != "cpu")
+            ):
+                self._check_device_tensor("shard_sizes", shard_sizes, n)
+                sizes = shard_sizes
+            else:
+                sizes = _host_ints("shard_sizes", shard_sizes, n)
+
+        self.pipeline.guard_source(stream)
+        self._write(self.token_counts, counts, stream)
+        if sizes is not None:
+            self._write(self.shard_sizes, sizes, stream)
+        self.num_tokens = num_tokens
+
+    def _check_device_tensor(self, name: str, t: torch.Tensor, length: int) -> None:
+        if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != length:
+            raise ValueError(
+                f"{name} as a device tensor must be ({length},) int32, got {tuple(t.shape)} {t.dtype}"
+            )
+
+    def _write(self, dst: torch.Tensor, values: list[int] | torch.Tensor, stream) -> None:
+        if isinstance(values, torch.Tensor):
+            src = values
+        elif self.device.type == "cuda":
+            src = torch.tensor(values, dtype=torch.int32, pin_memory=True)
+        else:
+            src = torch.tensor(values, dtype=torch.int32)
+        if self.device.type == "cuda":
+            with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream(self.device)):
+                dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)
+
+    def capture(
+        self,
+        layer_id: int,
+        topk_ids: torch.Tensor,
+        layout: BatchLayout | int = BatchLayout.LOCAL,
+        *,
+        tp_group=None,
+    ) -> None:
+        """Records this rank's rows of one MoE layer (delegates to :func:`moe_ops.capture_routing`).
+
+        Args:
+            layer_id: the MODEL layer index (what the MoE layer knows as its ``layer_idx``); it is
+                mapped to the buffer's MoE-only layer axis. IndexError outside the model,
+                ValueError for a dense layer.
+            topk_ids: (n, top_k) integer on the capturer's device - the router's choices, rows in
+                ``layout``.
+            layout: the :class:`BatchLayout` of ``topk_ids``. GATHERED uses ``shard_sizes`` when the
+                capturer has dp_size of them (a padded all-gather), else ``token_counts``; SHARDED
+                needs ``shard_sizes``.
+            tp_group: SEQUENCE_PARALLEL only, the group to all-gather over.
+
+        No host reads, no synchronisation: safe inside torch.compile and CUDA graphs.
+        """
+        index = self._buffer_index.get(layer_id)
+        if index is None:
+            index = self.shape.buffer_layer(layer_id)  # raises the precise error
+        layout = layout_from_value(layout)
+        # SHARDED always reads shard_sizes; GATHERED when there is one (padded) size per DP rank
+        gathered_padded = (
+            layout == BatchLayout.GATHERED
+            and self.shard_sizes is not None
+            and self.shard_sizes.shape[0] == self.dp_size
+        )
+        sizes = self.shard_sizes if layout == BatchLayout.SHARDED or gathered_padded else None
+        capture_routing(
+            self.buffer,
+            topk_ids,
+            index,
+            token_counts=self.token_counts,
+            dp_rank=self.dp_rank,
+            layout=layout,
+            shard_sizes=sizes,
+            tp_group=tp_group,
+        )
+
+    def snapshot(
+        self,
+        num_rows: int | None = None,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        timeout: float = 0.0,
+    ) -> SnapshotHandle:
+        """Enqueues the async copy of buffer rows ``[0, num_rows)`` to the host; see
+        :meth:`TransferPipeline.snapshot`.
+
+        ``num_rows`` defaults to ``num_tokens`` (this rank's count from the last :meth:`set_step`).
+        Returns at once on CUDA (no host sync); the handle's ``result()`` waits for this copy only.
+        """
+        if num_rows is None:
+            if self.num_tokens is None:
+                raise ValueError(
+                    "num_rows is required: the last set_step took device counts, so this rank's token "
+                    "count is not known on the host"
+                )
+            num_rows = self.num_tokens
+        return self.pipeline.snapshot(num_rows, stream=stream, timeout=timeout)
+
+    def check_errors(self, *, raise_error: bool = True) -> int:
+        """:func:`moe_ops.check_capture_errors` for this capturer's device (HOST SYNC: 8 bytes)."""
+        return check_capture_errors(self.device, raise_error=raise_error)

@@ -1,0 +1,187 @@
+"""``SlotStore``: host-side routing rows indexed like a paged KV cache.
+
+A token's routing lives at the slot of its KV entry, ``slot = block_id * block_size + offset``, so
+the store follows the KV cache for free: a request that hits the prefix cache reads the routing of
+the request that computed those blocks, exactly as it reads their keys and values::
+
+    data: | slot 0 | slot 1 | ... |      one (num_layers, top_k) row per slot
+    request with blocks [7, 2], block_size 4, tokens 0..5:
+        token: 0    1    2    3    4    5
+        slot:  28   29   30   31   8    9
+
+All of it is host memory (numpy) and host work: the store never touches a device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..shapes import RoutingShape
+
+__all__ = ["SlotStore", "slots_for"]
+
+
+def _index_array(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_count(name: str, value: int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def slots_for(
+    block_ids: Sequence[int] | np.ndarray, block_size: int, start: int, num_tokens: int
+) -> np.ndarray:
+    """(num_tokens,) int64 slots of the tokens ``[start, start + num_tokens)`` of a request whose KV
+    blocks are ``block_ids``: ``block_ids[t // block_size] * block_size + t % block_size``.
+
+    IndexError when the blocks do not cover the tokens or a block id is negative.
+    """
+    blocks = _index_array("block_ids", block_ids)
+    block_size = _check_count("block_size", block_size, 1)
+    start = _check_count("start", start, 0)
+    num_tokens = _check_count("num_tokens", num_tokens, 0)
+    end = start + num_tokens
+    if end > blocks.size * block_size:
+        raise IndexError(
+            f"tokens [{start}, {end}) need {-(-end // block_size)} blocks of {block_size}, but only "
+            f"{blocks.size} block ids were given"
+        )
+    if num_tokens == 0:
+        return np.empty(0, dtype=np.int64)
+    first, last = start // block_size, (end - 1) // block_size
+    used = blocks[first : last + 1]
+    if used.min() < 0:
+        raise IndexError(f"block ids must be >= 0, got {used[used < 0][:8].tolist()}")
+    t = np.arange(start, end, dtype=np.int64)
+    return blocks[t // block_size] * block_size + t % block_size
+
+
+class SlotStore:
+    """Routing rows of ``num_slots`` KV slots: a ``(num_slots, num_layers, top_k)`` host array.
+
+    Args:
+        num_slots: KV slots of the cache (``num_blocks * block_size``).
+        routing_shape: the model's :class:`~moe_ops.RoutingShape`.
+        dtype: numpy integer dtype of the rows (None: ``routing_shape.id_dtype``, the narrow dtype
+            from the expert count).
+
+    Slots never written read as ``fill`` (-1 for signed dtypes, the dtype's maximum for unsigned
+    ones). Out-of-range slots and blocks raise IndexError: nothing wraps around, negative indices
+    included.
+    """
+
+    def __init__(self, num_slots: int, routing_shape: RoutingShape, dtype: np.dtype | type | None = None):
+        if not isinstance(routing_shape, RoutingShape):
+            raise TypeError(f"routing_shape must be a RoutingShape, got {type(routing_shape).__name__}")
+        self.num_slots = _check_count("num_slots", num_slots, 1)
+        self.shape = routing_shape
+        self.dtype = routing_shape.id_dtype if dtype is None else np.dtype(dtype)
+        if self.dtype.kind not in "iu":
+            raise ValueError(f"dtype must be an integer dtype, got {self.dtype}")
+        info = np.iinfo(self.dtype)
+        if routing_shape.num_experts - 1 > info.max:
+            raise ValueError(
+                f"dtype {self.dtype} cannot hold expert ids up to {routing_shape.num_experts - 1}"
+            )
+        # value of never-written slots: -1, or the largest value of an unsigned dtype (not an id
+        # of a model with fewer experts than that)
+        self.fill = -1 if info.min < 0 else int(info.max)
+        self.data = np.full(
+            (self.num_slots, routing_shape.num_layers, routing_shape.top_k), self.fill, self.dtype
+        )
+
+    @property
+    def row_shape(self) -> tuple[int, int]:
+        """(num_layers, top_k): the shape of one slot's row."""
+        return self.data.shape[1:]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def _check_slots(self, slots: np.ndarray) -> None:
+        if slots.size and (slots.min() < 0 or slots.max() >= self.num_slots):
+            bad = slots[(slots < 0) | (slots >= self.num_slots)]
+            raise IndexError(f"slots must be in [0, {self.num_slots}), got {bad[:8].tolist()}")
+
+    def write(self, slot_mapping: Sequence[int] | np.ndarray, rows: np.ndarray) -> None:
+        """Stores ``rows[i]`` at slot ``slot_mapping[i]`` (vectorised; a later duplicate wins).
+
+        Args:
+            slot_mapping: (n,) integer - one KV slot per row, each in ``[0, num_slots)``.
+            rows: (n, num_layers, top_k) integer - e.g. ``SnapshotHandle.result()``.
+
+        Raises IndexError for an out-of-range slot and ValueError for a wrong shape, a non-integer
+        dtype or a value the store's dtype cannot hold; the store is unchanged when it raises.
+        """
+        slots = _index_array("slot_mapping", slot_mapping)
+        rows = np.asarray(rows)
+        expected = (slots.size, *self.row_shape)
+        if rows.shape != expected:
+            raise ValueError(f"rows must have shape {expected} (one row per slot), got {rows.shape}")
+        if rows.size and rows.dtype.kind not in "iu":
+            raise ValueError(f"rows must hold integers, got dtype {rows.dtype}")
+        self._check_slots(slots)
+        if rows.size and not np.can_cast(rows.dtype, self.dtype, casting="safe"):
+            info = np.iinfo(self.dtype)
+            lo, hi = int(rows.min()), int(rows.max())
+            if lo < info.min or hi > info.max:
+                raise ValueError(
+                    f"rows hold values in [{lo}, {hi}] that the store's dtype {self.dtype} cannot hold"
+                )
+        self.data[slots] = rows
+
+    def read_slots(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """A copy of the rows at ``slots``: (len(slots), num_layers, top_k). IndexError out of range."""
+        slots = _index_array("slots", slots)
+        self._check_slots(slots)
+        return self.data[slots]
+
+    def read(
+        self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, block_size: int, start: int = 0
+    ) -> np.ndarray:
+        """A copy of the rows of tokens ``[start, start + num_tokens)`` of a request whose KV blocks
+        are ``block_ids``: shape (num_tokens, num_layers, top_k).
+
+        IndexError when the blocks do not cover the tokens, or a block id is negative or past the
+        store's slots.
+        """
+        blocks = _index_array("block_ids", block_ids)
+        block_size = _check_count("block_size", block_size, 1)
+        start = _check_count("start", start, 0)
+        num_tokens = _check_count("num_tokens", num_tokens, 0)
+        end = start + num_tokens
+        if end > blocks.size * block_size:
+            raise IndexError(
+                f"tokens [{start}, {end}) need {-(-end // block_size)} blocks of {block_size}, but only "
+                f"{blocks.size} block ids were given"
+            )
+        if num_tokens == 0:
+            return np.empty((0, *self.row_shape), dtype=self.dtype)
+        first, last = start // block_size, (end - 1) // block_size
+        used = blocks[first : last + 1]
+        num_blocks = self.num_slots // block_size
+        if used.min() < 0 or used.max() >= num_blocks:
+            bad = used[(used < 0) | (used >= num_blocks)]
+            raise IndexError(
+                f"block ids must be in [0, {num_blocks}) ({self.num_slots} slots / block_size "
+                f"{block_size}), got {bad[:8].tolist()}"
+            )
+        # Whole blocks are contiguous: gather them as (blocks, block_size, L, K) chunks, one memcpy
+        # each, then cut the token range out of the gathered (contiguous) copy.
+        paged = self.data[: num_blocks * block_size].reshape(num_blocks, block_size, *self.row_shape)
+        gathered = paged[used].reshape(-1, *self.row_shape)
+        offset = start - first * block_size
+        return gathered[offset : offset + num_tokens]

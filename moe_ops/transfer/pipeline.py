@@ -1,0 +1,314 @@
+"""The async device-to-host pipeline: narrow on the device, copy into a ring of pinned host buffers.
+
+One snapshot of the leading ``num_rows`` rows of a persistent ``(max_rows, L, K)`` device buffer::
+
+    compute stream: ... forward writes rows ... [record ready]                   [wait read_done]* ...
+                                                       |                               ^
+    copy stream:                             [wait ready] narrow -> staging[s] [record read_done]
+                                                          D2H staging[s] -> pinned[s] [record copy_done]
+    host:           snapshot() returns at once;  handle.result() waits on copy_done only
+
+    * the next :meth:`TransferPipeline.guard_source` (``RoutingCapturer.set_step`` calls it) makes the
+      compute stream wait for ``read_done`` before the next step can overwrite the source rows.
+
+- Nothing here synchronises the host with the device except ``SnapshotHandle.wait``/``result``,
+  which wait on that snapshot's own event; the copy stream waits on the compute stream through an
+  event, never a device-wide sync.
+- The ring has ``depth`` slots (device staging + pinned host buffer + events each). A slot is busy
+  from ``snapshot`` until its handle's ``release``; when all are busy, ``snapshot`` raises
+  :class:`RingFullError` (or waits up to ``timeout`` seconds for another thread to release one).
+  A slot is never reused silently.
+- Buffers are allocated once and never move. The caching allocator is told the copy stream uses
+  them (``record_stream``), so even freeing the pipeline with copies in flight cannot hand their
+  memory to another stream early.
+- On a CPU source there is no stream: ``snapshot`` copies synchronously into the slot's host
+  buffer. Slots, handles, release and ring exhaustion behave exactly as on CUDA.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = ["RingFullError", "SnapshotHandle", "TransferPipeline", "staging_dtype"]
+
+# Host dtype -> device staging dtype of the same width. uint16 is staged as int16 (same bits; the host
+# reads it back through a uint16 view): int16 casts and copies are supported by every torch build,
+# torch.uint16 only partly on CUDA in older releases.
+_STAGING = {
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.uint16): torch.int16,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+}
+
+
+def staging_dtype(host_dtype: np.dtype) -> torch.dtype:
+    """The torch dtype a host dtype travels as (same width; uint16 travels as int16 bits)."""
+    host_dtype = np.dtype(host_dtype)
+    try:
+        return _STAGING[host_dtype]
+    except KeyError:
+        names = ", ".join(str(d) for d in _STAGING)
+        raise ValueError(f"out_dtype must be one of {names}, got {host_dtype}") from None
+
+
+class RingFullError(RuntimeError):
+    """Every ring slot holds an unreleased snapshot: release handles (or deepen the ring)."""
+
+
+@dataclass(eq=False)
+class _Slot:
+    # position in the ring, 0 <= index < depth
+    index: int
+    # (max_rows, L, K) host buffer: pinned on CUDA; the handle's array views it
+    host: torch.Tensor
+    # host viewed as numpy in the output dtype (uint16 through a view of the int16 bits)
+    host_np: np.ndarray
+    # (max_rows, L, K) device buffer the narrowing writes into (None on CPU)
+    staging: torch.Tensor | None
+    # recorded on the compute stream at snapshot(); the copy stream waits on it
+    ready: torch.cuda.Event | None = None
+    # recorded on the copy stream once the source rows were read (narrowed into staging)
+    read_done: torch.cuda.Event | None = None
+    # recorded on the copy stream once the host buffer holds the rows
+    copy_done: torch.cuda.Event | None = None
+    # the unreleased handle holding this slot (None: free)
+    holder: SnapshotHandle | None = None
+
+
+@dataclass(eq=False)
+class SnapshotHandle:
+    """One snapshot's rows on their way to the host. Obtain from :meth:`TransferPipeline.snapshot`.
+
+    Ownership: the rows live in the handle's ring slot until :meth:`release`. ``result()`` returns
+    an owned copy (safe forever); ``result(copy=False)`` returns a read-only view into the pinned
+    slot that is valid only until ``release()`` (after that the slot is refilled by a later snapshot).
+    Use it as a context manager to release on exit.
+    """
+
+    # the pipeline that owns the slot
+    pipeline: TransferPipeline
+    _slot: _Slot = field(repr=False)
+    # position of this snapshot in the pipeline's sequence (0, 1, 2, ...)
+    seq: int
+    # rows copied: the array has shape (num_rows, L, K)
+    num_rows: int
+    # True once release() returned the slot; the handle's rows are gone from then on
+    released: bool = False
+
+    def ready(self) -> bool:
+        """True once the rows are in host memory (a non-blocking event query)."""
+        self._check_live()
+        event = self._slot.copy_done
+        return event is None or event.query()
+
+    def wait(self) -> None:
+        """Blocks until this snapshot's copy is done; waits on its own event only (no device sync)."""
+        self._check_live()
+        if self._slot.copy_done is not None:
+            self._slot.copy_done.synchronize()
+
+    def result(self, *, copy: bool = True) -> np.ndarray:
+        """The (num_rows, L, K) rows in the pipeline's output dtype, after :meth:`wait`.
+
+        ``copy=True`` returns an owned array. ``copy=False`` returns a read-only view into the pinned
+        slot, valid until :meth:`release` (cheaper: no host copy).
+        """
+        self.wait()
+        view = self._slot.host_np[: self.num_rows]
+        if copy:
+            return view.copy()
+        view = view.view()
+        view.flags.writeable = False
+        return view
+
+    def release(self) -> None:
+        """Returns the slot to the ring. Idempotent; never waits. Views from ``result(copy=False)``
+        become invalid.
+
+        Releasing a snapshot whose copy is still in flight (a step whose rows nobody wants) is safe:
+        every use of a slot is queued on the one copy stream, so the next snapshot's writes into the
+        slot run after this one's.
+        """
+        self.pipeline._release(self)
+
+    def __enter__(self) -> SnapshotHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise RuntimeError(
+                f"snapshot {self.seq} was released: its ring slot may already hold another step's rows"
+            )
+
+
+class TransferPipeline:
+    """Snapshots of the leading rows of a persistent device buffer into a ring of host buffers.
+
+    Args:
+        source: (max_rows, L, K) integer tensor - the persistent buffer to copy from (e.g. a
+            capture buffer). It must not be reallocated while the pipeline lives.
+        out_dtype: numpy dtype of the host arrays (uint8, int8, uint16, int16, int32, int64).
+            Narrowing happens on the device on the copy stream, so only ``itemsize`` bytes per id
+            cross PCIe; ids that do not fit wrap (the caller sizes the dtype, e.g. with
+            ``RoutingShape.id_dtype``).
+        depth: ring slots, i.e. snapshots that may be unreleased at once (>= 1).
+    """
+
+    def __init__(self, source: torch.Tensor, out_dtype: np.dtype | type, *, depth: int = 2):
+        if not isinstance(source, torch.Tensor):
+            raise TypeError(f"source must be a torch.Tensor, got {type(source).__name__}")
+        if source.dim() != 3:
+            raise ValueError(
+                f"source must be 3-D (max_rows, num_layers, top_k), got shape {tuple(source.shape)}"
+            )
+        if source.dtype.is_floating_point or source.dtype.is_complex or source.dtype == torch.bool:
+            raise ValueError(f"source must have an integer dtype, got {source.dtype}")
+        if not source.is_contiguous():
+            raise ValueError("source must be contiguous (its leading rows are copied as one block)")
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be an int >= 1 (ring slots), got {depth!r}")
+        self.out_dtype = np.dtype(out_dtype)
+        self._staging_dtype = staging_dtype(self.out_dtype)
+        self.source = source
+        self.device = source.device
+        self.depth = depth
+        self.max_rows = source.shape[0]
+        self._cuda = source.device.type == "cuda"
+        self._lock = threading.Condition()
+        self._seq = 0
+        self._last_read_done: torch.cuda.Event | None = None
+        self.copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
+        if self._cuda:
+            # The copy stream reads source and staging: freeing them must wait for its work.
+            source.record_stream(self.copy_stream)
+        self._slots = [self._make_slot(i) for i in range(depth)]
+        self._free = list(range(depth))
+
+    def _make_slot(self, index: int) -> _Slot:
+        shape = tuple(self.source.shape)
+        host = torch.empty(shape, dtype=self._staging_dtype, pin_memory=self._cuda)
+        host_np = host.numpy()
+        if host_np.dtype != self.out_dtype:
+            host_np = host_np.view(self.out_dtype)
+        staging = None
+        slot = _Slot(index=index, host=host, host_np=host_np, staging=staging)
+        if self._cuda:
+            slot.staging = torch.empty(shape, dtype=self._staging_dtype, device=self.device)
+            slot.staging.record_stream(self.copy_stream)
+            slot.ready = torch.cuda.Event()
+            slot.read_done = torch.cuda.Event()
+            slot.copy_done = torch.cuda.Event()
+        return slot
+
+    @property
+    def in_flight(self) -> int:
+        """Snapshots taken and not yet released."""
+        with self._lock:
+            return self.depth - len(self._free)
+
+    def snapshot(
+        self, num_rows: int, *, stream: torch.cuda.Stream | None = None, timeout: float = 0.0
+    ) -> SnapshotHandle:
+        """Enqueues the copy of rows ``[0, num_rows)`` of the source and returns at once.
+
+        Args:
+            num_rows: rows to copy, in ``[0, max_rows]`` (a host int: the step's real token count).
+            stream: the stream whose queued work wrote the rows (default: the current stream).
+            timeout: seconds to wait for a free ring slot when all are held (another thread must
+                release one); 0 raises :class:`RingFullError` at once.
+
+        On CUDA this records an event on ``stream``, makes the copy stream wait on it, and enqueues
+        the narrowing and the non-blocking copy there; the host does not wait for the device. On CPU
+        the copy happens before it returns.
+        """
+        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)):
+            raise TypeError(f"num_rows must be an int, got {type(num_rows).__name__}")
+        if not 0 <= num_rows <= self.max_rows:
+            raise ValueError(f"num_rows must be in [0, {self.max_rows}] (rows of the source), got {num_rows}")
+        num_rows = int(num_rows)
+        slot = self._acquire(timeout)
+        try:
+            if self._cuda:
+                self._enqueue_cuda(slot, num_rows, stream)
+            else:
+                src = self.source[:num_rows].numpy()
+                np.copyto(slot.host_np[:num_rows], src, casting="unsafe")
+        except BaseException:
+            with self._lock:
+                self._free.append(slot.index)
+                self._lock.notify()
+            raise
+        with self._lock:
+            handle = SnapshotHandle(pipeline=self, _slot=slot, seq=self._seq, num_rows=num_rows)
+            self._seq += 1
+            slot.holder = handle
+        return handle
+
+    def _enqueue_cuda(self, slot: _Slot, num_rows: int, stream: torch.cuda.Stream | None) -> None:
+        compute = stream if stream is not None else torch.cuda.current_stream(self.device)
+        slot.ready.record(compute)
+        copy = self.copy_stream
+        copy.wait_event(slot.ready)
+        with torch.cuda.stream(copy):
+            if num_rows:
+                # Narrowing on the device: one elementwise cast kernel, no allocation.
+                slot.staging[:num_rows].copy_(self.source[:num_rows])
+            slot.read_done.record(copy)
+            if num_rows:
+                slot.host[:num_rows].copy_(slot.staging[:num_rows], non_blocking=True)
+            slot.copy_done.record(copy)
+        self._last_read_done = slot.read_done
+
+    def guard_source(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Makes ``stream`` (default: current) wait until every snapshot taken so far has read the
+        source, so that work queued next may overwrite it. An event wait on the device, not a host
+        sync; a no-op on CPU (snapshots there copy before returning).
+
+        Call it before each step that writes the source (``RoutingCapturer.set_step`` does).
+        """
+        if self._cuda and self._last_read_done is not None:
+            target = stream if stream is not None else torch.cuda.current_stream(self.device)
+            # Copy-stream work is in order, so the last snapshot's event covers every earlier one.
+            target.wait_event(self._last_read_done)
+
+    def _acquire(self, timeout: float) -> _Slot:
+        deadline = time.monotonic() + max(0.0, float(timeout))
+        with self._lock:
+            while not self._free:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    held = sorted(s.holder.seq for s in self._slots if s.holder is not None)
+                    raise RingFullError(
+                        f"all {self.depth} ring slots hold unreleased snapshots (seq {held}); release "
+                        "a handle (SnapshotHandle.release) or create the pipeline with a larger depth"
+                    )
+                self._lock.wait(remaining)
+            return self._slots[self._free.pop(0)]
+
+    def _release(self, handle: SnapshotHandle) -> None:
+        with self._lock:
+            if handle.released:
+                return
+            slot = handle._slot
+            if slot.holder is not handle:
+                raise RuntimeError(f"snapshot {handle.seq} does not hold its ring slot any more")
+            handle.released = True
+            slot.holder = None
+            self._free.append(slot.index)
+            self._lock.notify()
+
+    def synchronize(self) -> None:
+        """Waits until every enqueued copy is done (the copy stream only; host side)."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()

@@ -1,0 +1,24 @@
+"""Helpers for GPU tests: a busy kernel of a known duration on the current stream."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _cycles_per_ms() -> float:
+    """Calibrates torch.cuda._sleep (a spin of N clock cycles) against CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm-up
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / start.elapsed_time(end)
+
+
+def sleep_ms(ms: float) -> None:
+    """Enqueues a kernel that keeps the current stream busy for about ``ms`` milliseconds."""
+    torch.cuda._sleep(int(_cycles_per_ms() * ms))

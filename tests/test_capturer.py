@@ -1,0 +1,293 @@
+"""RoutingCapturer: persistent buffers, live counts, model-layer mapping, compile and CUDA graphs."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from gpu_helpers import sleep_ms
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import POISON
+
+from graphs import CompileCounters
+from moe_ops import BatchLayout, RoutingCapturer, RoutingShape, check_capture_errors
+
+# model layers 0..4; 0 and 3 are dense
+SHAPE = RoutingShape(num_layers=3, num_experts=64, top_k=2, moe_layers=(1, 2, 4), num_model_layers=5)
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def _ids(n: int, seed: int, device) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, SHAPE.num_experts, (n, SHAPE.top_k), generator=g).to(device)
+        for _ in SHAPE.moe_layers
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_capture_model_layers_into_the_moe_axis(device):
+    cap = RoutingCapturer(SHAPE, 16, device, ring_depth=2)
+    buffer_ptr, counts_ptr = cap.buffer.data_ptr(), cap.token_counts.data_ptr()
+    assert cap.buffer.shape == (16, 3, 2) and cap.pipeline.out_dtype == np.uint8
+    for step, n in enumerate([5, 0, 16, 9]):
+        cap.set_step([n])
+        assert cap.num_tokens == n
+        ids = _ids(min(n + 3, 16), step, device)  # padding rows past the count
+        for layer, t in zip(SHAPE.moe_layers, ids):
+            cap.capture(layer, t)
+        with cap.snapshot() as handle:
+            rows = handle.result()
+        expected = torch.stack([t[:n] for t in ids], dim=1).cpu().numpy().astype(np.uint8)
+        assert np.array_equal(rows, expected), f"step {step}: rows differ"
+    assert cap.buffer.data_ptr() == buffer_ptr and cap.token_counts.data_ptr() == counts_ptr
+    assert check_capture_errors(cap.device) == 0
+
+
+def test_dense_and_out_of_range_layers_raise():
+    cap = RoutingCapturer(SHAPE, 8, "cpu")
+    cap.set_step([2])
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    before = cap.buffer.clone()
+    with pytest.raises(ValueError, match="model layer 3 is dense"):
+        cap.capture(3, ids)
+    with pytest.raises(IndexError, match=r"\[0, 5\)"):
+        cap.capture(5, ids)
+    assert torch.equal(cap.buffer, before)
+
+
+@settings(max_examples=80)
+@given(
+    layout=st.sampled_from([BatchLayout.LOCAL, BatchLayout.GATHERED, BatchLayout.SHARDED]),
+    counts=st.lists(st.integers(0, 6), min_size=3, max_size=3),
+    pad=st.integers(0, 3),
+    rank=st.integers(0, 2),
+    seed=st.integers(0, 2**31),
+)
+def test_layouts_read_the_capturer_counts(layout, counts, pad, rank, seed):
+    """GATHERED/SHARDED use the capturer's shard_sizes; the rows are this rank's, per the layout."""
+    spr = 2 if layout == BatchLayout.SHARDED else 1
+    cap = RoutingCapturer(
+        SHAPE,
+        12,
+        "cpu",
+        dp_size=3,
+        dp_rank=rank,
+        shards_per_rank=None if layout == BatchLayout.LOCAL else spr,
+    )
+    padded = [c + pad for c in counts]
+    rng = np.random.default_rng(seed)
+    if layout == BatchLayout.LOCAL:
+        n_rows, start, sizes = padded[rank], 0, None
+    elif layout == BatchLayout.GATHERED:
+        n_rows, start, sizes = sum(padded), sum(padded[:rank]), padded
+    else:
+        per = [-(-p // spr) for p in padded]
+        sizes = [s for s in per for _ in range(spr)]
+        n_rows, start = sum(sizes), sum(sizes[: rank * spr])
+    cap.set_step(counts, sizes)
+    ids = [torch.from_numpy(rng.integers(0, 64, size=(n_rows, 2))) for _ in SHAPE.moe_layers]
+    for layer, t in zip(SHAPE.moe_layers, ids):
+        cap.capture(layer, t, layout)
+    c = counts[rank]
+    rows = cap.snapshot().result()
+    expected = np.stack([t[start : start + c].numpy() for t in ids], axis=1)
+    assert np.array_equal(rows, expected.astype(np.uint8))
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda c: c.set_step([1, 2]), ValueError, "token_counts must have 1 entries"),
+        (lambda c: c.set_step([-1]), ValueError, "non-negative"),
+        (
+            lambda c: c.set_step([9]),
+            ValueError,
+            r"token_counts\[0\]=9 \(this rank\) exceeds max_num_tokens=8",
+        ),
+        (lambda c: c.set_step(["a"]), TypeError, "sequence of ints"),
+        (lambda c: c.set_step([1], [1]), ValueError, "shard_sizes given but this capturer has none"),
+        (lambda c: c.snapshot(9), ValueError, r"num_rows must be in \[0, 8\]"),
+    ],
+)
+def test_bad_step_input_leaves_counts_untouched(call, exc, match):
+    cap = RoutingCapturer(SHAPE, 8, "cpu")
+    cap.set_step([3])
+    with pytest.raises(exc, match=match):
+        call(cap)
+    assert cap.token_counts.tolist() == [3] and cap.num_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_num_tokens=0), "max_num_tokens must be an int >= 1"),
+        (dict(dtype=torch.float32), "dtype must be torch.int16, torch.int32 or torch.int64"),
+        (dict(dp_size=2, dp_rank=2), r"dp_rank must be an int in \[0, 2\)"),
+        (dict(dp_size=0), "dp_size must be an int >= 1"),
+        (dict(shards_per_rank=0), "shards_per_rank must be None or an int >= 1"),
+        (dict(ring_depth=0), "depth must be an int >= 1"),
+    ],
+)
+def test_constructor_validates(kwargs, match):
+    args = dict(shape=SHAPE, max_num_tokens=8, device="cpu")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        RoutingCapturer(**args)
+
+
+def test_int16_buffer_must_hold_the_ids():
+    big = RoutingShape(1, 40000, 2)
+    with pytest.raises(ValueError, match="cannot hold expert ids up to 39999"):
+        RoutingCapturer(big, 4, "cpu", dtype=torch.int16)
+    cap = RoutingCapturer(RoutingShape(1, 300, 2), 4, "cpu", dtype=torch.int16)
+    assert cap.pipeline.out_dtype == np.uint16
+
+
+def test_sharded_needs_shard_sizes_every_step():
+    cap = RoutingCapturer(SHAPE, 8, "cpu", dp_size=2, shards_per_rank=2)
+    with pytest.raises(
+        ValueError, match=r"shard_sizes is required every step.*dp_size=2 x shards_per_rank=2"
+    ):
+        cap.set_step([1, 1])
+    with pytest.raises(ValueError, match="shard_sizes must have 4 entries"):
+        cap.set_step([1, 1], [1, 1])
+
+
+class _Model(torch.nn.Module):
+    """Routes through the dense/MoE model layers of SHAPE and captures into a capturer."""
+
+    def __init__(self, capturer: RoutingCapturer, hidden: int = 16):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.capturer = capturer
+        self.gates = torch.nn.Parameter(torch.randn(SHAPE.num_model_layers, hidden, 64, generator=g))
+        self.mix = torch.nn.Parameter(torch.randn(SHAPE.num_model_layers, hidden, hidden, generator=g) / 4)
+
+    def forward(self, x):
+        out = []
+        for layer in range(SHAPE.num_model_layers):
+            if layer in SHAPE.moe_layers:
+                ids = torch.topk(x @ self.gates[layer], SHAPE.top_k, dim=-1).indices
+                self.capturer.capture(layer, ids)
+                out.append(ids)
+            x = torch.tanh(x @ self.mix[layer]) + x
+        return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_forward_follows_set_step_without_recompiling(device):
+    cap = RoutingCapturer(SHAPE, 16, device)
+    model = _Model(cap).to(device)
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with CompileCounters() as cc:
+        for n in (5, 16, 0, 11):
+            cap.set_step([n])
+            cap.buffer.fill_(POISON)
+            ids = compiled(x)
+            with cap.snapshot() as handle:
+                rows = handle.result()
+            assert np.array_equal(rows, ids[:n].cpu().numpy().astype(np.uint8)), f"n={n}"
+            assert (cap.buffer[n:] == POISON).all()
+    assert cc.graph_breaks == 0 and cc.graphs <= 1
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_cuda_graphs_see_live_counts(cuda_device):
+    cap = RoutingCapturer(SHAPE, 16, cuda_device, ring_depth=4)
+    model = _Model(cap).to(cuda_device)
+    x = torch.randn(16, 16, device=cuda_device)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    handles = []
+    with CompileCounters() as cc:
+        for step, n in enumerate([5, 16, 0, 11, 3, 7, 16]):
+            cap.set_step([n])
+            ids = compiled(x).clone()
+            handles.append((cap.snapshot(), ids[:n].cpu().numpy().astype(np.uint8)))
+            if len(handles) == 3:  # three steps in flight, then the oldest is consumed
+                handle, expected = handles.pop(0)
+                assert np.array_equal(handle.result(), expected), f"step {step - 2}"
+                handle.release()
+    for handle, expected in handles:
+        assert np.array_equal(handle.result(), expected)
+        handle.release()
+    assert cc.cudagraph_skips == 0, "inductor skipped CUDA graphs (the capturer's buffers must be static)"
+    assert cc.graph_breaks == 0
+
+
+@pytest.mark.gpu
+def test_manual_cuda_graph_replays_with_set_step(cuda_device):
+    cap = RoutingCapturer(SHAPE, 16, cuda_device)
+    ids = [torch.empty(16, 2, dtype=torch.int64, device=cuda_device) for _ in SHAPE.moe_layers]
+
+    def step():
+        for layer, t in zip(SHAPE.moe_layers, ids):
+            cap.capture(layer, t)
+
+    cap.set_step([16])
+    step()  # warm-up: kernel compile, fault counter
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for n in (4, 0, 16, 9):
+        for t in ids:
+            t.random_(0, 64)
+        cap.set_step([n])
+        graph.replay()
+        with cap.snapshot() as handle:
+            expected = torch.stack([t[:n] for t in ids], dim=1).cpu().numpy().astype(np.uint8)
+            assert np.array_equal(handle.result(), expected), f"replay with n={n}"
+
+
+@pytest.mark.gpu
+def test_steps_queued_behind_a_long_kernel_keep_their_own_counts(cuda_device):
+    """Ten steps (set_step, capture, snapshot) queued behind a 200 ms kernel: the host never waits,
+    and each step's capture reads its own count (queued count copies never share staging memory)."""
+    cap = RoutingCapturer(SHAPE, 16, cuda_device, ring_depth=10)
+    layer = SHAPE.moe_layers[0]
+    ids = {n: torch.full((16, 2), n, dtype=torch.int64, device=cuda_device) for n in range(2, 12)}
+    cap.set_step([1])
+    cap.capture(layer, ids[2])  # warm-up: kernel compile, fault counter
+    with cap.snapshot(16) as warm:  # and the snapshot's kernels (lazy module loading may synchronise)
+        warm.result()
+    cap.buffer.fill_(-1)
+    torch.cuda.synchronize()
+    done = torch.cuda.Event()
+    sleep_ms(200)
+    done.record()
+    start = time.perf_counter()
+    handles = {}
+    for n in range(2, 12):  # counts grow: step n writes n into rows [0, n); later rows stay -1
+        cap.set_step([n])
+        cap.capture(layer, ids[n])
+        handles[n] = cap.snapshot(16)
+    elapsed = time.perf_counter() - start
+    assert not done.query(), "the test kernel finished before the steps were queued: it cannot tell"
+    assert elapsed < 0.1, f"queuing ten steps took {elapsed * 1e3:.1f} ms: something waited on the host"
+    for n, handle in handles.items():
+        col = handle.result()[:, 0, 0].astype(np.int64)
+        expected = np.where(np.arange(16) < n, n, 255)  # never-written rows: the -1 fill as uint8
+        assert np.array_equal(col, expected), f"step with count {n} captured rows {col.tolist()}"
+        handle.release()
+
+
+@pytest.mark.gpu
+def test_set_step_accepts_device_counts(cuda_device):
+    cap = RoutingCapturer(SHAPE, 16, cuda_device)
+    cap.set_step(torch.tensor([7], dtype=torch.int32, device=cuda_device))
+    assert cap.num_tokens is None
+    with pytest.raises(ValueError, match="num_rows is required"):
+        cap.snapshot()
+    with pytest.raises(ValueError, match=r"\(1,\) int32"):
+        cap.set_step(torch.tensor([7], dtype=torch.int64, device=cuda_device))
+    for layer, t in zip(SHAPE.moe_layers, _ids(9, 0, cuda_device)):
+        cap.capture(layer, t)
+    with cap.snapshot(7) as h:
+        assert h.result().shape == (7, 3, 2)
