@@ -18,11 +18,12 @@ Every row writes its key/value into ``cache[slot_ids, positions]`` (a static per
 attention over ``max_seq_len``, simple and static-shaped. Padding rows (CUDA-graph padding) point at
 the dummy slot, so they write and read only that slot and never touch a request's cache.
 
-Experts: a simple, correct computation with static shapes, **not** a fast grouped GEMM. When a step
-has fewer (token, expert) pairs than experts (``n * top_k < num_experts``, small decode batches) each
-pair gathers its expert's weights; otherwise every expert runs on every token and the outputs are
-combined with the routing weights (zero for experts a token did not choose). The choice depends only
-on the row count, so it is fixed per CUDA graph and per compiled shape.
+Experts: a simple, correct computation with static shapes, **not** a fast grouped GEMM
+(``config.expert_impl``): ``"dense"`` runs every expert on every token and combines the outputs with
+the routing weights (zero for experts a token did not choose); ``"gathered"`` gathers each (token, k)
+pair's expert weights; ``"auto"`` gathers when a step has fewer pairs than experts
+(``n * top_k < num_experts``, small decode batches). The choice depends only on the row count, so it
+is fixed per CUDA graph and per compiled shape.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..route import RoutingMethod, route
-from ..route.methods import BIAS_METHODS
+from ..route.methods import BIAS_METHODS, validate_route_args
+from ..route.reference import weights_for_ids
 
 __all__ = ["PRESETS", "ReferenceMoEConfig", "ReferenceMoEModel", "reference_config"]
 
 _RMS_EPS = 1e-6
+EXPERT_IMPLS = ("dense", "gathered", "auto")
 
 
 @dataclass(frozen=True)
@@ -81,10 +84,15 @@ class ReferenceMoEConfig:
     max_seq_len: int = 64
     # seed of the random initialisation: equal configs give equal weights on one device type
     seed: int = 0
-    # parameter and activation dtype; router logits are float32 (float64 for float64 models)
+    # parameter and activation dtype; routing chooses on float32 logits (float64 models: the
+    # weights of the chosen experts are computed from the float64 logits)
     dtype: torch.dtype = torch.float64
     # backend of moe_ops.route: "auto", "triton", "torch" or "flashinfer"
     router_backend: str = "auto"
+    # expert computation: "gathered" (per (token, k) weight gather), "dense" (every expert on every
+    # token), or "auto" (gathered when n * top_k < num_experts; a shape guard, so compiled steps with
+    # a dynamic row count get one graph per side of it)
+    expert_impl: str = "dense"
 
     def __post_init__(self) -> None:
         def positive(name: str, minimum: int = 1) -> None:
@@ -124,6 +132,20 @@ class ReferenceMoEConfig:
             raise ValueError(
                 f"router_bias=True needs a biased routing method (DEEPSEEK_V3 or MINIMAX2), got "
                 f"{RoutingMethod(self.routing_method).name}"
+            )
+        # route()'s own checks of the routing arguments, on a (0, num_experts) stand-in
+        validate_route_args(
+            torch.empty(0, self.num_experts),
+            self.top_k,
+            self.routing_method,
+            torch.zeros(self.num_experts) if self.router_bias else None,
+            self.n_group,
+            self.topk_group,
+            self.routed_scaling_factor,
+        )
+        if self.expert_impl not in EXPERT_IMPLS:
+            raise ValueError(
+                f"expert_impl must be one of {', '.join(EXPERT_IMPLS)}, got {self.expert_impl!r}"
             )
         if self.dtype not in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float64, float32, bfloat16 or float16, got {self.dtype}")
@@ -180,6 +202,8 @@ PRESETS: dict[str, ReferenceMoEConfig] = {
         max_requests=128,
         max_seq_len=128,
         dtype=torch.bfloat16,
+        # decode at batch 1 and 16 gathers its 8 and 128 experts' weights instead of reading all 256
+        expert_impl="auto",
     ),
 }
 
@@ -282,12 +306,13 @@ class _MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, capture: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
+        scale = 1.0 if cfg.routed_scaling_factor is None else cfg.routed_scaling_factor
         x = _rms_norm(x, self.norm)
         # Router logits in float32 (DeepSeek-V3 computes its gate in float32 too); moe_ops.route takes
         # float32/bf16/fp16.
-        logits = (x.to(self.gate.dtype) @ self.gate).to(torch.float32)
+        logits = x.to(self.gate.dtype) @ self.gate
         weights, ids = route(
-            logits,
+            logits.to(torch.float32),
             cfg.top_k,
             cfg.routing_method,
             bias=self.bias,
@@ -297,11 +322,16 @@ class _MoEBlock(nn.Module):
             capture=capture,
             backend=cfg.router_backend,
         )
+        if logits.dtype == torch.float64:
+            # float64 models: the weights of the chosen experts from the float64 logits, so that the
+            # residual stream keeps float64 precision (float32 weights would add ~1e-7 noise that
+            # differs between batch layouts and modes, and could flip a later near-tie).
+            weights = weights_for_ids(logits, ids.long(), RoutingMethod(cfg.routing_method), scale)
         weights = weights.to(x.dtype)
-        if x.shape[0] * cfg.top_k < cfg.num_experts:
-            out = self._gathered(x, weights, ids)
-        else:
-            out = self._dense(x, weights, ids)
+        impl = cfg.expert_impl
+        if impl == "auto":
+            impl = "gathered" if x.shape[0] * cfg.top_k < cfg.num_experts else "dense"
+        out = self._gathered(x, weights, ids) if impl == "gathered" else self._dense(x, weights, ids)
         return out, ids
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -381,7 +411,7 @@ class ReferenceMoEModel(nn.Module):
             return_router_ids: also return the ids every MoE layer chose.
 
         Returns:
-            logits: (n, vocab_size) float32 - next-token logits of each row.
+            logits: (n, vocab_size) float32 (float64 in float64 models) - next-token logits per row.
             router_ids: (n, num_moe_layers, top_k) int32 - only with ``return_router_ids``.
 
         Device values are not checked (no host reads): out-of-range ids, positions or slots are
@@ -397,7 +427,8 @@ class ReferenceMoEModel(nn.Module):
             x = x + out
             if ids is not None:
                 all_ids.append(ids)
-        logits = (_rms_norm(x, self.final_norm) @ self.lm_head).to(torch.float32)
+        logits = _rms_norm(x, self.final_norm) @ self.lm_head
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         if return_router_ids:
             return logits, torch.stack(all_ids, dim=1)
         return logits
