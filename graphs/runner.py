@@ -240,6 +240,12 @@ class StepRunner:
                 for _ in range(3 if self.mode == RunnerMode.REDUCE_OVERHEAD else 1):
                     self._run_padded(size)  # CUDA-graph trees: warm-up run, recording, first replay
 
+    def graph(self, size: int) -> torch.cuda.CUDAGraph:
+        """The CUDA graph captured at ``size`` rows (manual graph modes; e.g. to time replays alone)."""
+        if size not in self._graphs:
+            raise KeyError(f"no graph captured at {size} rows; captured: {self.graph_sizes}")
+        return self._graphs[size][0]
+
     @property
     def graph_sizes(self) -> tuple[int, ...]:
         """Sizes with a captured graph (manual graph modes)."""

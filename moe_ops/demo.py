@@ -148,6 +148,8 @@ class ServeResult:
     graphs_compiled: int = 0
     # dynamo's recompile reasons during the run
     recompile_reasons: list[str] = field(default_factory=list)
+    # inductor CUDA-graph skips during the run (reduce-overhead falling back to no graphs); must be 0
+    cudagraph_skips: int = 0
     # distinct real row counts the steps had
     distinct_batch_sizes: int = 0
     # req_id -> prompt + generated tokens
@@ -345,6 +347,7 @@ def serve(
     result.eager_fallbacks = runner.stats.eager_fallbacks
     result.graphs_compiled = counters.graphs
     result.recompile_reasons = counters.recompile_reasons
+    result.cudagraph_skips = counters.cudagraph_skips
     result.distinct_batch_sizes = len(batch_sizes)
     return result
 
@@ -495,7 +498,10 @@ def inspect_file(path: str) -> str:
         raise ValueError(f"{path}: routing must be (tokens, num_layers, top_k), got shape {routing.shape}")
     tokens, layers, top_k = routing.shape
     moe_layers = [int(v) for v in extra.get("moe_layers", range(layers))]
-    num_experts = int(extra["num_experts"]) if "num_experts" in extra else int(routing.max(initial=-1)) + 1
+    if "num_experts" in extra:
+        num_experts = int(extra["num_experts"])
+    else:  # a bare array: the largest id seen + 1
+        num_experts = int(routing.max()) + 1 if routing.size else 0
     lines = [
         f"{path}",
         f"  routing: {tokens} tokens x {layers} MoE layers x top-{top_k}, dtype {routing.dtype}",

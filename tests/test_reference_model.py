@@ -54,6 +54,7 @@ def _rows(tokens, positions, slots):
         (dict(dtype=torch.int32), "dtype must be float64, float32, bfloat16 or float16"),
         (dict(expert_impl="fast"), "expert_impl must be one of dense, gathered, auto"),
         (dict(max_seq_len=1), "max_seq_len must be an int >= 2"),
+        (dict(router_backend="cuda"), "router_backend must be one of 'auto', 'triton', 'torch'"),
         (dict(vocab_size=True), "vocab_size must be an int >= 2"),
     ],
 )

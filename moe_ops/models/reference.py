@@ -38,6 +38,7 @@ from torch import nn
 
 from ..route import RoutingMethod, route
 from ..route.methods import BIAS_METHODS, validate_route_args
+from ..route.op import BACKENDS
 from ..route.reference import weights_for_ids
 
 __all__ = ["PRESETS", "ReferenceMoEConfig", "ReferenceMoEModel", "reference_config"]
@@ -143,6 +144,10 @@ class ReferenceMoEConfig:
             self.topk_group,
             self.routed_scaling_factor,
         )
+        if self.router_backend not in BACKENDS:
+            raise ValueError(
+                f"router_backend must be one of {', '.join(map(repr, BACKENDS))}, got {self.router_backend!r}"
+            )
         if self.expert_impl not in EXPERT_IMPLS:
             raise ValueError(
                 f"expert_impl must be one of {', '.join(EXPERT_IMPLS)}, got {self.expert_impl!r}"
@@ -432,6 +437,14 @@ class ReferenceMoEModel(nn.Module):
         if return_router_ids:
             return logits, torch.stack(all_ids, dim=1)
         return logits
+
+    def set_router_backend(self, backend: str) -> None:
+        """Routes with ``backend`` from now on (steps traced or captured before keep theirs)."""
+        config = dataclasses.replace(self.config, router_backend=backend)
+        self.config = config
+        for layer in self.layers:
+            if isinstance(layer.mlp, _MoEBlock):
+                layer.mlp.config = config
 
     def reset_cache(self) -> None:
         """Zeroes every KV cache (not needed between requests: stale positions are never read)."""
