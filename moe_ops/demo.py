@@ -549,13 +549,21 @@ def main_demo(args: Any) -> int:
     if device.type != "cuda" and any(RunnerMode(m).needs_cuda for m in modes):
         print(f"error: --modes {modes} include CUDA-graph modes, but the device is {device}", file=sys.stderr)
         return 2
+    threads = torch.get_num_threads()
     if device.type == "cpu":
         # The tiny model's ops are too small to split across threads, and OpenMP workers spin-wait
         # when the cores are shared: measured on 2 busy cores, 5 ms/step with 1 thread, 60-250 ms
         # with 2.
         torch.set_num_threads(1)
-    if args.hf:
-        return _main_demo_hf(args, device)
+    try:
+        if args.hf:
+            return _main_demo_hf(args, device)
+        return _run_demo(args, device, modes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_demo(args: Any, device: torch.device, modes: list[str]) -> int:
 
     overrides = {"seed": args.seed}
     if device.type == "cuda":
@@ -589,7 +597,7 @@ def main_demo(args: Any) -> int:
     last = None
     progress = not args.no_progress
     for mode in modes:
-        sizes = capture_sizes or _demo_capture_sizes(RunnerMode(mode), device)
+        sizes = capture_sizes or _demo_capture_sizes(RunnerMode(mode))
         kwargs = dict(
             mode=mode, capture_sizes=sizes, max_batch_tokens=args.max_batch_tokens, progress=progress
         )
@@ -650,12 +658,10 @@ def main_demo(args: Any) -> int:
     return 1 if failed else 0
 
 
-def _demo_capture_sizes(mode: RunnerMode, device: torch.device) -> list[int]:
-    """Capture sizes of the demo: 1..32 on CUDA. On CPU the compiled mode starts at 2: dynamo
-    specialises a 1-row batch into a graph of its own, a second compile (~10 s on 2 cores)."""
-    if mode == RunnerMode.COMPILED and device.type == "cpu":
-        return [2, 4, 8, 16, 32]
-    return [1, 2, 4, 8, 16, 32]
+def _demo_capture_sizes(mode: RunnerMode) -> list[int]:
+    """Capture sizes of the demo: 1..32; from 2 in the compiled modes, where dynamo would
+    specialise a 1-row batch into a graph of its own (a second compile, ~10 s on 2 CPU cores)."""
+    return [2, 4, 8, 16, 32] if mode.compiles else [1, 2, 4, 8, 16, 32]
 
 
 def _main_demo_hf(args: Any, device: torch.device) -> int:

@@ -15,7 +15,7 @@ from strategies import serving_requests
 
 from graphs import RunnerMode
 from moe_ops.cli import main
-from moe_ops.demo import reference_routing, serve, synthetic_requests, verify
+from moe_ops.demo import expert_load, plot_expert_load, reference_routing, serve, synthetic_requests, verify
 from moe_ops.models import ReferenceMoEModel, reference_config
 from moe_ops.wire import encode_routing, encode_routing_bytes
 
@@ -131,7 +131,7 @@ def test_demo_command_writes_verified_routing_and_inspect_reads_it(tmp_path, cap
     assert main(["inspect", str(files[0])]) == 0
     summary = capsys.readouterr().out
     assert f"routing rows = num_tokens - 1 = {len(tokens) - 1}" in summary
-    assert "MoE layers (model index): [1, 2, 3]" in summary
+    assert "MoE layers (model index): [1, 2]" in summary
 
 
 def test_demo_exits_non_zero_on_a_mismatch(tmp_path, monkeypatch, capsys):
@@ -189,3 +189,36 @@ def test_demo_hf_uses_the_transformers_integration(tmp_path, capsys):
     assert len(list(tmp_path.glob("request_*/routing.npz"))) == 3
     assert main(["demo", "--hf", "no-such-arch", "--device", "cpu", "--out", str(tmp_path)]) == 2
     assert arch in capsys.readouterr().err
+
+
+def test_expert_load_picture_or_a_note(tmp_path):
+    """matplotlib is the optional `plot` extra: the picture when it imports, a note otherwise."""
+    routing = [np.random.default_rng(0).integers(0, 16, size=(7, SHAPE.num_layers, SHAPE.top_k))]
+    load = expert_load(routing, SHAPE)
+    assert (
+        load.shape == (SHAPE.num_layers, SHAPE.num_experts)
+        and load.sum() == 7 * SHAPE.num_layers * SHAPE.top_k
+    )
+    path = tmp_path / "expert_load.png"
+    note = plot_expert_load(load, SHAPE, str(path), "test")
+    try:
+        import matplotlib  # noqa: F401 - only whether it imports matters here
+    except ImportError:
+        assert note is not None and "matplotlib is not installed" in note and not path.exists()
+    else:
+        assert note is None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--modes", "fast"], "--modes: unknown ['fast']"),
+        (
+            ["--modes", "eager,cuda-graph", "--device", "cpu"],
+            "include CUDA-graph modes, but the device is cpu",
+        ),
+    ],
+)
+def test_demo_rejects_bad_modes(tmp_path, capsys, argv, match):
+    assert main(["demo", *argv, "--out", str(tmp_path)]) == 2
+    assert match in capsys.readouterr().err

@@ -58,7 +58,7 @@ class ReferenceMoEConfig:
     # attention heads; head size = hidden_size // num_heads
     num_heads: int = 4
     # decoder layers, dense and MoE together; > first_k_dense
-    num_layers: int = 4
+    num_layers: int = 3
     # layers [0, first_k_dense) have a dense MLP, layers [first_k_dense, num_layers) a MoE block
     first_k_dense: int = 1
     # routed experts per MoE layer; >= top_k
