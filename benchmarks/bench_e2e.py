@@ -28,7 +28,7 @@ measured in the same run; ``delta_us`` is the absolute difference.
 Target (issue 6): ``on`` and ``on+snapshot`` within **1.01x** of ``off`` (a serving engine reported
 about 2% throughput cost for its capture).
 
-    python benchmarks/bench_e2e.py [--csv out.csv] [--batches 1,16,128] [--mode cuda-graph]
+    python benchmarks/bench_e2e.py [--csv out.csv] [--batches 1,16,128] [--mode cuda-graph] [--peers ...]
 """
 
 from __future__ import annotations
@@ -132,6 +132,12 @@ def main() -> None:
     parser.add_argument("--preset", default="deepseek_small", help="reference model preset")
     parser.add_argument("--steps", type=int, default=30, help="steps per timed trial")
     parser.add_argument("--trials", type=int, default=15, help="timed trials (the median is reported)")
+    parser.add_argument(
+        "--peers",
+        default=",".join(PEERS),
+        help=f"comma-separated subset of {','.join(PEERS)} (off is always measured: the floor); "
+        "off[auto] JIT-compiles FlashInfer's kernel on first use (about 20 s)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_e2e needs a CUDA GPU")
@@ -142,8 +148,13 @@ def main() -> None:
         sys.exit(f"--batches go up to {max(batches)}, the preset has max_requests={config.max_requests}")
     model = ReferenceMoEModel(config, device)
     print(f"bench_e2e: {args.preset}: {model.extra_repr()}; mode {args.mode}", flush=True)
-    peers = [p for p in PEERS if p != "off[auto]" or auto_routes_with_flashinfer(device)]
-    if "off[auto]" not in peers:
+    wanted = set(args.peers.split(",")) | {"off"}
+    unknown = wanted - set(PEERS)
+    if unknown:
+        sys.exit(f"--peers: unknown {sorted(unknown)}; choose from {', '.join(PEERS)}")
+    peers = [p for p in PEERS if p in wanted]
+    if "off[auto]" in peers and not auto_routes_with_flashinfer(device):
+        peers.remove("off[auto]")
         print("off[auto] skipped: backend='auto' routes DeepSeek-V3 with the Triton kernel here", flush=True)
 
     table = Table(

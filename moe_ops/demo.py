@@ -675,81 +675,90 @@ def _main_demo_hf(args: Any, device: torch.device) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.hf not in hf.SUPPORTED_ARCHITECTURES:
+    arch = args.hf.strip().lower().replace("-", "_")  # transformers' model_type: "Qwen3-MoE" -> qwen3_moe
+    if arch not in hf.SUPPORTED_ARCHITECTURES:
         print(
             f"error: --hf {args.hf!r} is not supported; supported: "
             + ", ".join(sorted(hf.SUPPORTED_ARCHITECTURES)),
             file=sys.stderr,
         )
         return 2
-    return _serve_hf(hf, args, device)
+    return _serve_hf(hf, arch, args, device)
 
 
-def _serve_hf(hf: Any, args: Any, device: torch.device) -> int:
-    """Eager serving of a tiny transformers model, one request per forward, interleaved round-robin
-    so requests start and finish at different steps; verified against one eager prefill of each
-    request's tokens with capture attached (the integration's own tests check ``attach_capture``
-    against the unmodified router)."""
+def _serve_hf(hf: Any, arch: str, args: Any, device: torch.device) -> int:
+    """Eager serving of a tiny transformers model, one request per forward (prefill, then one decode
+    row per forward, with the model's own KV cache), interleaved round-robin so that requests start
+    and finish at different steps, through the snapshot pipeline, ledger and slot store.
+
+    Reference: each request's same forwards re-run alone, the ids read straight from the capture
+    buffer after each forward (no interleaving, pipeline, ledger or store). The forwards have the
+    same shapes as in the served run, so the model computes the same values bit for bit (a
+    one-prefill reference would not: float32 sums in another order can flip a near-tie). That
+    ``attach_capture`` records what the unmodified router picks is the integration's own test.
+    """
     from .shapes import resolve_routing_shape
 
-    dtype = torch.float64 if device.type == "cpu" else torch.float32
-    model = hf.build_tiny_model(args.hf, seed=args.seed, dtype=dtype).to(device).eval()
+    # transformers' grouped expert GEMM (torch._grouped_mm) takes float32/bf16/fp16, not float64
+    model = hf.build_tiny_model(arch, seed=args.seed, dtype=torch.float32).to(device).eval()
     shape = resolve_routing_shape(model.config)
-    vocab = int(model.config.vocab_size)
     requests = synthetic_requests(
-        args.requests, vocab_size=vocab, max_seq_len=64, seed=args.seed, new_tokens=(1, 12)
+        args.requests,
+        vocab_size=int(model.config.vocab_size),
+        max_seq_len=64,
+        seed=args.seed,
+        new_tokens=(1, 12),
     )
     print(
-        f"moe-ops demo --hf {args.hf}: {shape.num_layers} MoE layers, {shape.num_experts} experts, "
-        f"top-{shape.top_k} on {device} (eager); {len(requests)} requests"
+        f"moe-ops demo --hf {arch}: {shape.num_layers} MoE layers, {shape.num_experts} experts, "
+        f"top-{shape.top_k} on {device} (eager, float32); {len(requests)} requests"
     )
+    capturer = RoutingCapturer(shape, 64, device, ring_depth=2)
 
-    def run(tokens: list[int], cache: Any, capturer: RoutingCapturer, start: int) -> tuple[int, Any]:
-        ids = torch.tensor([tokens], dtype=torch.int64, device=device)
+    def forward(tokens: Sequence[int], cache: Any, start: int) -> tuple[int, Any]:
+        ids = torch.tensor([list(tokens)], dtype=torch.int64, device=device)
         positions = torch.arange(start, start + len(tokens), device=device)[None]
         capturer.set_step([len(tokens)])
         out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
         return int(out.logits[0, -1].argmax()), out.past_key_values
 
-    capturer = RoutingCapturer(shape, 64, device, ring_depth=2)
-    ledger = RoutingLedger(SlotStore(args.requests * 64, shape), 64)
-    handle = hf.attach_capture(model, capturer)
+    ledger = RoutingLedger(SlotStore(len(requests) * 64, shape), 64)
     sequences: dict[int, list[int]] = {}
-    try:
-        with torch.no_grad():
-            live = [[r, list(r.prompt), None, 0] for r in requests]  # request, tokens, cache, computed
-            for block, (req, *_rest) in enumerate(live):
-                ledger.add_request(req.req_id)
-                ledger.append_blocks(req.req_id, [block])
-            while live:
-                for entry in list(live):
-                    req, tokens, cache, computed = entry
-                    new = tokens[computed:]
-                    seq = ledger.schedule([(req.req_id, len(new))]).seq
-                    nxt, entry[2] = run(new, cache, capturer, computed)
-                    with capturer.snapshot() as snap:
-                        ledger.land(seq, snap.result(copy=False))
-                    entry[3] = len(tokens)
-                    tokens.append(nxt)
-                    if len(tokens) - len(req.prompt) == req.max_new_tokens:
-                        ledger.finish(req.req_id)
-                        sequences[req.req_id] = tokens
-                        live.remove(entry)
-            captured = {done.req_id: done.routing for done in ledger.collect()}
-            # Reference: one eager prefill of each request's tokens[:-1], read straight from the
-            # capture buffer (no serving, no pipeline, no store).
-            mismatched = 0
-            for req_id, tokens in sorted(sequences.items()):
-                n = len(tokens) - 1
-                run(tokens[:-1], None, capturer, 0)
-                expected = np.sort(capturer.buffer[:n].cpu().numpy(), axis=-1)
-                got = captured.get(req_id)
-                if got is None or got.shape != expected.shape:
-                    mismatched += n
-                    continue
-                mismatched += int((np.sort(got.astype(np.int64), axis=-1) != expected).any(axis=(1, 2)).sum())
-    finally:
-        handle.remove()
+    mismatched = 0
+    with torch.no_grad(), hf.attach_capture(model, capturer):
+        live = [[r, list(r.prompt), None, 0] for r in requests]  # request, tokens, cache, computed
+        for block, (req, *_rest) in enumerate(live):
+            ledger.add_request(req.req_id)
+            ledger.append_blocks(req.req_id, [block])
+        while live:
+            for entry in list(live):
+                req, tokens, cache, computed = entry
+                new = tokens[computed:]
+                seq = ledger.schedule([(req.req_id, len(new))]).seq
+                nxt, entry[2] = forward(new, cache, computed)
+                with capturer.snapshot() as snap:
+                    ledger.land(seq, snap.result(copy=False))
+                entry[3] = len(tokens)
+                tokens.append(nxt)
+                if len(tokens) - len(req.prompt) == req.max_new_tokens:
+                    ledger.finish(req.req_id)
+                    sequences[req.req_id] = tokens
+                    live.remove(entry)
+        captured = {done.req_id: done.routing for done in ledger.collect()}
+        prompt_len = {r.req_id: len(r.prompt) for r in requests}
+        for req_id, tokens in sorted(sequences.items()):
+            cache, start, rows = None, 0, []
+            for stop in range(prompt_len[req_id], len(tokens)):
+                _, cache = forward(tokens[start:stop], cache, start)
+                # host read (reference only); a copy: on CPU .numpy() would view the live buffer
+                rows.append(capturer.buffer[: stop - start].cpu().numpy().copy())
+                start = stop
+            expected = np.concatenate(rows)
+            got = captured.get(req_id)
+            if got is None or got.shape != expected.shape:
+                mismatched += len(tokens) - 1
+                continue
+            mismatched += int((got.astype(np.int64) != expected).any(axis=(1, 2)).sum())
     print(f"{'mode':<8} {'requests':>8} {'mismatched rows':>15}  result")
     print(f"{'eager':<8} {len(sequences):>8} {mismatched:>15}  {'PASS' if not mismatched else 'FAIL'}")
     os.makedirs(args.out, exist_ok=True)
