@@ -15,6 +15,7 @@ from .capture import (
 from .capture.capturer import RoutingCapturer
 from .flashinfer.backends import backends
 from .guards import UnsupportedConfigError, validate_serving_config
+from .integrations.hf import attach_capture
 from .layout import BatchLayout, infer_layout
 from .route import RoutingMethod, route
 from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
@@ -39,6 +40,7 @@ __all__ = [
     "SnapshotHandle",
     "TransferPipeline",
     "UnsupportedConfigError",
+    "attach_capture",
     "backends",
     "capture_error_counter",
     "capture_routing",

@@ -65,6 +65,8 @@ _RAW_CODE_OF = {(d.kind, d.itemsize): code for code, d in _RAW_CODES.items()}
 _RAW_MAX_NDIM = 8
 # .npy headers that numpy itself writes are well under this; larger ones are refused unread
 _MAX_NPY_HEADER = 10_000
+# base64 characters that cover the magic, the header length field and the longest header we read
+_HEADER_B64_CHARS = 4 * -(-(_MAX_NPY_HEADER + 12) // 3)
 
 
 def _integer_array(array: np.ndarray, what: str) -> np.ndarray:
@@ -82,25 +84,26 @@ def encode_routing(array: np.ndarray) -> str:
     array = np.ascontiguousarray(_integer_array(array, "array"))
     header = io.BytesIO()
     npy_format.write_array_header_1_0(header, npy_format.header_data_from_array_1_0(array))
-    data = memoryview(array.reshape(-1).view(np.uint8)) if array.size else memoryview(b"")
-    # base64 of a concatenation is the concatenation of the base64s when the first part's length is
-    # a multiple of 3: encode header + the first few data bytes, then the data in place (no copy
-    # of the array into one buffer).
     head = header.getvalue()
-    k = min(-len(head) % 3, len(data))
-    first = _b64.b64encode(head + bytes(data[:k]))
-    return (first + _b64.b64encode(data[k:])).decode("ascii")
+    # One buffer (header + data, a single copy) encoded straight to str: encoding the parts,
+    # concatenating and decoding the bytes to str cost 3 extra passes (33 ms for a 16 MB request
+    # here, against 3.5 ms for pybase64's encode alone).
+    buf = np.empty(len(head) + array.nbytes, dtype=np.uint8)
+    buf[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+    buf[len(head) :] = array.reshape(-1).view(np.uint8)
+    if HAS_PYBASE64:
+        return _b64.b64encode_as_string(buf)
+    return base64.b64encode(buf).decode("ascii")
 
 
 def _b64decode(s: str | bytes) -> bytes:
     if isinstance(s, str):
-        try:
-            s = s.encode("ascii")
-        except UnicodeEncodeError:
-            raise ValueError("malformed base64: the text has non-ASCII characters") from None
+        if not s.isascii():
+            raise ValueError("malformed base64: the text has non-ASCII characters")
     elif not isinstance(s, (bytes, bytearray, memoryview)):
         raise TypeError(f"s must be str or bytes, got {type(s).__name__}")
     try:
+        # str is decoded as is (ASCII checked above): no 16 MB encode to bytes first
         return _b64.b64decode(s, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ValueError(f"malformed base64: {e}") from None
@@ -137,7 +140,20 @@ def decode_routing(s: str | bytes, *, max_elements: int | None = None) -> np.nda
     Raises ValueError for malformed base64, a malformed or truncated ``.npy``, trailing bytes, an
     object or other non-integer dtype, or too many elements. Never unpickles.
     """
+    if isinstance(s, (str, bytes, bytearray)) and len(s) > _HEADER_B64_CHARS:
+        # Decode just the head first, so the header (shape, dtype) is checked before the whole
+        # payload is decoded and allocated.
+        _parse_npy_header(_b64decode(s[:_HEADER_B64_CHARS]), max_elements, complete=False)
     raw = _b64decode(s)
+    shape, fortran, dtype, count, offset = _parse_npy_header(raw, max_elements, complete=True)
+    flat = np.frombuffer(raw, dtype=dtype, count=count, offset=offset)
+    native = dtype.newbyteorder("=")
+    return flat.reshape(shape, order="F" if fortran else "C").astype(native, order="C", copy=True)
+
+
+def _parse_npy_header(raw: bytes, max_elements: int | None, *, complete: bool):
+    """(shape, fortran, dtype, count, data offset) of ``.npy`` bytes; ``complete``: ``raw`` is the
+    whole file, so its length must match the header."""
     f = io.BytesIO(raw)
     try:
         version = npy_format.read_magic(f)
@@ -153,14 +169,12 @@ def decode_routing(s: str | bytes, *, max_elements: int | None = None) -> np.nda
     count = _check_elements(shape, max_elements)
     offset = f.tell()
     size = count * dtype.itemsize
-    if len(raw) - offset != size:
+    if complete and len(raw) - offset != size:
         raise ValueError(
             f".npy data of shape {shape} and dtype {dtype} needs {size} bytes after the header, "
             f"got {len(raw) - offset}"
         )
-    flat = np.frombuffer(raw, dtype=dtype, count=count, offset=offset)
-    native = dtype.newbyteorder("=")
-    return flat.reshape(shape, order="F" if fortran else "C").astype(native, order="C", copy=True)
+    return shape, fortran, dtype, count, offset
 
 
 def encode_routing_bytes(array: np.ndarray) -> bytes:

@@ -439,6 +439,56 @@ def routing_rows(rng: np.random.Generator, n: int, shape, dtype=None) -> np.ndar
 
 
 # ---------------------------------------------------------------------------------------------------
+# Issue 6 (a): batches a transformers model runs with attach_capture (moe_ops.integrations.hf)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HFBatch:
+    """A (batch, seq) batch of token ids; the router sees its batch * seq rows flattened, row-major."""
+
+    # sequences in the batch, >= 1
+    batch: int
+    # tokens per sequence (transformers pads a batch to one length), >= 1
+    seq: int
+    # LOCAL (one rank) or GATHERED (the rows are every DP rank's blocks, concatenated)
+    layout: BatchLayout
+    # real tokens of each DP rank; LOCAL: counts[0] <= rows; GATHERED: sum(counts) <= rows
+    counts: list[int]
+    # this rank's index into counts
+    dp_rank: int
+    # seed of the token ids
+    seed: int
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def start(self) -> int:
+        """First row of this rank's block: 0 for LOCAL, the blocks of the ranks before it for GATHERED."""
+        return sum(self.counts[: self.dp_rank]) if self.layout == BatchLayout.GATHERED else 0
+
+    @property
+    def c(self) -> int:
+        return self.counts[self.dp_rank]
+
+
+@st.composite
+def hf_batches(draw, max_batch: int = 3, max_seq: int = 6) -> HFBatch:
+    """A padded batch and the token counts the capture must honour (padding rows never recorded)."""
+    batch = draw(st.integers(1, max_batch))
+    seq = draw(st.integers(1, max_seq))
+    rows = batch * seq
+    seed = draw(st.integers(0, 2**31 - 1))
+    if draw(st.booleans()):
+        return HFBatch(batch, seq, BatchLayout.LOCAL, [draw(st.integers(0, rows))], 0, seed)
+    first = draw(st.integers(0, rows))
+    second = draw(st.integers(0, rows - first))
+    return HFBatch(batch, seq, BatchLayout.GATHERED, [first, second], draw(st.integers(0, 1)), seed)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Issue 6: serving workloads for the runner and the end-to-end tests
 # ---------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,27 @@
+"""Integrations with model libraries. Each imports its library lazily: ``import moe_ops`` needs none.
+
+``moe_ops.integrations.hf``: Hugging Face transformers - :func:`attach_capture` records the routing
+of a transformers MoE model without editing its code; tiny real models for tests and the demo.
+"""
+
+from .hf import (
+    SUPPORTED_ARCHITECTURES,
+    CaptureHandle,
+    HFArchitecture,
+    attach_capture,
+    build_tiny_model,
+    find_routers,
+    normalize_arch,
+    tiny_config,
+)
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "CaptureHandle",
+    "HFArchitecture",
+    "attach_capture",
+    "build_tiny_model",
+    "find_routers",
+    "normalize_arch",
+    "tiny_config",
+]
