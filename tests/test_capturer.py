@@ -291,3 +291,60 @@ def test_set_step_accepts_device_counts(cuda_device):
         cap.capture(layer, t)
     with cap.snapshot(7) as h:
         assert h.result().shape == (7, 3, 2)
+
+
+# ---------------------------------------------------------------- target(): routers that capture themselves
+
+
+@settings(max_examples=30)
+@given(
+    layout=st.sampled_from([BatchLayout.LOCAL, BatchLayout.GATHERED, BatchLayout.SHARDED]),
+    counts=st.lists(st.integers(0, 5), min_size=2, max_size=2),
+    pad=st.integers(0, 3),
+    rank=st.integers(0, 1),
+    padded_gather=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_target_records_what_capture_records(layout, counts, pad, rank, padded_gather, seed):
+    """route(capture=capturer.target(layer, layout)) writes the same cells as route then capture()."""
+    from moe_ops import RoutingMethod, route
+
+    spr = 2 if layout == BatchLayout.SHARDED else 1
+    has_sizes = layout == BatchLayout.SHARDED or (layout == BatchLayout.GATHERED and padded_gather)
+    fused, separate = (
+        RoutingCapturer(SHAPE, 12, "cpu", dp_size=2, dp_rank=rank, shards_per_rank=spr if has_sizes else None)
+        for _ in range(2)
+    )
+    padded = [c + pad for c in counts]
+    if layout == BatchLayout.LOCAL:
+        n_rows, sizes = padded[rank], None
+    elif layout == BatchLayout.GATHERED:
+        n_rows, sizes = (sum(padded), padded) if padded_gather else (sum(counts), None)
+    else:
+        sizes = [-(-p // spr) for p in padded for _ in range(spr)]
+        n_rows = sum(sizes)
+    g = torch.Generator().manual_seed(seed)
+    for cap in (fused, separate):
+        cap.buffer.fill_(POISON)
+        cap.set_step(counts, sizes)
+    for layer in SHAPE.moe_layers:
+        logits = torch.randn(n_rows, SHAPE.num_experts, generator=g)
+        target = fused.target(layer, layout)
+        assert target.buffer is fused.buffer and target.token_counts is fused.token_counts
+        assert target.layer_id == SHAPE.buffer_layer(layer)
+        assert (target.shard_sizes is not None) == has_sizes
+        _, ids = route(logits, SHAPE.top_k, RoutingMethod.RENORMALIZE, capture=target, backend="torch")
+        _, ref_ids = route(logits, SHAPE.top_k, RoutingMethod.RENORMALIZE, backend="torch")
+        separate.capture(layer, ref_ids, layout)
+        assert torch.equal(ids, ref_ids)
+    assert torch.equal(fused.buffer, separate.buffer)
+
+
+def test_target_rejects_dense_and_out_of_range_layers():
+    cap = RoutingCapturer(SHAPE, 8, "cpu")
+    with pytest.raises(ValueError, match="model layer 3 is dense"):
+        cap.target(3)
+    with pytest.raises(IndexError, match=r"\[0, 5\)"):
+        cap.target(5)
+    with pytest.raises(ValueError, match="SHARDED"):
+        cap.target(1, BatchLayout.SHARDED)  # no shard_sizes on this capturer

@@ -4,6 +4,7 @@ One capturer per model replica (per DP rank). Per step::
 
     capturer.set_step(token_counts)              # host ints; copied in place, no host sync
     ... forward: each MoE layer calls capturer.capture(layer_idx, topk_ids, layout=...) ...
+    ...   or routes and records in one kernel: route(..., capture=capturer.target(layer_idx)) ...
     handle = capturer.snapshot()                 # async D2H of this rank's rows, returns at once
     ... later (1..depth steps later) ...
     rows = handle.result(copy=False)             # (num_tokens, num_layers, top_k), narrow dtype
@@ -27,6 +28,7 @@ from ..shapes import RoutingShape
 from ..transfer.pipeline import SnapshotHandle, TransferPipeline
 from .errors import check_capture_errors
 from .op import capture_routing
+from .target import CaptureTarget
 
 __all__ = ["RoutingCapturer"]
 
@@ -254,27 +256,68 @@ class RoutingCapturer:
 
         No host reads, no synchronisation: safe inside torch.compile and CUDA graphs.
         """
-        index = self._buffer_index.get(layer_id)
-        if index is None:
-            index = self.shape.buffer_layer(layer_id)  # raises the precise error
         layout = layout_from_value(layout)
-        # SHARDED always reads shard_sizes; GATHERED when there is one (padded) size per DP rank
+        capture_routing(
+            self.buffer,
+            topk_ids,
+            self._column(layer_id),
+            token_counts=self.token_counts,
+            dp_rank=self.dp_rank,
+            layout=layout,
+            shard_sizes=self._sizes_for(layout),
+            tp_group=tp_group,
+        )
+
+    def target(
+        self,
+        model_layer_index: int,
+        layout: BatchLayout | int = BatchLayout.LOCAL,
+        *,
+        tp_group=None,
+    ) -> CaptureTarget:
+        """The :class:`~moe_ops.CaptureTarget` of one MoE layer, for routers that capture themselves.
+
+        ``route(logits, top_k, method, capture=capturer.target(layer_idx))`` records the ids in the
+        router's kernel exactly as ``capturer.capture(layer_idx, ids, layout)`` would after it.
+
+        Args:
+            model_layer_index: the MODEL layer index, mapped to the buffer's MoE-only layer axis as
+                in :meth:`capture` (IndexError outside the model, ValueError for a dense layer).
+            layout: the :class:`BatchLayout` of the router's rows; ``shard_sizes`` is passed for
+                SHARDED, and for GATHERED when the capturer has dp_size of them (as in
+                :meth:`capture`).
+            tp_group: SEQUENCE_PARALLEL only, the group to all-gather over.
+
+        Host-side checks only (no device reads); cheap enough to build per layer per step, and
+        traceable inside ``torch.compile``.
+        """
+        layout = layout_from_value(layout)
+        return CaptureTarget(
+            self.buffer,
+            self._column(model_layer_index),
+            token_counts=self.token_counts,
+            dp_rank=self.dp_rank,
+            layout=layout,
+            shard_sizes=self._sizes_for(layout),
+            tp_group=tp_group,
+        )
+
+    def _column(self, model_layer: int) -> int:
+        """Buffer layer of a model layer (raises for dense layers and layers outside the model)."""
+        index = self._buffer_index.get(model_layer)
+        if index is None:
+            index = self.shape.buffer_layer(model_layer)  # raises the precise error
+        return index
+
+    def _sizes_for(self, layout: BatchLayout) -> torch.Tensor | None:
+        """The ``shard_sizes`` a layout reads: SHARDED always, GATHERED when there is one (padded)
+        size per DP rank, nothing otherwise (unpadded GATHERED reads ``token_counts``)."""
         gathered_padded = (
             layout == BatchLayout.GATHERED
             and self.shard_sizes is not None
             and self.shard_sizes.shape[0] == self.dp_size
         )
-        sizes = self.shard_sizes if layout == BatchLayout.SHARDED or gathered_padded else None
-        capture_routing(
-            self.buffer,
-            topk_ids,
-            index,
-            token_counts=self.token_counts,
-            dp_rank=self.dp_rank,
-            layout=layout,
-            shard_sizes=sizes,
-            tp_group=tp_group,
-        )
+        return self.shard_sizes if layout == BatchLayout.SHARDED or gathered_padded else None
 
     def snapshot(
         self,

@@ -1,0 +1,224 @@
+"""End to end: serve requests of random lengths and finish times with the reference model, capture
+routing in each runner mode through the snapshot pipeline, slot store and ledger, and compare every
+request's rows with an eager uncaptured reference run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from strategies import serving_requests
+
+from graphs import RunnerMode
+from moe_ops.cli import main
+from moe_ops.demo import expert_load, plot_expert_load, reference_routing, serve, synthetic_requests, verify
+from moe_ops.models import ReferenceMoEModel, reference_config
+from moe_ops.wire import encode_routing, encode_routing_bytes
+
+# 3 layers (1 dense, 2 MoE with DeepSeek-V3 routing), float64 (see docs/demo.md)
+CONFIG = reference_config("tiny", num_layers=3, max_seq_len=32, max_requests=4)
+SHAPE = CONFIG.routing_shape()
+REQUESTS = serving_requests(CONFIG.vocab_size, CONFIG.max_seq_len)
+# small batches and capture sizes so that padding, eager fallbacks and slot reuse all happen
+SERVE = dict(capture_sizes=(2, 4, 8, 16), max_batch_tokens=24, max_running=3, block_size=4, ring_depth=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+MODELS: dict[str, ReferenceMoEModel] = {}
+
+
+def model_on(device) -> ReferenceMoEModel:
+    key = str(device)
+    if key not in MODELS:
+        # one router kernel on CUDA for the served and the reference runs (see docs/demo.md)
+        backend = "triton" if torch.device(device).type == "cuda" else "auto"
+        MODELS[key] = ReferenceMoEModel(dataclasses.replace(CONFIG, router_backend=backend), device)
+    return MODELS[key]
+
+
+def check_served(model, requests, result):
+    """Zero mismatched rows, (num_tokens - 1, L, K) per request, every request, nothing else."""
+    report = verify(result, lambda tokens: reference_routing(model, tokens), SHAPE)
+    assert report.ok, (
+        f"{result.mode}: {report.mismatched_rows}/{report.rows} mismatched rows, shapes {report.bad_shapes}, "
+        f"missing {report.missing}"
+    )
+    assert sorted(result.routing) == sorted(r.req_id for r in requests)
+    for r in requests:
+        tokens = result.sequences[r.req_id]
+        assert len(tokens) == r.num_tokens and tokens[: len(r.prompt)] == list(r.prompt)
+        assert result.routing[r.req_id].shape == (r.num_tokens - 1, SHAPE.num_layers, SHAPE.top_k)
+    assert result.tokens == sum(r.num_tokens - 1 for r in requests), "rows run != rows returned"
+    assert result.capture_faults == 0
+
+
+@settings(max_examples=6)
+@given(requests=REQUESTS)
+def test_eager_serving_captures_every_request_exactly(requests):
+    model = model_on("cpu")
+    captured = serve(model, requests, mode="eager", **SERVE)
+    check_served(model, requests, captured)
+    plain = serve(model, requests, mode="eager", capture=False, **SERVE)
+    assert plain.sequences == captured.sequences, "capture changed what the model generated"
+    assert not plain.routing
+
+
+@pytest.mark.slow
+@settings(max_examples=3)
+@given(requests=REQUESTS)
+def test_compiled_serving_pads_without_recompiling(requests):
+    model = model_on("cpu")
+    result = serve(model, requests, mode="compiled", **SERVE)
+    check_served(model, requests, result)
+    # one dynamic graph for every padded size (2 if inductor's cache splits off a guard, see docs)
+    assert result.graphs_compiled <= 2, result.recompile_reasons
+
+
+def test_workload_really_pads_and_changes_counts():
+    """The fixed demo workload: steps of many sizes, padding rows, eager fallbacks, reused slots."""
+    model = model_on("cpu")
+    requests = synthetic_requests(10, vocab_size=CONFIG.vocab_size, max_seq_len=CONFIG.max_seq_len, seed=3)
+    result = serve(model, requests, mode="compiled", **SERVE)
+    check_served(model, requests, result)
+    assert result.distinct_batch_sizes >= 5 and result.graphs_compiled <= 2
+    assert result.padded_rows > 0 and result.eager_fallbacks > 0
+    assert len({r.num_tokens for r in requests}) > 1
+
+
+# ------------------------------------------------------------------------------------------- GPU
+
+GPU_MODES = [RunnerMode.CUDA_GRAPH, RunnerMode.COMPILED_CUDA_GRAPH, RunnerMode.REDUCE_OVERHEAD]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", GPU_MODES, ids=lambda m: m.value)
+@settings(max_examples=3)
+@given(requests=REQUESTS)
+def test_gpu_serving_captures_every_request_exactly(mode, requests):
+    model = model_on("cuda")
+    result = serve(model, requests, mode=mode, **SERVE)
+    check_served(model, requests, result)
+    assert result.graphs_compiled <= 2, result.recompile_reasons
+    assert result.cudagraph_skips == 0
+
+
+# ------------------------------------------------------------------------------------ the command
+
+
+def test_demo_command_writes_verified_routing_and_inspect_reads_it(tmp_path, capsys):
+    out = tmp_path / "demo"
+    code = main(["demo", "--modes", "eager", "--requests", "4", "--device", "cpu", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "eager" in text and "PASS" in text
+    files = sorted(out.glob("request_*/routing.npz"))
+    assert len(files) == 4
+    with np.load(files[0]) as data:
+        routing, tokens = data["routing"], data["tokens"]
+        assert routing.shape == (len(tokens) - 1, len(data["moe_layers"]), reference_config("tiny").top_k)
+        assert routing.dtype == np.uint8
+    assert main(["inspect", str(files[0])]) == 0
+    summary = capsys.readouterr().out
+    assert f"routing rows = num_tokens - 1 = {len(tokens) - 1}" in summary
+    assert "MoE layers (model index): [1, 2]" in summary
+
+
+def test_demo_exits_non_zero_on_a_mismatch(tmp_path, monkeypatch, capsys):
+    """Fault injection: a reference that disagrees in one row must fail the demo."""
+    import moe_ops.demo as demo
+
+    real = demo.reference_routing
+
+    def off_by_one(model, tokens):
+        ids = real(model, tokens).copy()
+        ids[len(ids) // 2, 0, 0] = (ids[len(ids) // 2, 0, 0] + 1) % model.config.num_experts
+        return ids
+
+    monkeypatch.setattr(demo, "reference_routing", off_by_one)
+    code = main(["demo", "--modes", "eager", "--requests", "3", "--device", "cpu", "--out", str(tmp_path)])
+    text = capsys.readouterr().out
+    assert code == 1 and "3 mismatched rows" in text and "FAILED" in text
+
+
+@pytest.mark.parametrize("form", ["text", "raw", "npy"])
+def test_inspect_reads_the_wire_formats(tmp_path, capsys, form):
+    routing = np.random.default_rng(0).integers(0, 16, size=(5, 3, 4)).astype(np.uint8)
+    path = tmp_path / f"r.{form}"
+    if form == "text":
+        path.write_text(encode_routing(routing))
+    elif form == "raw":
+        path.write_bytes(encode_routing_bytes(routing))
+    else:
+        np.save(path, routing)
+    assert main(["inspect", str(path)]) == 0
+    assert "5 tokens x 3 MoE layers x top-4" in capsys.readouterr().out
+
+
+def test_inspect_rejects_what_is_not_routing(tmp_path, capsys):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("not base64 at all ???")
+    flat = tmp_path / "flat.npy"
+    np.save(flat, np.zeros(4, dtype=np.uint8))
+    assert main(["inspect", str(bad), str(flat), os.path.join(tmp_path, "missing.npz")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("cannot read routing") == 3 and "(tokens, num_layers, top_k)" in err
+
+
+def test_demo_hf_uses_the_transformers_integration(tmp_path, capsys):
+    """With moe_ops.integrations.hf: serves a tiny model and verifies it; without it: exit 2 and why."""
+    try:
+        from moe_ops.integrations import hf
+    except ImportError as exc:
+        code = main(["demo", "--hf", "mixtral", "--device", "cpu", "--out", str(tmp_path)])
+        assert code == 2 and "moe_ops.integrations.hf" in capsys.readouterr().err, exc
+        return
+    arch = sorted(hf.SUPPORTED_ARCHITECTURES)[0]
+    code = main(["demo", "--hf", arch, "--requests", "3", "--device", "cpu", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().out
+    assert len(list(tmp_path.glob("request_*/routing.npz"))) == 3
+    assert main(["demo", "--hf", "no-such-arch", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert arch in capsys.readouterr().err
+
+
+def test_expert_load_picture_or_a_note(tmp_path):
+    """matplotlib is the optional `plot` extra: the picture when it imports, a note otherwise."""
+    routing = [np.random.default_rng(0).integers(0, 16, size=(7, SHAPE.num_layers, SHAPE.top_k))]
+    load = expert_load(routing, SHAPE)
+    assert (
+        load.shape == (SHAPE.num_layers, SHAPE.num_experts)
+        and load.sum() == 7 * SHAPE.num_layers * SHAPE.top_k
+    )
+    path = tmp_path / "expert_load.png"
+    note = plot_expert_load(load, SHAPE, str(path), "test")
+    try:
+        import matplotlib  # noqa: F401 - only whether it imports matters here
+    except ImportError:
+        assert note is not None and "matplotlib is not installed" in note and not path.exists()
+    else:
+        assert note is None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--modes", "fast"], "--modes: unknown ['fast']"),
+        (
+            ["--modes", "eager,cuda-graph", "--device", "cpu"],
+            "include CUDA-graph modes, but the device is cpu",
+        ),
+    ],
+)
+def test_demo_rejects_bad_modes(tmp_path, capsys, argv, match):
+    assert main(["demo", *argv, "--out", str(tmp_path)]) == 2
+    assert match in capsys.readouterr().err
