@@ -26,20 +26,28 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def toy_step(capturer, state):
-    """A step shaped like a model's: per-row state writes (a KV cache stand-in indexed by slot), two
-    "MoE layers" whose ids derive from the tokens, outputs per row."""
+class ToyStep(torch.nn.Module):
+    """A step shaped like a model's: per-row state writes (a KV cache stand-in indexed by slot, a
+    module buffer like a real model's cache, so its address is static for inductor's CUDA graphs),
+    two "MoE layers" whose ids derive from the tokens, outputs per row."""
 
-    def step(token_ids, slot_ids):
-        state.index_put_((slot_ids,), token_ids)
+    def __init__(self, capturer, state):
+        super().__init__()
+        self.capturer = capturer
+        self.register_buffer("state", state)
+
+    def forward(self, token_ids, slot_ids):
+        self.state.index_put_((slot_ids,), token_ids)
         for j, layer in enumerate(SHAPE.moe_layers):
             ids = torch.stack(
                 [(token_ids * 7 + 5 * j + k) % SHAPE.num_experts for k in range(SHAPE.top_k)], 1
             )
-            capturer.capture(layer, ids)
-        return token_ids * 2 + slot_ids, state[slot_ids]
+            self.capturer.capture(layer, ids)
+        return token_ids * 2 + slot_ids, self.state[slot_ids]
 
-    return step
+
+def toy_step(capturer, state):
+    return ToyStep(capturer, state)
 
 
 def expected_ids(tokens: torch.Tensor) -> torch.Tensor:
