@@ -147,12 +147,8 @@ def compute_slowdown(steps: int, trials: int, gemms: int) -> Table:
         f"compute-loop slowdown with snapshots ({STEP_TOKENS} tokens/step, ring 4, consumed 1 step later)",
         ["mode", "ms/step", "slowdown", "target"],
     )
-    capturers = {
-        narrow_on: RoutingCapturer(SHAPE, STEP_TOKENS, dev, ring_depth=4, narrow_on=narrow_on)
-        for narrow_on in ("copy", "compute")
-    }
-    for c in capturers.values():
-        c.buffer.random_(0, EXPERTS)
+    capturer = RoutingCapturer(SHAPE, STEP_TOKENS, dev, ring_depth=4)
+    capturer.buffer.random_(0, EXPERTS)
     a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
     b = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(a)
@@ -162,14 +158,13 @@ def compute_slowdown(steps: int, trials: int, gemms: int) -> Table:
             torch.mm(a, b, out=out)
 
     def loop(mode: str) -> float:
-        capturer = capturers["compute" if mode.endswith("(narrow on compute)") else "copy"]
         torch.cuda.synchronize()
         start = time.perf_counter()
         pending = None
         for _ in range(steps):
             capturer.set_step([STEP_TOKENS])
             forward()
-            if mode.startswith("snapshot"):
+            if mode == "snapshot":
                 handle = capturer.snapshot()
                 if pending is not None:  # the engine reads step k-1 while step k runs
                     pending.result(copy=False)
@@ -183,7 +178,7 @@ def compute_slowdown(steps: int, trials: int, gemms: int) -> Table:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / steps
 
-    modes = ["baseline", "snapshot", "snapshot (narrow on compute)", "blocking .cpu()"]
+    modes = ["baseline", "snapshot", "blocking .cpu()"]
     results = {m: [] for m in modes}
     for _ in range(trials):  # interleaved, so drift hits every mode alike
         for m in modes:
@@ -191,7 +186,7 @@ def compute_slowdown(steps: int, trials: int, gemms: int) -> Table:
     base = statistics.median(results["baseline"])
     for m in modes:
         t = statistics.median(results[m])
-        table.add(m, t * 1e3, t / base, f"<= {SLOWDOWN_TARGET}" if m.startswith("snapshot") else "context")
+        table.add(m, t * 1e3, t / base, f"<= {SLOWDOWN_TARGET}" if m == "snapshot" else "context")
     return table
 
 

@@ -124,12 +124,12 @@ def test_bad_input_raises(make, match):
         make(source)
 
 
-def _run_in_flight_schedule(device, depth, ops, seed, narrow_on="copy"):
+def _run_in_flight_schedule(device, depth, ops, seed):
     """Steps write fresh rows and snapshot them; up to ``depth`` in flight, consumed in ``ops`` order."""
     rng = np.random.default_rng(seed)
     shape = RoutingShape(3, 300, 2)  # uint16 ids
     source = torch.full((32, 3, 2), POISON, dtype=torch.int32, device=device)
-    pipe = TransferPipeline(source, shape.id_dtype, depth=depth, narrow_on=narrow_on)
+    pipe = TransferPipeline(source, shape.id_dtype, depth=depth)
     pending = []  # (handle, expected rows)
     for op in ops:
         if op == "step" and len(pending) < depth:
@@ -165,28 +165,23 @@ def test_one_to_four_in_flight_consumed_out_of_order_cpu(depth, ops, seed):
 # ----------------------------------------------------------------------------------------------- GPU
 
 
-NARROW_ON = ["copy", "compute"]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("narrow_on", NARROW_ON)
 @settings(max_examples=40)
 @given(
     depth=st.integers(1, 4),
     ops=st.lists(st.sampled_from(["step", "step", "consume"]), max_size=30),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_one_to_four_in_flight_consumed_out_of_order_gpu(narrow_on, depth, ops, seed):
-    _run_in_flight_schedule("cuda", depth, ops, seed, narrow_on)
+def test_one_to_four_in_flight_consumed_out_of_order_gpu(depth, ops, seed):
+    _run_in_flight_schedule("cuda", depth, ops, seed)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("narrow_on", NARROW_ON)
-def test_snapshot_does_not_synchronise_the_forward_stream(cuda_device, narrow_on):
+def test_snapshot_does_not_synchronise_the_forward_stream(cuda_device):
     """A long kernel queued before the rows are written: snapshot() must return while it still runs,
     and the copy must still see the rows written after it (the copy stream waits on an event)."""
     source = torch.full((64, 4, 2), POISON, dtype=torch.int32, device=cuda_device)
-    pipe = TransferPipeline(source, np.uint8, depth=2, narrow_on=narrow_on)
+    pipe = TransferPipeline(source, np.uint8, depth=2)
     rows = torch.randint(0, 200, (64, 4, 2), dtype=torch.int32, device=cuda_device)
     with pipe.snapshot(64) as warm:  # load every kernel first: lazy module loading may synchronise
         warm.result()
@@ -208,12 +203,11 @@ def test_snapshot_does_not_synchronise_the_forward_stream(cuda_device, narrow_on
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("narrow_on", NARROW_ON)
-def test_guard_source_keeps_a_delayed_snapshot_from_seeing_the_next_step(cuda_device, narrow_on):
+def test_guard_source_keeps_a_delayed_snapshot_from_seeing_the_next_step(cuda_device):
     """Hold the copy stream back, then overwrite the source on the forward stream after
     guard_source(): the snapshot must still copy the old rows."""
     source = torch.full((128, 2, 4), 1, dtype=torch.int32, device=cuda_device)
-    pipe = TransferPipeline(source, np.uint8, depth=2, narrow_on=narrow_on)
+    pipe = TransferPipeline(source, np.uint8, depth=2)
     with pipe.snapshot(128) as warm:  # load every kernel first: lazy module loading may synchronise
         warm.result()
     source.fill_(1)

@@ -69,8 +69,6 @@ class RoutingCapturer:
         ring_depth: snapshots that may be unreleased at once (see :class:`TransferPipeline`).
         out_dtype: host dtype of the snapshots (default: ``shape.id_dtype``, uint8 for <= 256
             experts, uint16 up to 65536, int32 beyond).
-        narrow_on: where a snapshot's narrowing cast runs, "copy" or "compute" stream (see
-            :class:`TransferPipeline`).
 
     Attributes:
         buffer: (max_num_tokens, num_layers, top_k) ``dtype`` on ``device`` - never reallocated.
@@ -93,7 +91,6 @@ class RoutingCapturer:
         shards_per_rank: int | None = None,
         ring_depth: int = 2,
         out_dtype: np.dtype | type | None = None,
-        narrow_on: str = "copy",
     ):
         if not isinstance(shape, RoutingShape):
             raise TypeError(f"shape must be a RoutingShape, got {type(shape).__name__}")
@@ -141,10 +138,7 @@ class RoutingCapturer:
             if t is not None:
                 torch._dynamo.mark_static_address(t)
         self.pipeline = TransferPipeline(
-            self.buffer,
-            shape.id_dtype if out_dtype is None else out_dtype,
-            depth=ring_depth,
-            narrow_on=narrow_on,
+            self.buffer, shape.id_dtype if out_dtype is None else out_dtype, depth=ring_depth
         )
 
     def set_step(

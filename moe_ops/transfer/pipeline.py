@@ -165,9 +165,7 @@ class TransferPipeline:
         depth: ring slots, i.e. snapshots that may be unreleased at once (>= 1).
     """
 
-    def __init__(
-        self, source: torch.Tensor, out_dtype: np.dtype | type, *, depth: int = 2, narrow_on: str = "copy"
-    ):
+    def __init__(self, source: torch.Tensor, out_dtype: np.dtype | type, *, depth: int = 2):
         if not isinstance(source, torch.Tensor):
             raise TypeError(f"source must be a torch.Tensor, got {type(source).__name__}")
         if source.dim() != 3:
@@ -180,13 +178,6 @@ class TransferPipeline:
             raise ValueError("source must be contiguous (its leading rows are copied as one block)")
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1 (ring slots), got {depth!r}")
-        if narrow_on not in ("copy", "compute"):
-            raise ValueError(f"narrow_on must be 'copy' or 'compute', got {narrow_on!r}")
-        # "copy": the narrowing cast runs on the copy stream, and the next step's forward waits
-        # (guard_source) until it has read the source. "compute": it runs on the compute stream,
-        # in order with the forward, so nothing waits across streams for the source; only the
-        # device-to-host copy runs on the copy stream.
-        self.narrow_on = narrow_on
         self.out_dtype = np.dtype(out_dtype)
         self._staging_dtype = staging_dtype(self.out_dtype)
         self.source = source
@@ -266,25 +257,8 @@ class TransferPipeline:
 
     def _enqueue_cuda(self, slot: _Slot, num_rows: int, stream: torch.cuda.Stream | None) -> None:
         compute = stream if stream is not None else torch.cuda.current_stream(self.device)
-        copy = self.copy_stream
-        if self.narrow_on == "compute":
-            if num_rows:
-                # this slot's previous device-to-host copy may still read staging (a released,
-                # unread handle): an event wait on the device, a no-op once it is done
-                compute.wait_event(slot.copy_done)
-                with torch.cuda.stream(compute):
-                    slot.staging[:num_rows].copy_(self.source[:num_rows])
-            slot.read_done.record(compute)
-            copy.wait_event(slot.read_done)
-            with torch.cuda.stream(copy):
-                if num_rows:
-                    slot.host[:num_rows].copy_(slot.staging[:num_rows], non_blocking=True)
-                slot.copy_done.record(copy)
-            # the source was read on the compute stream, so writes queued there later are ordered
-            # after it; guard_source's wait covers writers on another stream
-            self._last_read_done = slot.read_done
-            return
         slot.ready.record(compute)
+        copy = self.copy_stream
         copy.wait_event(slot.ready)
         with torch.cuda.stream(copy):
             if num_rows:
