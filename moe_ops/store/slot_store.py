@@ -40,13 +40,13 @@ def _check_count(name: str, value: int, minimum: int) -> int:
     return int(value)
 
 
-def slots_for(
+def _blocks_of_tokens(
     block_ids: Sequence[int] | np.ndarray, block_size: int, start: int, num_tokens: int
-) -> np.ndarray:
-    """(num_tokens,) int64 slots of the tokens ``[start, start + num_tokens)`` of a request whose KV
-    blocks are ``block_ids``: ``block_ids[t // block_size] * block_size + t % block_size``.
+) -> tuple[np.ndarray, int, int, int]:
+    """Checks a request's block list against tokens ``[start, start + num_tokens)``.
 
-    IndexError when the blocks do not cover the tokens or a block id is negative.
+    Returns (used block ids, block_size, start, index of the first used block); ``used`` is empty
+    when ``num_tokens`` is 0. IndexError when the blocks do not cover the tokens.
     """
     blocks = _index_array("block_ids", block_ids)
     block_size = _check_count("block_size", block_size, 1)
@@ -59,13 +59,26 @@ def slots_for(
             f"{blocks.size} block ids were given"
         )
     if num_tokens == 0:
-        return np.empty(0, dtype=np.int64)
+        return blocks[:0], block_size, start, 0
     first, last = start // block_size, (end - 1) // block_size
-    used = blocks[first : last + 1]
+    return blocks[first : last + 1], block_size, start, first
+
+
+def slots_for(
+    block_ids: Sequence[int] | np.ndarray, block_size: int, start: int, num_tokens: int
+) -> np.ndarray:
+    """(num_tokens,) int64 slots of the tokens ``[start, start + num_tokens)`` of a request whose KV
+    blocks are ``block_ids``: ``block_ids[t // block_size] * block_size + t % block_size``.
+
+    IndexError when the blocks do not cover the tokens or a block id is negative.
+    """
+    used, block_size, start, first = _blocks_of_tokens(block_ids, block_size, start, num_tokens)
+    if used.size == 0:
+        return np.empty(0, dtype=np.int64)
     if used.min() < 0:
         raise IndexError(f"block ids must be >= 0, got {used[used < 0][:8].tolist()}")
-    t = np.arange(start, end, dtype=np.int64)
-    return blocks[t // block_size] * block_size + t % block_size
+    t = np.arange(start, start + num_tokens, dtype=np.int64)
+    return used[t // block_size - first] * block_size + t % block_size
 
 
 class SlotStore:
@@ -158,20 +171,9 @@ class SlotStore:
         IndexError when the blocks do not cover the tokens, or a block id is negative or past the
         store's slots.
         """
-        blocks = _index_array("block_ids", block_ids)
-        block_size = _check_count("block_size", block_size, 1)
-        start = _check_count("start", start, 0)
-        num_tokens = _check_count("num_tokens", num_tokens, 0)
-        end = start + num_tokens
-        if end > blocks.size * block_size:
-            raise IndexError(
-                f"tokens [{start}, {end}) need {-(-end // block_size)} blocks of {block_size}, but only "
-                f"{blocks.size} block ids were given"
-            )
-        if num_tokens == 0:
+        used, block_size, start, first = _blocks_of_tokens(block_ids, block_size, start, num_tokens)
+        if used.size == 0:
             return np.empty((0, *self.row_shape), dtype=self.dtype)
-        first, last = start // block_size, (end - 1) // block_size
-        used = blocks[first : last + 1]
         num_blocks = self.num_slots // block_size
         if used.min() < 0 or used.max() >= num_blocks:
             bad = used[(used < 0) | (used >= num_blocks)]
