@@ -15,11 +15,12 @@ bit-identical to routing and then calling ``capture_routing``.
 
 Kernel layout: one program routes ``BLOCK_M`` tokens and holds their logits in registers as a
 ``(BLOCK_M, NG_PAD, G_PAD)`` tile (``NG_PAD = 1``, ``G_PAD = E`` rounded up to a power of two when
-there is no grouping; padding is masked). Each selection key is packed with its expert index into
-one int64 (order-preserving float bits, then ``IDX_MAX - index`` in the low 16 bits), so one integer
-``max`` per round finds the best score and, among equal scores, the lowest index; the winner is
-knocked out (-1) and the next round runs. DeepSeek-V3 groups use the same trick on the
-``NG_PAD`` axis. The chosen logits are re-read (cache hits) to form the weights.
+there is no grouping; padding is masked). Selection keys become order-preserving int32s (float
+bits with the magnitude of negatives flipped; masked and knocked-out entries hold INT32_MIN). Each
+of the ``top_k`` rounds takes the best key with one integer ``max``, then the lowest expert index
+holding it with one integer ``min`` - the tie rule: among equal scores the lowest index wins - and
+knocks that expert out. DeepSeek-V3 groups use the same two-step rule on the ``NG_PAD`` axis. The
+chosen logits are re-read (cache hits) to form the weights.
 """
 
 from __future__ import annotations
@@ -42,19 +43,27 @@ __all__ = [
     "tile_shape",
 ]
 
-# Largest padded expert row the kernel holds in registers (NG_PAD * G_PAD); the packed index uses
-# 16 bits, and 4096 logits per row are 32 per thread with the 4 warps launch_config gives them.
+# Largest padded expert row the kernel holds in registers (NG_PAD * G_PAD): 4096 logits per row are
+# 32 per thread with the 4 warps launch_config gives them.
 TRITON_MAX_TILE = 4096
-# Launch configuration (see launch_config). A warp reduces a token's row with shuffles alone;
+# Launch configuration (see launch_config). A warp reduces a token's row with redux.sync alone;
 # with more warps Triton spreads the expert axis over them (warpsPerCTA [1, 1, W] for a
 # (rows, 1, 256) tile, checked in the TTGIR), and every one of the top_k rounds then crosses shared
-# memory and a barrier. So: one warp per program while a row fits (<= 32 logits per thread),
-# more rows per program only for large batches, and at most 512 logits per warp then (ptxas for
-# sm_90, DeepSeek-V3 tile: 1 row 78 registers, 2 rows 135, 4 rows 255 and spills).
+# memory and a barrier. That pays off only for a long row in a small batch (latency-bound: few
+# programs, so each one's chain of rounds is the kernel time), and loses in a large batch
+# (throughput-bound). H200 kernel times, RENORMALIZE 512/8: 1 token 3.5 us with 1 warp, 2.9 us
+# with 4; 4096 tokens 10.8 us with 1 warp, 12.6 with 2 warps x 2 rows. DeepSeek-V3 256/8: 1 warp
+# is best at every size (1 token: 3.6 us; 2 and 4 warps 4.0 and 3.8 us).
 _LOGITS_PER_WARP = 1024
+_SMALL_BATCH_WARPS = 4
+_SMALL_BATCH = 1024
+# Rows per program: more rows share a program's fixed costs in large batches, but each row is
+# another copy of the tile in registers (at most _ROW_LOGITS logits per thread row set). H200,
+# 4096 tokens: RENORMALIZE 128/8 2 rows 4.3 us, 1 row 4.7, 4 rows 4.5; DeepSeek-V3 1 row 14.2 us,
+# 2 rows 16.9.
 _ROW_LOGITS = 512
-# Rows per program grow once a batch exceeds this many programs (an H200 holds 132 SMs x 32
-# one-warp blocks; a 4096-token DeepSeek-V3 batch is about one wave at 78 registers per thread).
+_MIN_PROGRAM_LOGITS = 256
+_LARGE_BATCH = 2048
 _TARGET_PROGRAMS = 4096
 
 
@@ -91,9 +100,13 @@ def launch_config(n_tokens: int, e_tile: int) -> tuple[int, int]:
         # The interpreter pays per program and per operation, hardly per element: few programs.
         return min(next_power_of_2(n_tokens), 64), 1
     num_warps = min(8, max(1, e_tile // _LOGITS_PER_WARP))
+    if e_tile >= 512 and n_tokens <= _SMALL_BATCH:
+        num_warps = max(num_warps, _SMALL_BATCH_WARPS)
     rows_cap = max(1, _ROW_LOGITS // e_tile)
-    block_m = min(rows_cap, next_power_of_2(-(-n_tokens // _TARGET_PROGRAMS)))
-    return block_m, num_warps
+    block_m = next_power_of_2(-(-n_tokens // _TARGET_PROGRAMS))
+    if n_tokens >= _LARGE_BATCH:
+        block_m = max(block_m, _MIN_PROGRAM_LOGITS // e_tile)
+    return max(1, min(rows_cap, block_m)), num_warps
 
 
 if HAS_TRITON:
@@ -111,28 +124,22 @@ if HAS_TRITON:
     _SIGMOID_RENORM = tl.constexpr(int(RoutingMethod.SIGMOID_RENORM))
     _MINIMAX2 = tl.constexpr(int(RoutingMethod.MINIMAX2))
     _SUM_EPSILON = tl.constexpr(SUM_EPSILON)
-    _IDX_BITS = tl.constexpr(16)
-    _IDX_MAX = tl.constexpr(65535)
+    _NONE = tl.constexpr(-2147483648)  # INT32_MIN: knocked out / masked (below every valid key)
+    _NO_EXPERT = tl.constexpr(1 << 30)  # above every expert index (min-reduction identity)
 
     @triton.jit
-    def _pack(key, index, valid):
-        """int64 whose order is (key, -index); -1 where not valid (below every packed value).
+    def _ordered(key, valid):
+        """int32 whose signed order is the order of ``key``; ``_NONE`` (below all) where not valid.
 
-        key: canonical float32 (no NaN, no -0.0). The float's bits are made order-preserving as a
-        signed int32 (negative floats have their magnitude bits flipped), shifted to [0, 2^32) and
-        placed above the 16 index bits, which hold ``IDX_MAX - index`` (= ``index ^ IDX_MAX``):
-        every valid value is >= 0.
+        key: canonical float32 (no NaN, no -0.0). Negative floats get their magnitude bits flipped,
+        so the bits compare as signed ints; -inf maps to 0x807FFFFF > ``_NONE`` = INT32_MIN.
         """
         bits = key.to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        # (- -2^31 keeps every constant int32: Triton would type 2^31 as uint32)
-        packed = ((ordered.to(tl.int64) - (-2147483648)) << _IDX_BITS) | (index ^ _IDX_MAX).to(tl.int64)
-        return tl.where(valid, packed, -1)
+        return tl.where(valid, bits ^ ((bits >> 31) & 0x7FFFFFFF), _NONE)
 
     @triton.jit
-    def _unpack_key(packed):
-        """The float32 key of a packed value (inverse of :func:`_pack` on valid values)."""
-        ordered = ((packed >> _IDX_BITS) + (-2147483648)).to(tl.int32)
+    def _unordered(ordered):
+        """The float32 key of an ordered int (the mapping of :func:`_ordered` is an involution)."""
         bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
         return bits.to(tl.float32, bitcast=True)
 
@@ -206,13 +213,12 @@ if HAS_TRITON:
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_tokens
         if CAPTURE:
-            # The capture op's window, computed here exactly as there; its loads overlap the
-            # logits load below.
+            # The capture op's window, computed here exactly as there. Its loads overlap the logits
+            # load below; the fault record (a branch with atomics, which the compiler will not
+            # move loads across) is the kernel's last statement, so nothing waits for the counts.
             start, c_eff, flags = rows_window(
                 counts_ptr, sizes_ptr, dp_rank, n_first, n_tokens, n_dst, S_PAD, HAS_OFFSET
             )
-            if pid == 0:
-                record_faults(errors_ptr, flags)
         else:
             start = 0
             c_eff = 0
@@ -234,36 +240,55 @@ if HAS_TRITON:
                 key = key + b[None, :, :]
         else:
             key = x  # softmax and sigmoid keep the order of the logits
-        packed = _pack(_canonical(key), expert3, ok3)
+        okey = _ordered(_canonical(key), ok3)
 
         if GROUPED:
-            # group score = sum of the group's two best keys (one key if the group has one expert)
-            top1 = tl.max(packed, axis=2)
-            top2 = tl.max(tl.where(packed == top1[:, :, None], -1, packed), axis=2)
-            score = tl.where(top2 >= 0, _unpack_key(top1) + _unpack_key(top2), _unpack_key(top1))
+            # group score = sum of the group's two best keys (one key if the group has one expert);
+            # the best is the lowest column among equal keys, and only that one is knocked out
+            col3 = col[None, None, :]
+            top1 = tl.max(okey, axis=2)
+            col1 = tl.min(tl.where(okey == top1[:, :, None], col3, G_PAD), axis=2)
+            top2 = tl.max(tl.where(col3 == col1[:, :, None], _NONE, okey), axis=2)
+            score = tl.where(top2 != _NONE, _unordered(top1) + _unordered(top2), _unordered(top1))
             grp_ok = row_ok[:, None] & (grp[None, :] < n_group)
-            gpacked = _pack(_canonical(score), grp[None, :], grp_ok)
+            gkey = _ordered(_canonical(score), grp_ok)
             kept = tl.zeros([BLOCK_M, NG_PAD], dtype=tl.int32)
             for _ in range(topk_group):
-                best = tl.max(gpacked, axis=1)
-                hit = gpacked == best[:, None]
+                gbest = tl.max(gkey, axis=1)
+                gwin = tl.min(tl.where(gkey == gbest[:, None], grp[None, :], NG_PAD), axis=1)
+                hit = grp[None, :] == gwin[:, None]
                 kept = tl.where(hit, 1, kept)
-                gpacked = tl.where(hit, -1, gpacked)
-            packed = tl.where(kept[:, :, None] != 0, packed, -1)
+                gkey = tl.where(hit, _NONE, gkey)
+            okey = tl.where(kept[:, :, None] != 0, okey, _NONE)
 
+        # top_k rounds, unrolled to K_PAD (rounds past top_k are masked at the stores). A round is
+        # two dependent 32-bit warp reductions (redux.sync on sm_90): the best key, then the lowest
+        # expert holding it; the int64 (key, -index) packing this replaced took a chain of both
+        # halves plus 64-bit compares in every thread, and a loop the compiler could not unroll
+        # (H200, DeepSeek-V3 256/8 at n=1: kernel 5.0 us -> 3.6 us; at n=4096: 17.5 -> 14.2 us).
+        # Each round also issues the load of its chosen logit (an L1/L2 hit), so those loads
+        # overlap the following rounds instead of waiting in one dependent batch at the end.
         kcol = tl.arange(0, K_PAD)
         ids = tl.zeros([BLOCK_M, K_PAD], dtype=tl.int32)
-        for i in range(top_k):
-            # groups first: with lanes along the experts of a group, that axis is in-thread, and
-            # the lane reduction (two redux.sync per int64 on sm_90) then runs once, not per group
-            best = tl.max(tl.max(packed, axis=1), axis=1)
-            ids = tl.where(kcol[None, :] == i, ((best & _IDX_MAX) ^ _IDX_MAX).to(tl.int32)[:, None], ids)
-            packed = tl.where(packed == best[:, None, None], -1, packed)
+        xs = tl.zeros([BLOCK_M, K_PAD], dtype=tl.float32)
+        row_off1 = row_off[:, None]
+        for i in tl.static_range(K_PAD):
+            # groups first: with lanes along the experts of a group, that axis is in-thread and
+            # the lane reduction then runs once, not once per group
+            best = tl.max(tl.max(okey, axis=1), axis=1)
+            win = tl.min(tl.min(tl.where(okey == best[:, None, None], expert3, _NO_EXPERT), axis=1), axis=1)
+            pick = kcol[None, :] == i
+            ids = tl.where(pick, win[:, None], ids)
+            okey = tl.where(expert3 == win[:, None, None], _NONE, okey)
+            x_win = tl.load(
+                logits_ptr + row_off1 + win.to(tl.int64)[:, None] * stride_le,
+                mask=row_ok[:, None] & ((tl.zeros([1], dtype=tl.int32) + i) < top_k)[None, :],
+                other=0.0,
+            )
+            xs = tl.where(pick, x_win.to(tl.float32), xs)
 
         k_ok = kcol[None, :] < top_k
         out_ok = row_ok[:, None] & k_ok
-        xs = tl.load(logits_ptr + row_off[:, None] + ids.to(tl.int64) * stride_le, mask=out_ok, other=0.0)
-        xs = xs.to(tl.float32)
         if METHOD == _TOPK:
             w = xs
         elif METHOD == _DEFAULT:
@@ -297,6 +322,8 @@ if HAS_TRITON:
             dst = buf_ptr + layer_id.to(tl.int64) * stride_bl + (rows64 - start)[:, None] * stride_bm
             dst += kcol[None, :] * stride_bk
             tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mine[:, None] & k_ok)
+            if pid == 0:
+                record_faults(errors_ptr, flags)
 
 
 def route_rows_triton(
