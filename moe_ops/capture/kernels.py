@@ -151,8 +151,6 @@ if HAS_TRITON:
             start, c_eff, flags = rows_window(
                 counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD, HAS_OFFSET
             )
-            if pid == 0:
-                record_faults(errors_ptr, flags)
             dst_rows = rows - start
             ok = (dst_rows >= 0) & (dst_rows < c_eff)
             tl.store(
@@ -160,13 +158,14 @@ if HAS_TRITON:
                 ids.to(buf_ptr.dtype.element_ty),
                 mask=ok[:, None] & col_ok,
             )
+            # last: a branch with atomics, which nothing above should wait behind
+            if pid == 0:
+                record_faults(errors_ptr, flags)
         else:
             # Programs walk DESTINATION rows (large gathers: read only this rank's block).
             start, c_eff, flags = rows_window(
                 counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD, HAS_OFFSET
             )
-            if pid == 0:
-                record_faults(errors_ptr, flags)
             if row0 < c_eff:
                 mask = (rows < c_eff)[:, None] & col_ok
                 src = (start + rows).to(tl.int64)
@@ -176,6 +175,8 @@ if HAS_TRITON:
                     ids.to(buf_ptr.dtype.element_ty),
                     mask=mask,
                 )
+            if pid == 0:
+                record_faults(errors_ptr, flags)
 
 
 def capture_rows_triton(
