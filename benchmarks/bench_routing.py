@@ -17,20 +17,24 @@ None when it does not apply):
 * ``flashinfer+capture`` - ``route(..., backend="flashinfer", capture=...)``: that kernel's replay
   rows plus one ``capture_routing`` into the buffer.
 
-``vs_flashinfer`` divides by the ``flashinfer`` graph time measured in the same run (by the quoted
-figures below when FlashInfer does not run).
+Three times per peer: ``eager_us`` (``do_bench`` median, Python dispatch included), ``graph_us``
+(one call inside a CUDA graph of 61 calls - DeepSeek-V3's MoE layers each route once per step -
+replayed, peers interleaved trial by trial) and ``device_us`` (the kernels' own GPU time from the
+profiler, no launch gaps). ``graph_vs_flashinfer`` divides by the bare ``flashinfer`` kernel
+measured in the same run.
 
-Each peer is timed eagerly (``do_bench`` median) and as one CUDA-graph replay (median). Targets,
-from the issue: ``triton+capture`` within 1.02x of ``triton`` (the capture nearly free), and for
-DeepSeek-V3 within 1.2x of FlashInfer's ``fused_topk_deepseek`` on an H200 as quoted there (5.5 us
-at 1 and 128 tokens, 16.6 us at 4096; measured peers go in ``PEERS``).
+Targets, from the issue: ``triton+capture`` within 1.02x of ``triton`` (the capture nearly free),
+and for DeepSeek-V3 within 1.2x of FlashInfer's ``fused_topk_deepseek`` - quoted there for an H200
+as 5.5 us at 1 and 128 tokens and 16.6 us at 4096; the summary also divides by the FlashInfer
+kernel measured in the same run, graph and device time.
 
-    python benchmarks/bench_routing.py [--csv out.csv] [--sizes 1,128,4096] [--sweep]
+    python benchmarks/bench_routing.py [--csv out.csv] [--sizes 1,128,4096] [--sweep [--sweep-sizes ...]]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -40,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import Table, do_bench_median_us, graph_replay_us
+from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
 from moe_ops.route.reference import route_reference
 
@@ -227,63 +231,105 @@ def check_capture(case: Case, x: Inputs, n: int) -> None:
     assert (x.buffer[n:] == -1).all() and (x.buffer[:, : LAYERS - 1] == -1).all()
 
 
+# peers timed inside graphs of GRAPH_CALLS calls, and the slow references in graphs of REF_CALLS
+GRAPH_CALLS = LAYERS
+REF_CALLS = 8
+REFERENCES = ("compiled-ref", "eager-ref")
+
+
 def measure(sizes: list[int]) -> tuple[Table, Table]:
     dev = torch.device("cuda")
     table = Table(
-        "routing (bf16 logits; us; ratios of graph-replay times)",
-        ["case", "n", "peer", "eager_us", "graph_us", "vs_triton", "vs_flashinfer"],
+        f"routing (bf16 logits; us per call: graph = one call of a {GRAPH_CALLS}-call CUDA graph, "
+        "device = kernel time from the profiler)",
+        ["case", "n", "peer", "eager_us", "graph_us", "device_us", "graph_vs_triton", "graph_vs_flashinfer"],
     )
     summary = Table(
-        "targets",
-        ["case", "n", "capture/route eager", "capture/route graph", "capture/FI (<= 1.2)"],
+        "targets (graph = per call in the graph; device = kernel time)",
+        [
+            "case",
+            "n",
+            "capture/route graph",
+            "capture/route device",
+            "capture/FI graph",
+            "capture/FI device",
+            "capture/FI quoted",
+        ],
     )
     for case in CASES:
         for n in sizes:
             x = make_inputs(case, n, dev)
             check_capture(case, x, n)
-            graph: dict[str, float] = {}
-            eager: dict[str, float] = {}
-            for name, build in PEERS.items():
-                fn = build(case, x)
-                if fn is None:
-                    continue
-                eager[name] = do_bench_median_us(fn)
-                graph[name] = graph_replay_us(fn)
-            quoted = FLASHINFER_QUOTED_US.get(n) if case.method == RoutingMethod.DEEPSEEK_V3 else None
-            if "flashinfer" in graph:  # measured in this run: the real peer replaces the quote
-                quoted = graph["flashinfer"]
-            for name in graph:
+            fns = {name: build(case, x) for name, build in PEERS.items()}
+            fns = {name: fn for name, fn in fns.items() if fn is not None}
+            fast = {name: fn for name, fn in fns.items() if name not in REFERENCES}
+            refs = {name: fn for name, fn in fns.items() if name in REFERENCES}
+            eager = {name: do_bench_median_us(fn) for name, fn in fns.items()}
+            graph = graph_calls_us(fast, calls=GRAPH_CALLS)
+            graph.update(graph_calls_us(refs, calls=REF_CALLS, trials=7))
+            device = {name: device_us_per_call(fn) for name, fn in fast.items()}
+            fi = graph.get("flashinfer")
+            for name in fns:
                 floor = graph["triton[G]"] if name.endswith("[G]") else graph["triton"]
-                fi = graph[name] / quoted if quoted else ""
-                table.add(case.name, n, name, eager[name], graph[name], graph[name] / floor, fi)
+                table.add(
+                    case.name,
+                    n,
+                    name,
+                    eager[name],
+                    graph[name],
+                    device.get(name, ""),
+                    graph[name] / floor,
+                    graph[name] / fi if fi else "",
+                )
+            quoted = FLASHINFER_QUOTED_US.get(n) if case.method == RoutingMethod.DEEPSEEK_V3 else None
             summary.add(
                 case.name,
                 n,
-                eager["triton+capture"] / eager["triton"],
                 graph["triton+capture"] / graph["triton"],
+                device["triton+capture"] / device["triton"],
+                graph["triton+capture"] / fi if fi else "",
+                device["triton+capture"] / device["flashinfer"] if fi else "",
                 graph["triton+capture"] / quoted if quoted else "",
             )
     return table, summary
 
 
+SWEEP_CONFIGS = ((1, 1), (1, 2), (1, 4), (2, 1), (4, 1), (2, 2))
+
+
 def sweep_launch_config(sizes: list[int]) -> Table:
-    """Graph-replay time of the fused DeepSeek-V3 call for fixed (rows per program, warps)."""
+    """Per-call graph time and kernel time of the fused call for fixed (rows per program, warps)."""
     from moe_ops.route import kernels
 
     dev = torch.device("cuda")
-    case = CASES[0]
     table = Table(
-        "launch-config sweep (deepseek-v3 + capture, graph us)", ["n", "block_m", "warps", "graph_us"]
+        "launch-config sweep (+ capture; us per call)",
+        ["case", "n", "block_m", "warps", "graph_us", "device_us", "default"],
     )
     default = kernels.launch_config
-    try:
+
+    def fixed(block_m: int, warps: int, fn: Callable[[], object]) -> Callable[[], object]:
+        def call():
+            kernels.launch_config = lambda n_tokens, e_tile: (block_m, warps)
+            try:
+                return fn()
+            finally:
+                kernels.launch_config = default
+
+        return call
+
+    for case in CASES:
+        e_tile = math.prod(kernels.tile_shape(case.num_experts, case.n_group or 1))
         for n in sizes:
             x = make_inputs(case, n, dev)
-            for block_m, warps in ((1, 1), (2, 1), (1, 2), (1, 4), (2, 2), (4, 4), (8, 8)):
-                kernels.launch_config = lambda n_tokens, e_tile, b=block_m, w=warps: (b, w)
-                table.add(n, block_m, warps, graph_replay_us(peer_triton_capture(case, x)))
-    finally:
-        kernels.launch_config = default
+            base = peer_triton_capture(case, x)
+            fns = {cfg: fixed(*cfg, base) for cfg in SWEEP_CONFIGS if cfg[0] <= max(1, n)}
+            graph = graph_calls_us(fns, calls=GRAPH_CALLS, trials=11)
+            for (block_m, warps), fn in fns.items():
+                chosen = default(n, e_tile) == (block_m, warps)
+                table.add(
+                    case.name, n, block_m, warps, graph[(block_m, warps)], device_us_per_call(fn), chosen
+                )
     return table
 
 
@@ -291,6 +337,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--csv", default=None)
     parser.add_argument("--sizes", default="1,128,4096")
+    parser.add_argument("--sweep-sizes", default="1,128,1024,4096,16384")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs (tuning aid)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -299,7 +346,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     tables = list(measure(sizes))
     if args.sweep:
-        tables.append(sweep_launch_config(sizes))
+        tables.append(sweep_launch_config([int(v) for v in args.sweep_sizes.split(",")]))
     for t in tables:
         if args.csv:
             t.write_csv(args.csv)

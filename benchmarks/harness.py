@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Table", "do_bench_median_us", "environment", "graph_replay_us"]
+__all__ = [
+    "Table",
+    "device_us_per_call",
+    "do_bench_median_us",
+    "environment",
+    "graph_calls_us",
+    "graph_replay_us",
+]
 
 
 def environment() -> dict[str, str]:
@@ -74,6 +81,63 @@ def graph_replay_us(fn: Callable[[], object], replays: int = 50, trials: int = 1
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / replays)
     return statistics.median(times)
+
+
+def _capture_graph(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graph_calls_us(
+    fns: dict[str, Callable[[], object]], calls: int = 61, replays: int = 10, trials: int = 21
+) -> dict[str, float]:
+    """Per-call time of each ``fn`` inside a CUDA graph of ``calls`` calls (a model step that calls
+    it once per layer), in us: median over ``trials`` of (one trial's replays) / (replays * calls).
+
+    The peers' trials are interleaved (A B C, A B C, ...), so clock and thermal drift hit every peer
+    alike and ratios between peers are stable to about 1%; a lone single-call graph measures mostly
+    the graph launch (about 4 us on an H200) and, on a GPU that idles between replays, its clocks.
+    """
+    graphs = {name: _capture_graph(fn, calls) for name, fn in fns.items()}
+    for graph in graphs.values():
+        for _ in range(3):
+            graph.replay()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(trials):
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / (replays * calls))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def device_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
+    """GPU time of one call of ``fn`` in us: every kernel, memcpy and memset it launches, summed
+    (torch.profiler / CUPTI), divided by ``calls``. No launch gaps: the kernels' own cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total / calls
 
 
 @dataclass
