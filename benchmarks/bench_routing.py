@@ -34,7 +34,6 @@ kernel measured in the same run, graph and device time.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Callable
@@ -310,7 +309,7 @@ def sweep_launch_config(sizes: list[int]) -> Table:
 
     def fixed(block_m: int, warps: int, fn: Callable[[], object]) -> Callable[[], object]:
         def call():
-            kernels.launch_config = lambda n_tokens, e_tile: (block_m, warps)
+            kernels.launch_config = lambda n_tokens, ng_pad, g_pad: (block_m, warps)
             try:
                 return fn()
             finally:
@@ -319,14 +318,14 @@ def sweep_launch_config(sizes: list[int]) -> Table:
         return call
 
     for case in CASES:
-        e_tile = math.prod(kernels.tile_shape(case.num_experts, case.n_group or 1))
+        tile = kernels.tile_shape(case.num_experts, case.n_group or 1)
         for n in sizes:
             x = make_inputs(case, n, dev)
             base = peer_triton_capture(case, x)
             fns = {cfg: fixed(*cfg, base) for cfg in SWEEP_CONFIGS if cfg[0] <= max(1, n)}
             graph = graph_calls_us(fns, calls=GRAPH_CALLS, trials=11)
             for (block_m, warps), fn in fns.items():
-                chosen = default(n, e_tile) == (block_m, warps)
+                chosen = default(n, *tile) == (block_m, warps)
                 table.add(
                     case.name, n, block_m, warps, graph[(block_m, warps)], device_us_per_call(fn), chosen
                 )

@@ -46,21 +46,23 @@ __all__ = [
 # Largest padded expert row the kernel holds in registers (NG_PAD * G_PAD): 4096 logits per row are
 # 32 per thread with the 4 warps launch_config gives them.
 TRITON_MAX_TILE = 4096
-# Launch configuration (see launch_config). A warp reduces a token's row with redux.sync alone;
-# with more warps Triton spreads the expert axis over them (warpsPerCTA [1, 1, W] for a
-# (rows, 1, 256) tile, checked in the TTGIR), and every one of the top_k rounds then crosses shared
-# memory and a barrier. That pays off only for a long row in a small batch (latency-bound: few
-# programs, so each one's chain of rounds is the kernel time), and loses in a large batch
-# (throughput-bound). H200 kernel times, RENORMALIZE 512/8: 1 token 3.5 us with 1 warp, 2.9 us
-# with 4; 4096 tokens 10.8 us with 1 warp, 12.6 with 2 warps x 2 rows. DeepSeek-V3 256/8: 1 warp
-# is best at every size (1 token: 3.6 us; 2 and 4 warps 4.0 and 3.8 us).
+# Launch configuration (see launch_config), from `benchmarks/bench_routing.py --sweep` and a sweep
+# of kernel variants on an H200 (kernel times with capture, us; sizes 1 / 128 / 4096 tokens):
+#
+# * grouped (DeepSeek-V3 256/8, 8 groups of 32): 2 rows x 2 warps 2.8 / 2.9 / 9.3 against
+#   1 row x 1 warp 3.8 / 4.1 / 9.6. Triton then puts the two warps on the group axis
+#   (warpsPerCTA [1, 2, 1] in the TTGIR), half the groups each, and every round crosses shared memory
+#   once - and still wins, at one token too (2 x 2 at 16384 tokens: 33.8 us, 2 x 1: 33.0).
+# * ungrouped: one warp per row reduces with redux.sync alone; more warps spread the expert axis and
+#   add a shared-memory hop per round, which pays only for long rows in small batches (RENORMALIZE
+#   512/8: 4 warps 2.8 / 3.1 us at 1 / 128 tokens against 3.1 / 3.3 with 1; at 1024 tokens 4 warps
+#   lose, 5.6 against 4.5 us). Large batches of short rows take several rows per program
+#   (RENORMALIZE 128/8 at 4096 tokens: 2 rows 4.0 us, 1 row 4.5; at 16384: 4 rows 10.1, 2 rows
+#   10.9), at most _ROW_LOGITS logits per program.
+_GROUPED_CONFIG = (2, 2)
 _LOGITS_PER_WARP = 1024
 _SMALL_BATCH_WARPS = 4
-_SMALL_BATCH = 1024
-# Rows per program: more rows share a program's fixed costs in large batches, but each row is
-# another copy of the tile in registers (at most _ROW_LOGITS logits per thread row set). H200,
-# 4096 tokens: RENORMALIZE 128/8 2 rows 4.3 us, 1 row 4.7, 4 rows 4.5; DeepSeek-V3 1 row 14.2 us,
-# 2 rows 16.9.
+_SMALL_BATCH = 256
 _ROW_LOGITS = 512
 _MIN_PROGRAM_LOGITS = 256
 _LARGE_BATCH = 2048
@@ -94,11 +96,14 @@ def tile_shape(num_experts: int, n_group: int) -> tuple[int, int]:
     return 1, next_power_of_2(num_experts)
 
 
-def launch_config(n_tokens: int, e_tile: int) -> tuple[int, int]:
-    """(rows per program, warps) for ``n_tokens`` tokens of a padded expert row of ``e_tile``."""
+def launch_config(n_tokens: int, ng_pad: int, g_pad: int) -> tuple[int, int]:
+    """(rows per program, warps) for ``n_tokens`` tokens of a ``(ng_pad, g_pad)`` expert tile."""
     if interpreting():
         # The interpreter pays per program and per operation, hardly per element: few programs.
         return min(next_power_of_2(n_tokens), 64), 1
+    e_tile = ng_pad * g_pad
+    if ng_pad > 1 and e_tile <= _ROW_LOGITS:
+        return _GROUPED_CONFIG
     num_warps = min(8, max(1, e_tile // _LOGITS_PER_WARP))
     if e_tile >= 512 and n_tokens <= _SMALL_BATCH:
         num_warps = max(num_warps, _SMALL_BATCH_WARPS)
@@ -263,32 +268,26 @@ if HAS_TRITON:
 
         # top_k rounds, unrolled to K_PAD (rounds past top_k are masked at the stores). A round is
         # two dependent 32-bit warp reductions (redux.sync on sm_90): the best key, then the lowest
-        # expert holding it; the int64 (key, -index) packing this replaced took a chain of both
-        # halves plus 64-bit compares in every thread, and a loop the compiler could not unroll
-        # (H200, DeepSeek-V3 256/8 at n=1: kernel 5.0 us -> 3.6 us; at n=4096: 17.5 -> 14.2 us).
-        # Each round also issues the load of its chosen logit (an L1/L2 hit), so those loads
-        # overlap the following rounds instead of waiting in one dependent batch at the end.
+        # expert holding it. The int64 (key, -index) packing this replaced took a chain of both
+        # halves plus 64-bit compares in every thread, in a loop the compiler could not unroll
+        # (H200, DeepSeek-V3 256/8 with capture, kernel time: n=1 5.3 us -> 2.8 us, n=4096 17.8 us
+        # -> 9.3 us, with the launch configuration below). Loading each round's chosen logit inside
+        # the round measured slower than one gather after the rounds (DeepSeek-V3 n=4096 with
+        # capture 10.4 vs 9.6 us at 1 row / 1 warp), so the weights re-read them at the end.
         kcol = tl.arange(0, K_PAD)
         ids = tl.zeros([BLOCK_M, K_PAD], dtype=tl.int32)
-        xs = tl.zeros([BLOCK_M, K_PAD], dtype=tl.float32)
-        row_off1 = row_off[:, None]
         for i in tl.static_range(K_PAD):
             # groups first: with lanes along the experts of a group, that axis is in-thread and
             # the lane reduction then runs once, not once per group
             best = tl.max(tl.max(okey, axis=1), axis=1)
             win = tl.min(tl.min(tl.where(okey == best[:, None, None], expert3, _NO_EXPERT), axis=1), axis=1)
-            pick = kcol[None, :] == i
-            ids = tl.where(pick, win[:, None], ids)
+            ids = tl.where(kcol[None, :] == i, win[:, None], ids)
             okey = tl.where(expert3 == win[:, None, None], _NONE, okey)
-            x_win = tl.load(
-                logits_ptr + row_off1 + win.to(tl.int64)[:, None] * stride_le,
-                mask=row_ok[:, None] & ((tl.zeros([1], dtype=tl.int32) + i) < top_k)[None, :],
-                other=0.0,
-            )
-            xs = tl.where(pick, x_win.to(tl.float32), xs)
 
         k_ok = kcol[None, :] < top_k
         out_ok = row_ok[:, None] & k_ok
+        xs = tl.load(logits_ptr + row_off[:, None] + ids.to(tl.int64) * stride_le, mask=out_ok, other=0.0)
+        xs = xs.to(tl.float32)
         if METHOD == _TOPK:
             w = xs
         elif METHOD == _DEFAULT:
@@ -354,7 +353,7 @@ def route_rows_triton(
     n_tokens, num_experts = router_logits.shape
     top_k = ids.shape[1]
     ng_pad, g_pad = tile_shape(num_experts, n_group)
-    default_m, default_warps = launch_config(n_tokens, ng_pad * g_pad)
+    default_m, default_warps = launch_config(n_tokens, ng_pad, g_pad)
     block_m = block_m or default_m
     num_warps = num_warps or default_warps
     programs = triton.cdiv(n_tokens, block_m)
