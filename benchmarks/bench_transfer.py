@@ -8,9 +8,12 @@ Each number is a ratio against a floor or peer measured in the same run:
   plain ``pinned.copy_(device, non_blocking=True)`` of the same narrow bytes (peer). Target: >= 0.8
   of the peer when transfers are large (an H200 copies about 54 GB/s device-to-pinned-host).
 - Compute-loop slowdown: a loop of GEMM "steps" with ``set_step`` each step, with and without a
-  snapshot per step consumed one step later. Target <= 1.02x. Modes run interleaved; the paired
-  slowdown is the median over trials of (mode / baseline of the same trial), with its interquartile
-  range. Context row: the blocking ``.cpu()`` per step that engines used first.
+  snapshot per step consumed one step later. Target <= 1.02x. Blocks of 25 steps, timed on the
+  device, alternate A B / B A; the paired slowdown is the median over trials of (snapshot block /
+  baseline block of the same trial), with its interquartile range. Context row: the blocking
+  ``.cpu()`` per step that engines used first.
+- The narrowing cast on its own (it is the snapshot's share of the compute stream's critical
+  path): ``moe_ops.transfer.narrow`` against ``copy_``.
 - Store ``write`` (8192 tokens at engine-like slots) and ``read`` (a 32768-token request, block size
   16): GB/s of routing rows. Target >= 2 GB/s. CPU.
 - ``encode_routing`` + ``decode_routing`` of a 32768-token request: GB/s of routing bytes. Target
@@ -34,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import Table
+from benchmarks.harness import Table, device_us_per_call
 from moe_ops import (
     RoutingCapturer,
     RoutingShape,
@@ -142,7 +145,11 @@ def d2h_bandwidth(sizes: list[int], reps: int, trials: int) -> Table:
 
 
 def compute_slowdown(steps: int, trials: int, gemms: int) -> Table:
-    """A GEMM loop with set_step each step; + a snapshot per step consumed one step later."""
+    """A GEMM loop with set_step each step; + a snapshot per step consumed one step later.
+
+    Blocks of ``steps`` steps per mode, interleaved and rotated over ``trials`` rounds; each block
+    is timed on the device. A step is 8 bf16 4096^3 GEMMs (about 1.6 ms on an H200).
+    """
     dev = torch.device("cuda")
     table = Table(
         f"compute-loop slowdown with snapshots ({STEP_TOKENS} tokens/step, ring 4, consumed 1 step later)",
@@ -159,8 +166,11 @@ def compute_slowdown(steps: int, trials: int, gemms: int) -> Table:
             torch.mm(a, b, out=out)
 
     def loop(mode: str) -> float:
+        """ms per step of one block of ``steps`` steps, timed on the compute stream (CUDA events
+        around the block: the guard waits and any idle gap the host leaves are inside)."""
         torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         pending = None
         for _ in range(steps):
             capturer.set_step([STEP_TOKENS])
@@ -173,33 +183,60 @@ def compute_slowdown(steps: int, trials: int, gemms: int) -> Table:
                 pending = handle
             elif mode == "blocking .cpu()":
                 capturer.buffer[:STEP_TOKENS].to(torch.uint8).cpu()
-        if pending is not None:
+        end.record()
+        if pending is not None:  # the last step's rows, read after the block's clock stopped
             pending.result(copy=False)
             pending.release()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / steps
+        end.synchronize()
+        return start.elapsed_time(end) / steps
 
-    modes = ["baseline", "snapshot", "blocking .cpu()"]
+    modes = ["baseline", "snapshot"]
     for m in modes:  # warm-up: clocks, cuBLAS heuristics, pinned pools
         loop(m)
     results = {m: [] for m in modes}
     for trial in range(trials):
-        # interleaved and rotated (A B C, B C A, ...): drift and position hit every mode alike
-        for m in modes[trial % 3 :] + modes[: trial % 3]:
+        # interleaved A B, B A, A B, ...: drift hits both modes alike and each follows the other
+        # equally often
+        for m in modes if trial % 2 == 0 else modes[::-1]:
             results[m].append(loop(m))
+    # context, measured apart: the GPU idles during a blocking copy and runs cooler in the next
+    # block, which would flatter whichever mode followed it
+    results["blocking .cpu()"] = [loop("blocking .cpu()") for _ in range(max(3, trials // 8))]
     base = statistics.median(results["baseline"])
-    for m in modes:
-        # a trial's ratio divides by the baseline run of the same trial (seconds apart), which
+    for m in results:
+        # a trial's ratio divides by the baseline block of the same trial (milliseconds apart), which
         # cancels the slow drift of a GEMM loop's clocks (its ms/step wanders by ~5% between runs)
-        ratios = sorted(t / b for t, b in zip(results[m], results["baseline"]))
+        pairs = zip(results[m], results["baseline"][-len(results[m]) :])
+        ratios = sorted(t / b for t, b in pairs)
         table.add(
             m,
-            statistics.median(results[m]) * 1e3,
+            statistics.median(results[m]),
             statistics.median(results[m]) / base,
             statistics.median(ratios),
             f"{ratios[len(ratios) // 4]:.3f}-{ratios[(3 * len(ratios)) // 4]:.3f}",
             f"<= {SLOWDOWN_TARGET}" if m == "snapshot" else "context",
         )
+    return table
+
+
+def narrow_kernel() -> Table:
+    """The snapshot's narrowing cast (16 MB of int32 ids to 4 MB of uint8): ours vs ``copy_``."""
+    from moe_ops.transfer.narrow import narrow_rows_torch, narrow_rows_triton
+
+    dev = torch.device("cuda")
+    table = Table(
+        f"narrowing cast, {STEP_TOKENS} tokens (kernel us)", ["impl", "device_us", "ratio_vs_copy_"]
+    )
+    src = torch.randint(0, EXPERTS, (STEP_TOKENS, LAYERS, TOP_K), dtype=torch.int32, device=dev)
+    dst = torch.empty(src.shape, dtype=torch.uint8, device=dev)
+    times = {}
+    for name, fn in (("torch copy_", narrow_rows_torch), ("triton", narrow_rows_triton)):
+        dst.fill_(7)
+        fn(dst, src, STEP_TOKENS)
+        assert torch.equal(dst, src.to(torch.uint8)), name
+        times[name] = device_us_per_call(lambda fn=fn: fn(dst, src, STEP_TOKENS))
+    for name, t in times.items():
+        table.add(name, t, t / times["torch copy_"])
     return table
 
 
@@ -255,9 +292,7 @@ def main() -> None:
         tables.append(
             d2h_bandwidth([1024, STEP_TOKENS, REQUEST_TOKENS], reps=reps, trials=5 if args.quick else 9)
         )
-        tables.append(
-            compute_slowdown(steps=20 if args.quick else 50, trials=6 if args.quick else 21, gemms=8)
-        )
+        tables.append(compute_slowdown(steps=25, trials=8 if args.quick else 41, gemms=8))
     else:
         print("no CUDA GPU: D2H bandwidth and compute slowdown not measured")
     tables.append(store_throughput(reps))

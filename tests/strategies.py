@@ -514,3 +514,51 @@ def serving_requests(
 
 # Row counts of consecutive steps: real rows of a padded runner, some above the largest capture size.
 step_row_counts = st.lists(st.integers(1, 40), min_size=1, max_size=8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 5: the snapshot's narrowing cast
+# ---------------------------------------------------------------------------------------------------
+
+NARROW_SOURCES = (torch.int16, torch.int32, torch.int64)
+NARROW_TARGETS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class NarrowCase:
+    # (max_rows, L, K) source rows and the number of leading rows to cast
+    max_rows: int
+    num_layers: int
+    top_k: int
+    num_rows: int
+    src_dtype: torch.dtype
+    dst_dtype: torch.dtype
+    # ids drawn from [low, high]: past the target's range too, so truncation is exercised
+    low: int
+    high: int
+    seed: int
+
+    def source(self, device) -> torch.Tensor:
+        info = torch.iinfo(self.src_dtype)
+        low, high = max(self.low, info.min), min(self.high, info.max)
+        g = torch.Generator().manual_seed(self.seed)
+        shape = (self.max_rows, self.num_layers, self.top_k)
+        return torch.randint(low, high + 1, shape, generator=g, dtype=torch.int64).to(device, self.src_dtype)
+
+
+@st.composite
+def narrow_cases(draw, max_rows: int = 40):
+    rows = draw(st.integers(1, max_rows))
+    ranges = [(0, 255), (-1, 300), (0, 65535), (-70000, 70000), (-(2**31), 2**31 - 1)]
+    low, high = draw(st.sampled_from(ranges))
+    return NarrowCase(
+        max_rows=rows,
+        num_layers=draw(st.integers(1, 7)),
+        top_k=draw(st.sampled_from([1, 2, 6, 8, 9])),
+        num_rows=draw(st.integers(0, rows)),
+        src_dtype=draw(st.sampled_from(NARROW_SOURCES)),
+        dst_dtype=draw(st.sampled_from(NARROW_TARGETS)),
+        low=low,
+        high=high,
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .narrow import narrow_rows
+
 __all__ = ["RingFullError", "SnapshotHandle", "TransferPipeline", "staging_dtype"]
 
 # Host dtype -> device staging dtype of the same width. uint16 is staged as int16 (same bits; the host
@@ -262,8 +264,8 @@ class TransferPipeline:
         copy.wait_event(slot.ready)
         with torch.cuda.stream(copy):
             if num_rows:
-                # Narrowing on the device: one elementwise cast kernel, no allocation.
-                slot.staging[:num_rows].copy_(self.source[:num_rows])
+                # Narrowing on the device: one cast kernel, no allocation (moe_ops.transfer.narrow).
+                narrow_rows(slot.staging, self.source, num_rows)
             slot.read_done.record(copy)
             if num_rows:
                 slot.host[:num_rows].copy_(slot.staging[:num_rows], non_blocking=True)

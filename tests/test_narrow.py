@@ -1,0 +1,73 @@
+"""The snapshot's narrowing cast: Triton kernel against its PyTorch twin and against numpy, exactly.
+
+Destinations are poisoned first, so a missing write (a row below ``num_rows`` left at the poison) or a
+stray one (a row at or past ``num_rows`` changed) shows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from strategies import NarrowCase, narrow_cases
+
+from moe_ops._triton import triton_runs_on
+from moe_ops.transfer.narrow import narrow_rows, narrow_rows_torch, narrow_rows_triton
+
+POISON = 0x5A  # fits every target dtype, and is not what a zero-filled or untouched-by-kernel row holds
+
+IMPLS = [
+    pytest.param((narrow_rows_torch, "cpu"), id="torch-cpu"),
+    pytest.param((narrow_rows_triton, "cpu"), id="triton-interpret"),
+    pytest.param((narrow_rows_triton, "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
+    pytest.param((narrow_rows_torch, "cuda"), id="torch-cuda", marks=pytest.mark.gpu),
+]
+
+
+def _run(fn, case: NarrowCase, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    src = case.source(device)
+    dst = torch.full(src.shape, POISON, dtype=case.dst_dtype, device=device)
+    fn(dst, src, case.num_rows)
+    return src.cpu(), dst.cpu()
+
+
+def _expected(src: torch.Tensor, case: NarrowCase) -> np.ndarray:
+    """numpy's integer astype wraps (two's complement), like torch's copy_ and the kernel."""
+    out = np.full(tuple(src.shape), POISON, dtype=torch.empty(0, dtype=case.dst_dtype).numpy().dtype)
+    out[: case.num_rows] = src[: case.num_rows].numpy().astype(out.dtype)
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@settings(max_examples=120)
+@given(case=narrow_cases())
+def test_narrow_rows_matches_numpy_exactly(impl, case):
+    fn, device = impl
+    if fn is narrow_rows_triton and not triton_runs_on(torch.device(device)):
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
+    src, dst = _run(fn, case, device)
+    assert np.array_equal(dst.numpy(), _expected(src, case))
+
+
+@pytest.mark.gpu
+@settings(max_examples=60)
+@given(case=narrow_cases(max_rows=300))
+def test_triton_equals_torch_twin_on_gpu(case):
+    _, want = _run(narrow_rows_torch, case, "cuda")
+    _, got = _run(narrow_rows_triton, case, "cuda")
+    assert torch.equal(got, want)
+
+
+def test_dispatch_and_bad_input():
+    src = torch.arange(24, dtype=torch.int32).view(4, 3, 2)
+    dst = torch.zeros(4, 3, 2, dtype=torch.uint8)
+    narrow_rows(dst, src, 3)
+    assert dst[:3].flatten().tolist() == list(range(18)) and dst[3].eq(0).all()
+    with pytest.raises(ValueError, match=r"num_rows must be in \[0, 4\]"):
+        narrow_rows(dst, src, 5)
+    with pytest.raises(ValueError, match="same row shape"):
+        narrow_rows(torch.zeros(4, 2, 3, dtype=torch.uint8), src, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        narrow_rows(dst, src.transpose(1, 2), 1)
+    assert dst[3].eq(0).all()  # bad input wrote nothing
