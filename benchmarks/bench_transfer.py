@@ -292,9 +292,10 @@ def main() -> None:
         tables.append(
             d2h_bandwidth([1024, STEP_TOKENS, REQUEST_TOKENS], reps=reps, trials=5 if args.quick else 9)
         )
+        tables.append(narrow_kernel())
         tables.append(compute_slowdown(steps=25, trials=8 if args.quick else 41, gemms=8))
     else:
-        print("no CUDA GPU: D2H bandwidth and compute slowdown not measured")
+        print("no CUDA GPU: D2H bandwidth, narrowing kernel and compute slowdown not measured")
     tables.append(store_throughput(reps))
     tables.append(wire_throughput(reps))
     for t in tables:
