@@ -14,6 +14,8 @@ None when it does not apply):
 
 * ``flashinfer`` / ``flashinfer+replay`` - FlashInfer's ``fused_topk_deepseek`` kernel without and
   with its int16 ``routing_replay_out`` (DeepSeek-V3, where FlashInfer runs);
+* ``flashinfer-route`` - ``route(..., backend="flashinfer")``: the kernel plus the float32 cast of
+  its weights (the user-facing FlashInfer path; the peer ``backend="auto"`` is decided against);
 * ``flashinfer+capture`` - ``route(..., backend="flashinfer", capture=...)``: that kernel's replay
   rows plus one ``capture_routing`` into the buffer.
 
@@ -207,12 +209,22 @@ def peer_flashinfer_capture(case: Case, x: Inputs) -> Callable[[], object] | Non
     return lambda: route(x.logits, case.top_k, case.method, capture=target, backend="flashinfer", **kw)
 
 
+def peer_flashinfer_route(case: Case, x: Inputs) -> Callable[[], object] | None:
+    """``route(..., backend="flashinfer")`` without capture: the kernel plus the cast of its weights
+    to float32 - what ``backend="auto"`` would cost if it chose FlashInfer."""
+    if not _flashinfer_runs(case, x):
+        return None
+    kw = x.kwargs(case)
+    return lambda: route(x.logits, case.top_k, case.method, backend="flashinfer", **kw)
+
+
 # name -> builder(case, inputs) -> zero-argument callable (or None: not measured for this case)
 PEERS: dict[str, Callable[[Case, Inputs], Callable[[], object] | None]] = {
     "triton+capture": peer_triton_capture,
     "triton": peer_triton,
     "flashinfer": peer_flashinfer_kernel(replay=False),
     "flashinfer+replay": peer_flashinfer_kernel(replay=True),
+    "flashinfer-route": peer_flashinfer_route,
     "flashinfer+capture": peer_flashinfer_capture,
     "triton+capture[G]": peer_triton_capture_gathered,
     "triton[G]": peer_triton_gathered,

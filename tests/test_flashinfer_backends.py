@@ -77,4 +77,5 @@ def test_report_on_the_gpu(cuda_device):
     if cc >= (8, 9) and fused_topk_support(cuda_device).ok:
         assert lines["fused_topk_deepseek"].backend == "flashinfer"
         (deepseek,) = [line for line in report.routing if line.subject == "DEEPSEEK_V3"]
-        assert deepseek.backend == "flashinfer"
+        # where FlashInfer runs, auto still routes with Triton: measured faster (PREFER_FLASHINFER_ROUTING)
+        assert deepseek.backend == "triton" and "measured faster" in deepseek.reason

@@ -36,12 +36,16 @@ __all__ = [
 # 2 as well (checked in tests/test_flashinfer_ops.py).
 DEEPSEEK_V3 = 2
 
-# backend="auto" for DEEPSEEK_V3 on an H200 (bf16 logits, 256 experts, k 8, 8 groups; one CUDA-graph
-# replay, benchmarks/bench_routing.py): without capture FlashInfer's fused_topk_deepseek is faster
-# (3.98 / 4.47 / 13.8 us at n = 1 / 128 / 4096 against Triton's 6.25 / 6.48 / 18.4); with capture the
-# Triton router's fused capture wins (6.33 / 6.87 / 18.9 us against fused_topk + replay + the capture
-# op, 6.87 / 8.65 / 18.6). So auto routes with FlashInfer only when nothing is captured.
-PREFER_FLASHINFER_ROUTING = True
+# backend="auto" for DEEPSEEK_V3 on an H200 (bf16 logits, 256 experts, k 8, 8 groups keep 4; us per
+# call inside a 61-call CUDA graph, benchmarks/bench_routing.py). The first Triton router lost to
+# FlashInfer's fused_topk_deepseek without capture (6.25 / 6.48 / 18.4 us at n = 1 / 128 / 4096
+# against 3.98 / 4.47 / 13.8, single-call graphs), so auto used FlashInfer then. The current one
+# routes in 2.99 / 3.28 / 9.13 us; the bare FlashInfer kernel takes 2.65 / 2.99 / 12.2, and
+# route(backend="flashinfer") - that kernel plus the cast of its bf16 weights to float32 - 4.65 /
+# 5.97 / 15.7 (a 32-call graph). With capture the Triton router's fused capture wins by more (2.98 /
+# 3.27 / 9.43 against 5.65 / 7.85 / 17.3 for the kernel's replay rows + the capture op). So auto
+# uses the Triton router; backend="flashinfer" still runs the FlashInfer kernel on request.
+PREFER_FLASHINFER_ROUTING = False
 
 _INSTALL_HINT = "flashinfer not installed (pip install 'moe-ops[flashinfer]')"
 
@@ -235,7 +239,7 @@ def routing_backend(
             "its fused capture measured faster than fused_topk_deepseek + capture op",
         )
     if not PREFER_FLASHINFER_ROUTING:
-        return _triton_line(name, device, "measured faster than fused_topk_deepseek")
+        return _triton_line(name, device, "measured faster than route(backend='flashinfer')")
     return BackendLine(
         name, "flashinfer", support.reason + "; with capture: Triton (fused capture is faster)"
     )

@@ -145,9 +145,10 @@ def _use_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
 def _auto_uses_flashinfer(
     device: torch.device, method: int, num_experts: int, top_k: int, n_group, topk_group
 ) -> bool:
-    """backend="auto" without capture: FlashInfer's fused_topk_deepseek where it runs and takes
-    these arguments (measured faster there; see moe_ops.flashinfer.backends). Host-only checks,
-    evaluated once at trace time under torch.compile."""
+    """backend="auto" without capture: FlashInfer's fused_topk_deepseek where it runs, takes these
+    arguments and ``PREFER_FLASHINFER_ROUTING`` says it is faster (currently not: the Triton router
+    measured faster on the H200; see moe_ops.flashinfer.backends). Host-only checks, evaluated once
+    at trace time under torch.compile."""
     if device.type != "cuda" or method != RoutingMethod.DEEPSEEK_V3:
         return False
     try:
