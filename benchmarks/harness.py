@@ -55,32 +55,13 @@ def do_bench_median_us(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: 
 
 
 def graph_replay_us(fn: Callable[[], object], replays: int = 50, trials: int = 15) -> float:
-    """Median over ``trials`` of the mean time of one replay of a CUDA graph of ``fn``, in us.
+    """Median over ``trials`` of the mean time of one replay of a CUDA graph of one call of ``fn``,
+    in us (:func:`graph_calls_us` with one peer and ``calls=1``).
 
     ``fn`` is warmed up on a side stream, captured once, and replayed ``replays`` times between two
     CUDA events per trial: launch overhead is the graph's, as in a CUDA-graphed serving step.
     """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays)
-    return statistics.median(times)
+    return graph_calls_us({"fn": fn}, calls=1, replays=replays, trials=trials)["fn"]
 
 
 def _capture_graph(fn: Callable[[], object], calls: int) -> torch.cuda.CUDAGraph:
