@@ -39,3 +39,13 @@ def cuda_device():
     if not HAS_CUDA:
         pytest.skip("needs a CUDA GPU")
     return torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny CPU ops: OpenMP workers only spin on a shared 2-core machine (see moe_ops/demo.py).
+    Modules of tiny models use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,10 +1,21 @@
-"""Helpers for GPU tests: a busy kernel of a known duration on the current stream."""
+"""Test helpers: skipping where a Triton kernel cannot run, and (GPU) a busy kernel of a known
+duration on the current stream."""
 
 from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
+
+from moe_ops._triton import triton_runs_on
+
+
+def skip_unless_triton_runs(device: str | torch.device) -> None:
+    """Skips the calling test where Triton kernels cannot run on ``device`` (CPU without
+    TRITON_INTERPRET=1, which conftest sets on machines without CUDA)."""
+    if not triton_runs_on(torch.device(device)):
+        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
 
 
 @functools.cache

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_helpers import skip_unless_triton_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import GPU_CASES, POISON, capture_cases
 
 import moe_ops
 from moe_ops import BatchLayout, capture_routing
-from moe_ops._triton import triton_runs_on
 from moe_ops.capture.errors import (
     FAULT_BAD_OFFSET,
     FAULT_DEST_SHORT,
@@ -34,8 +34,8 @@ BACKENDS = CPU_BACKENDS + GPU_BACKENDS
 
 
 def _skip_unavailable(impl: str, device: str) -> None:
-    if impl == "triton" and not triton_runs_on(torch.device(device)):
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
+    if impl == "triton":
+        skip_unless_triton_runs(device)
 
 
 def run_capture(impl: str, case, buffer, topk_ids, counts, sizes) -> torch.Tensor:
@@ -185,8 +185,7 @@ def test_negative_shard_size_is_recorded():
 def test_no_retrace_per_layer_or_count():
     """Layer ids, counts and ranks are runtime values: changing them compiles nothing new."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not triton_runs_on(device):
-        pytest.skip("Triton does not run here")
+    skip_unless_triton_runs(device)
     from moe_ops.capture import kernels
 
     kern = kernels._capture_rows_kernel

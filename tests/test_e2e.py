@@ -27,12 +27,7 @@ REQUESTS = serving_requests(CONFIG.vocab_size, CONFIG.max_seq_len)
 SERVE = dict(capture_sizes=(2, 4, 8, 16), max_batch_tokens=24, max_running=3, block_size=4, ring_depth=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 MODELS: dict[str, ReferenceMoEModel] = {}

@@ -17,13 +17,7 @@ from moe_ops.models import PRESETS, ReferenceMoEModel, reference_config
 SMALL = reference_config("tiny", num_layers=3, max_requests=4, max_seq_len=24)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops: OpenMP workers only spin on a shared 2-core machine (see moe_ops/demo.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gpu_helpers import skip_unless_triton_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from routing_checks import check_routing
 from strategies import GPU_ROUTER_CASES, MODEL_ROUTERS, RouterCase, router_cases
 
 from moe_ops import RoutingMethod, route
-from moe_ops._triton import triton_runs_on
 
 CPU_BACKENDS = [
     pytest.param(("torch", "cpu"), id="torch-cpu"),
@@ -29,8 +29,8 @@ MODELS = [pytest.param(c, id=c.name) for c in MODEL_ROUTERS]
 
 
 def _skip_unavailable(backend: str, device: str) -> None:
-    if backend == "triton" and not triton_runs_on(torch.device(device)):
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
+    if backend == "triton":
+        skip_unless_triton_runs(device)
 
 
 def run_route(case: RouterCase, backend: str, device: str):

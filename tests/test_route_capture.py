@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from gpu_helpers import skip_unless_triton_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import GPU_CAPTURE_ROUTERS, MODEL_ROUTERS, POISON, routed_capture_cases
 
 import moe_ops
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, capture_routing, route
-from moe_ops._triton import triton_runs_on
 from moe_ops.capture.kernels import window_first_size
 from moe_ops.route.kernels import FusedCapture, route_rows_torch, route_rows_triton
 
@@ -35,8 +35,8 @@ GPU_BACKENDS = [
 
 
 def _skip_unavailable(backend: str, device: str) -> None:
-    if backend == "triton" and not triton_runs_on(torch.device(device)):
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
+    if backend == "triton":
+        skip_unless_triton_runs(device)
 
 
 def _counter_delta(device, fn):

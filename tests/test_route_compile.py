@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 from capture_models import layout_inputs
+from gpu_helpers import skip_unless_triton_runs
 from route_models import RoutedMoE
 
 from graphs import CompileCounters, count_graph_breaks
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
-from moe_ops._triton import triton_runs_on
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 # every layout on CPU; on CUDA (an inductor compile each) LOCAL and SHARDED here, GATHERED in the
@@ -54,8 +54,7 @@ def test_compiled_route_equals_eager_without_graph_breaks(layout, device):
 
 def test_compiled_interpreted_triton_without_graph_breaks():
     """The Triton path (interpreted here) behind the same custom op compiles the same way."""
-    if not triton_runs_on(torch.device("cpu")):
-        pytest.skip("Triton on CPU needs TRITON_INTERPRET=1")
+    skip_unless_triton_runs("cpu")
     model = RoutedMoE(layout=BatchLayout.GATHERED, dp_rank=1, backend="triton")
     eager = copy.deepcopy(model)
     x, counts, sizes, _ = _inputs(BatchLayout.GATHERED, "cpu")
@@ -133,8 +132,8 @@ def _opcheck_args(device):
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device, use_triton):
-    if use_triton and not triton_runs_on(torch.device(device)):
-        pytest.skip("Triton does not run here")
+    if use_triton:
+        skip_unless_triton_runs(device)
     route_args, capture_args = _opcheck_args(device)
     torch.library.opcheck(torch.ops.moe_ops.route_.default, (*route_args, use_triton))
     torch.library.opcheck(torch.ops.moe_ops.route_capture_.default, (*capture_args, use_triton))

@@ -18,12 +18,7 @@ PAD_TOKEN = -1000  # distinctive: must never show up in an output or the capture
 INPUTS = (StepInput("token_ids", torch.int64, PAD_TOKEN), StepInput("slot_ids", torch.int64, DUMMY))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ToyStep(torch.nn.Module):
