@@ -52,7 +52,7 @@ TRITON_MAX_TILE = 4096
 # * grouped (DeepSeek-V3 256/8, 8 groups of 32): 2 rows x 2 warps 2.8 / 2.9 / 9.3 against
 #   1 row x 1 warp 3.8 / 4.1 / 9.6. Triton then puts the two warps on the group axis
 #   (warpsPerCTA [1, 2, 1] in the TTGIR), half the groups each, and every round crosses shared memory
-#   once - and still wins, at one token too (2 x 2 at 16384 tokens: 33.8 us, 2 x 1: 33.0).
+#   once - and still wins, at one token too (16384 tokens: 2 x 2 32.0 us, 2 x 1 31.9, a tie).
 # * ungrouped: one warp per row reduces with redux.sync alone; more warps spread the expert axis and
 #   add a shared-memory hop per round, which pays only for long rows in small batches (RENORMALIZE
 #   512/8: 4 warps 2.8 / 3.1 us at 1 / 128 tokens against 3.1 / 3.3 with 1; at 1024 tokens 4 warps
