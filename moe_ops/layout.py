@@ -37,6 +37,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["BatchLayout", "infer_layout", "layout_from_value"]
@@ -52,8 +53,13 @@ class BatchLayout(enum.IntEnum):
 
 
 def layout_from_value(layout: BatchLayout | int) -> BatchLayout:
-    """Returns ``layout`` as a :class:`BatchLayout`, raising ValueError for unknown values."""
+    """Returns ``layout`` as a :class:`BatchLayout`, raising ValueError for anything but a
+    BatchLayout or an int (numpy ints included) naming one: never a float, str or bool."""
+    if isinstance(layout, BatchLayout):
+        return layout
     try:
+        if isinstance(layout, bool) or not isinstance(layout, (int, np.integer)):
+            raise TypeError
         return BatchLayout(int(layout))
     except (ValueError, TypeError):
         names = ", ".join(f"{m.name}={m.value}" for m in BatchLayout)

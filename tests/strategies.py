@@ -36,6 +36,12 @@ class CaptureCase:
     layer_id: int
     buffer_dtype: torch.dtype
     ids_dtype: torch.dtype
+    # memory layout of topk_ids: one of ID_VIEWS (same values, other strides)
+    ids_view: str = "contiguous"
+    # memory layout of token_counts / shard_sizes: one of COUNT_VIEWS
+    counts_view: str = "contiguous"
+    # memory layout of the buffer: one of BUFFER_VIEWS
+    buffer_view: str = "contiguous"
 
     @property
     def c(self) -> int:
@@ -46,15 +52,16 @@ class CaptureCase:
         return self.rows.shape[1]
 
     def tensors(self, device):
-        """(buffer poisoned, topk_ids, token_counts, shard_sizes or None) on ``device``."""
-        buffer = torch.full(
-            (self.max_tokens, self.num_layers, self.top_k), POISON, dtype=self.buffer_dtype, device=device
-        )
-        topk_ids = torch.from_numpy(self.rows).to(device=device, dtype=self.ids_dtype)
-        counts = torch.tensor(self.counts, dtype=torch.int32, device=device)
+        """(buffer poisoned, topk_ids, token_counts, shard_sizes or None) on ``device``, each in the
+        case's memory layout (a strided, sliced or expanded view carries the same values)."""
+        shape = (self.max_tokens, self.num_layers, self.top_k)
+        buffer = buffer_view(torch.full(shape, POISON, dtype=self.buffer_dtype, device=device), self.buffer_view)
+        topk_ids = ids_view(torch.from_numpy(self.rows).to(device=device, dtype=self.ids_dtype), self.ids_view)
+        counts = count_view(torch.tensor(self.counts, dtype=torch.int32, device=device), self.counts_view)
         sizes = None
         if self.shard_sizes is not None:
-            sizes = torch.tensor(self.shard_sizes, dtype=torch.int32, device=device)
+            view = "strided" if self.counts_view == "expanded" else self.counts_view
+            sizes = count_view(torch.tensor(self.shard_sizes, dtype=torch.int32, device=device), view)
         return buffer, topk_ids, counts, sizes
 
     def expected(self, buffer_before: torch.Tensor) -> torch.Tensor:
@@ -62,6 +69,63 @@ class CaptureCase:
         block = torch.from_numpy(self.rows[self.start : self.start + self.c]).to(out.dtype)
         out[: self.c, self.layer_id] = block.to(out.device)
         return out
+
+
+# Memory layouts the kernels must read by stride: a Triton kernel that assumes contiguity is wrong only
+# on the GPU path, which the PyTorch twin cannot show.
+ID_VIEWS = ("contiguous", "sliced", "strided", "transposed")
+COUNT_VIEWS = ("contiguous", "strided", "expanded")
+BUFFER_VIEWS = ("contiguous", "sliced")
+VIEW_GUARD = -31  # cells of a view's base outside the view: must never be read or written
+
+
+def ids_view(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """``t`` (n, k) with the same values in another memory layout: ``sliced`` the first k columns
+    of a wider tensor (e.g. ids[:, :top_k] of a fused shared-expert tensor), ``strided`` every
+    other row, ``transposed`` column-major."""
+    n, k = t.shape
+    if kind == "sliced":
+        wide = torch.full((n, k + 3), VIEW_GUARD, dtype=t.dtype, device=t.device)
+        wide[:, :k] = t
+        return wide[:, :k]
+    if kind == "strided":
+        tall = torch.full((2 * n, k), VIEW_GUARD, dtype=t.dtype, device=t.device)
+        tall[::2] = t
+        return tall[::2]
+    if kind == "transposed":
+        return t.t().contiguous().t()
+    return t
+
+
+def count_view(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """``t`` (n,) in another memory layout: ``strided`` a column of an (n, 2) tensor (counts sliced
+    out of a larger one), ``expanded`` a stride-0 view of one element (all values equal)."""
+    if kind == "strided":
+        wide = torch.full((t.shape[0], 2), VIEW_GUARD, dtype=t.dtype, device=t.device)
+        wide[:, 0] = t
+        return wide[:, 0]
+    if kind == "expanded":
+        assert bool((t == t[0]).all()), "an expanded view needs equal values"
+        return t[:1].expand(t.shape[0])
+    return t
+
+
+def buffer_view(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """``t`` (m, L, k) in another layout: ``sliced`` the first k columns of a wider buffer."""
+    if kind == "sliced":
+        m, layers, k = t.shape
+        wide = torch.full((m, layers, k + 2), VIEW_GUARD, dtype=t.dtype, device=t.device)
+        wide[..., :k] = t
+        return wide[..., :k]
+    return t
+
+
+def view_base_untouched(t: torch.Tensor) -> bool:
+    """For a sliced buffer: the base's cells outside the view still hold VIEW_GUARD."""
+    base = t._base
+    if base is None:
+        return True
+    return bool((base[..., t.shape[-1] :] == VIEW_GUARD).all())
 
 
 def _ids(draw, n_rows: int, top_k: int, n_experts: int) -> np.ndarray:
@@ -93,8 +157,10 @@ def capture_cases(
     top_ks=tuple(range(1, 17)),
     buffer_dtypes=(torch.int32, torch.int16, torch.int64),
     ids_dtypes=(torch.int32, torch.int64, torch.int16),
+    views: bool = True,
 ):
-    """A batch in one of ``layouts`` (SEQUENCE_PARALLEL here means tp_size 1, i.e. no group).
+    """A batch in one of ``layouts`` (SEQUENCE_PARALLEL here means tp_size 1, i.e. no group), its
+    tensors in one of the memory layouts of ID_VIEWS / COUNT_VIEWS / BUFFER_VIEWS (``views``).
 
     On a GPU each distinct (dtype, top_k) pair is a Triton compile, so GPU tests narrow
     ``top_ks`` and the dtypes; the CPU tests (reference and interpreted Triton) take them all.
@@ -104,6 +170,9 @@ def capture_cases(
     dp_size = 1 if single_dp else draw(st.integers(1, 8))
     dp_rank = draw(st.integers(0, dp_size - 1))
     counts = draw(st.lists(st.integers(0, max_count), min_size=dp_size, max_size=dp_size))
+    counts_kind = draw(st.sampled_from(COUNT_VIEWS)) if views else "contiguous"
+    if counts_kind == "expanded":
+        counts = [counts[0]] * dp_size
     top_k = draw(st.sampled_from(top_ks))
     n_experts = draw(st.sampled_from([8, 64, 256, 512]))
     # CUDA-graph style padding of each rank's batch up to a captured size
@@ -149,6 +218,9 @@ def capture_cases(
         layer_id=draw(st.integers(0, num_layers - 1)),
         buffer_dtype=draw(st.sampled_from(buffer_dtypes)),
         ids_dtype=draw(st.sampled_from(ids_dtypes)),
+        ids_view=draw(st.sampled_from(ID_VIEWS)) if views else "contiguous",
+        counts_view=counts_kind,
+        buffer_view=draw(st.sampled_from(BUFFER_VIEWS)) if views else "contiguous",
     )
 
 

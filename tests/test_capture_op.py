@@ -7,7 +7,7 @@ import torch
 from gpu_helpers import skip_unless_triton_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import GPU_CASES, POISON, capture_cases
+from strategies import GPU_CASES, POISON, capture_cases, view_base_untouched
 
 import moe_ops
 from moe_ops import BatchLayout, capture_routing
@@ -15,10 +15,13 @@ from moe_ops.capture.errors import (
     FAULT_BAD_OFFSET,
     FAULT_DEST_SHORT,
     FAULT_NEGATIVE_COUNT,
+    FAULT_SLOTS,
     FAULT_SOURCE_SHORT,
     CaptureFaultError,
+    FaultReport,
 )
-from moe_ops.capture.kernels import capture_rows_torch, capture_rows_triton, window_first_size
+from moe_ops.capture.kernels import capture_rows_torch, capture_rows_triton
+from moe_ops.capture.window import plan_window
 
 # (implementation, device): "op" is the public capture_routing (reference on CPU, Triton on CUDA);
 # "triton"/"torch" call one kernel implementation directly.
@@ -51,16 +54,18 @@ def run_capture(impl: str, case, buffer, topk_ids, counts, sizes) -> torch.Tenso
             shard_sizes=sizes,
         )
         return moe_ops.capture_error_counter(buffer.device)
-    errors = torch.zeros(2, dtype=torch.int32, device=buffer.device)
-    spr = 1 if sizes is None else max(1, sizes.shape[0] // counts.shape[0])
-    n_first = window_first_size(int(case.layout), case.dp_rank, spr)
+    errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32, device=buffer.device)
+    no_stamps = torch.empty(0, dtype=torch.int32, device=buffer.device)
+    read, n_first = plan_window(case.layout, counts, case.dp_rank, sizes, buffer.device)
     fn = capture_rows_triton if impl == "triton" else capture_rows_torch
     fn(
         buffer,
         topk_ids,
         counts,
-        counts if sizes is None else sizes,
+        read,
         errors,
+        no_stamps,
+        no_stamps,
         case.layer_id,
         case.dp_rank,
         n_first,
@@ -77,7 +82,8 @@ def check_case(backend, case):
     assert torch.equal(buffer, expected), (
         f"rows written differ from the layout definition ({case.layout.name})"
     )
-    assert int(errors[0]) == 0, "a consistent call must not record a fault"
+    assert FaultReport.of(errors.tolist()).total == 0, "a consistent call must not record a fault"
+    assert view_base_untouched(buffer), "a write landed outside the buffer view"
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -140,10 +146,13 @@ def test_inconsistent_counts_are_clamped_and_recorded(backend, case, extra, nega
     buffer, topk_ids, counts, sizes = case.tensors(device)
     before = buffer.clone()
     bad = -extra if negative else case.c + case.max_tokens + topk_ids.shape[0] + extra
+    if case.counts_view == "expanded":
+        counts = counts.clone()  # one element cannot take one rank's bad count
     counts[case.dp_rank] = bad
     moe_ops.check_capture_errors(device, raise_error=False)  # start from a clean counter
     errors = run_capture(impl, case, buffer, topk_ids, counts, sizes)
-    calls, flags = errors.tolist()
+    report = FaultReport.of(errors.tolist())
+    calls, flags = report.calls, report.flags
     assert calls == 1
     if negative:
         assert flags & FAULT_NEGATIVE_COUNT
@@ -154,8 +163,11 @@ def test_inconsistent_counts_are_clamped_and_recorded(backend, case, extra, nega
         c_eff = min(topk_ids.shape[0] - case.start, case.max_tokens)
         c_eff = max(c_eff, 0)
         exp = before.clone()
-        exp[:c_eff, case.layer_id] = topk_ids[case.start : case.start + c_eff].to(exp.dtype)
+        src = topk_ids[case.start : case.start + c_eff].to(torch.int64)
+        # the overflowing window reaches padding rows (PAD_ID < 0): a negative id is stored as -1
+        exp[:c_eff, case.layer_id] = torch.where(src < 0, -1, src).to(exp.dtype)
         assert torch.equal(buffer, exp)
+        assert report.bad_id_rows == int((src < 0).any(dim=1).sum())
     if impl == "op":
         with pytest.raises(CaptureFaultError, match="clamped"):
             moe_ops.check_capture_errors(device)
@@ -176,7 +188,8 @@ def test_negative_shard_size_is_recorded():
         layout=BatchLayout.GATHERED,
         shard_sizes=torch.tensor([-3, 2], dtype=torch.int32),
     )
-    calls, flags = moe_ops.capture_error_counter("cpu").tolist()
+    report = FaultReport.of(moe_ops.capture_error_counter("cpu").tolist())
+    calls, flags = report.calls, report.flags
     assert calls == 1 and flags & FAULT_BAD_OFFSET
     assert buf[:2, 0, 0].tolist() == [0, 1]  # start clamped to 0
     moe_ops.check_capture_errors("cpu", raise_error=False)
@@ -190,7 +203,9 @@ def test_no_retrace_per_layer_or_count():
 
     kern = kernels._capture_rows_kernel
     buf = torch.full((64, 8, 4), POISON, dtype=torch.int32, device=device)
-    errors = torch.zeros(2, dtype=torch.int32, device=device)
+    errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32, device=device)
+    stamps = torch.full((8,), -1, dtype=torch.int32, device=device)
+    step = torch.ones(1, dtype=torch.int32, device=device)
     ids = torch.randint(0, 8, (48, 4), dtype=torch.int32, device=device)
     counts = torch.tensor([48, 40], dtype=torch.int32, device=device)
 
@@ -199,12 +214,12 @@ def test_no_retrace_per_layer_or_count():
             return 0
         return len(kern.device_caches[device.index or 0][0])
 
-    capture_rows_triton(buf, ids, counts, counts, errors, 0, 0, 0)
+    capture_rows_triton(buf, ids, counts, counts, errors, stamps, step, 0, 0, 0)
     before = variants()
     for layer in range(8):
         for live in ([48, 40], [3, 5], [17, 0], [0, 9]):
             counts.copy_(torch.tensor(live, dtype=torch.int32))
-            capture_rows_triton(buf, ids, counts, counts, errors, layer, 0, 0)
+            capture_rows_triton(buf, ids, counts, counts, errors, stamps, step, layer, 0, 0)
             assert torch.equal(buf[: live[0], layer], ids[: live[0]])
     assert variants() == before, f"{variants() - before} new compiled variants for new layers/counts"
 
@@ -236,7 +251,7 @@ def test_no_retrace_per_layer_or_count():
         (
             lambda a: a.update(layout=BatchLayout.GATHERED, shard_sizes=torch.ones(3, dtype=torch.int32)),
             ValueError,
-            "GATHERED shard_sizes must have dp_size=2",
+            "shard_sizes must have a positive multiple of dp_size=2",
         ),
         (
             lambda a: a.update(shard_sizes=torch.ones(2, dtype=torch.int32)),
@@ -287,10 +302,13 @@ def test_opcheck_cpu():
     buf = torch.full((8, 3, 4), POISON, dtype=torch.int32)
     ids = torch.randint(0, 64, (10, 4), dtype=torch.int32)
     counts = torch.tensor([3, 5], dtype=torch.int32)
-    errors = torch.zeros(2, dtype=torch.int32)
+    errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32)
+    stamps = torch.full((3,), -1, dtype=torch.int32)
+    step = torch.ones(1, dtype=torch.int32)
+    # GATHERED, rank 1 of 2: sizes = counts, one entry before this rank
     torch.library.opcheck(
         torch.ops.moe_ops.capture_routing_.default,
-        (buf, ids, counts, counts, errors, 1, 1, int(BatchLayout.GATHERED), 1),
+        (buf, ids, counts, counts, errors, stamps, step, 1, 1, 1),
     )
 
 
@@ -300,8 +318,11 @@ def test_opcheck_cuda(cuda_device):
     ids = torch.randint(0, 64, (10, 4), dtype=torch.int32, device=cuda_device)
     counts = torch.tensor([3, 5], dtype=torch.int32, device=cuda_device)
     sizes = torch.tensor([2, 3, 2, 3], dtype=torch.int32, device=cuda_device)
-    errors = torch.zeros(2, dtype=torch.int32, device=cuda_device)
+    errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32, device=cuda_device)
+    stamps = torch.full((3,), -1, dtype=torch.int32, device=cuda_device)
+    step = torch.ones(1, dtype=torch.int32, device=cuda_device)
+    # SHARDED, rank 1 of 2 with 2 shards each: two entries before this rank
     torch.library.opcheck(
         torch.ops.moe_ops.capture_routing_.default,
-        (buf, ids, counts, sizes, errors, 2, 1, int(BatchLayout.SHARDED), 2),
+        (buf, ids, counts, sizes, errors, stamps, step, 2, 1, 2),
     )

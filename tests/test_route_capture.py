@@ -21,7 +21,8 @@ from strategies import GPU_CAPTURE_ROUTERS, MODEL_ROUTERS, POISON, routed_captur
 
 import moe_ops
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, capture_routing, route
-from moe_ops.capture.kernels import window_first_size
+from moe_ops.capture.errors import FAULT_SLOTS
+from moe_ops.capture.window import plan_window
 from moe_ops.route.kernels import FusedCapture, route_rows_torch, route_rows_triton
 
 CPU_BACKENDS = [
@@ -40,7 +41,7 @@ def _skip_unavailable(backend: str, device: str) -> None:
 
 
 def _counter_delta(device, fn):
-    """Runs ``fn`` on a zeroed fault counter; returns (fn's result, [calls, flags])."""
+    """Runs ``fn`` on a zeroed fault counter; returns (fn's result, the counter's values)."""
     moe_ops.check_capture_errors(device, raise_error=False)
     out = fn()
     counter = moe_ops.capture_error_counter(device).tolist()
@@ -58,6 +59,7 @@ def fused_and_separate(backend: str, device: str, case, router, counts_override=
     kw = cfg.route_kwargs(bias)
     buffer, _, counts, sizes = case.tensors(device)
     if counts_override is not None:
+        counts = counts.clone()  # an expanded view cannot take one rank's bad count
         counts[case.dp_rank] = counts_override
     capture_kw = dict(token_counts=counts, dp_rank=case.dp_rank, layout=case.layout, shard_sizes=sizes)
 
@@ -86,7 +88,7 @@ def check_fused(backend_device, case, router) -> None:
     w2, ids2, buf2, faults2 = separate
     assert torch.equal(ids1, ids2) and torch.equal(w1, w2), "capturing changed the routing"
     assert torch.equal(buf1, buf2), f"fused capture differs from route + capture_routing ({case.layout.name})"
-    assert faults1 == faults2 == [0, 0]
+    assert faults1 == faults2 == [0] * FAULT_SLOTS
     # and both are the layout definition: this rank's rows, in place, the rest still poisoned
     expected = before.clone()
     expected[: case.c, case.layer_id] = ids1[case.start : case.start + case.c].to(expected.dtype)
@@ -151,19 +153,20 @@ def test_kernel_programs_split_the_capture_window(device, block_ms, extra, data)
     logits, bias = router.tensors(device)
     buffer, _, counts, sizes = case.tensors(device)
     if bad is not None:
+        counts = counts.clone()
         counts[case.dp_rank] = bad
-    spr = 1 if sizes is None else sizes.shape[0] // counts.shape[0]
-    n_first = window_first_size(int(case.layout), case.dp_rank, spr)
+    read, n_first = plan_window(case.layout, counts, case.dp_rank, sizes, counts.device)
+    no_stamps = torch.empty(0, dtype=torch.int32, device=device)
     n_group, topk_group = router.config.groups
     scale = router.config.routed_scaling_factor or 1.0
     results = []
     for impl in ("triton", "torch"):
         buf = buffer.clone()
-        errors = torch.zeros(2, dtype=torch.int32, device=device)
+        errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32, device=device)
         w = torch.empty(logits.shape[0], router.config.top_k, dtype=torch.float32, device=device)
         ids = torch.empty(logits.shape[0], router.config.top_k, dtype=torch.int32, device=device)
         fused = FusedCapture(
-            buf, counts, counts if sizes is None else sizes, errors, case.layer_id, case.dp_rank, n_first
+            buf, counts, read, errors, no_stamps, no_stamps, case.layer_id, case.dp_rank, n_first
         )
         args = (logits, bias, w, ids, int(router.config.method), n_group, topk_group, scale, fused)
         if impl == "triton":

@@ -107,7 +107,9 @@ def _opcheck_args(device):
     buffer = torch.full((8, 3, 4), -7, dtype=torch.int32, device=device)
     counts = torch.tensor([3, 5], dtype=torch.int32, device=device)
     sizes = torch.tensor([2, 3, 2, 3], dtype=torch.int32, device=device)
-    errors = torch.zeros(2, dtype=torch.int32, device=device)
+    errors = torch.zeros(8, dtype=torch.int32, device=device)
+    stamps = torch.full((3,), -1, dtype=torch.int32, device=device)
+    step = torch.ones(1, dtype=torch.int32, device=device)
     route_args = (int(RoutingMethod.DEEPSEEK_V3), 4, 2, 2.5)
     return (
         (logits, bias, weights, ids, *route_args),
@@ -120,11 +122,12 @@ def _opcheck_args(device):
             counts,
             sizes,
             errors,
+            stamps,
+            step,
             *route_args,
             2,
             1,
-            int(BatchLayout.SHARDED),
-            2,
+            2,  # SHARDED rank 1 of 2 ranks x 2 shards: two sizes precede its rows
         ),
     )
 

@@ -23,33 +23,51 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..layout import BatchLayout, layout_from_value
+from ..layout import BatchLayout
 from ..shapes import RoutingShape
 from ..transfer.pipeline import SnapshotHandle, TransferPipeline
-from .errors import check_capture_errors
-from .op import capture_routing
+from .errors import FaultCounter
+from .kernels import id_limit
+from .op import capture_into
 from .target import CaptureTarget
 
 __all__ = ["RoutingCapturer"]
 
-_BUFFER_LIMITS = {torch.int16: 1 << 15, torch.int32: 1 << 31, torch.int64: 1 << 63}
+_BUFFER_DTYPES = (torch.int16, torch.int32, torch.int64)
+_INT32_MAX = (1 << 31) - 1
+# the step stamp cycles through [1, _INT32_MAX]; 0 is the step before the first set_step
+_STEP_PERIOD = _INT32_MAX
 
 
 def _host_ints(name: str, values: Sequence[int] | np.ndarray | torch.Tensor, length: int) -> list[int]:
+    """Host integers in [0, 2**31): ValueError naming ``name`` for anything else (floats, bools,
+    wrong length, out of int32 range); no value is truncated or wrapped."""
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise ValueError(
                 f"{name} must be host ints here (a CPU tensor, list or array), got {values.device}"
             )
-        values = values.tolist()
-    try:
-        out = [int(v) for v in np.asarray(values).reshape(-1).tolist()]
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a sequence of ints, got {values!r}") from None
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise ValueError(f"{name} must hold integers, got a {values.dtype} tensor")
+        values = values.reshape(-1).tolist()
+    elif isinstance(values, np.ndarray):
+        if values.dtype.kind not in "iu":
+            raise ValueError(f"{name} must hold integers, got a {values.dtype} array")
+        values = values.reshape(-1).tolist()
+    elif isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}")
+    out = []
+    for v in values:
+        if isinstance(v, (float, np.floating, bool, np.bool_)):
+            raise ValueError(f"{name} must hold integers, got {v!r} ({type(v).__name__}) in {list(values)!r}")
+        if not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name} must be a sequence of ints, got {v!r} ({type(v).__name__}) in it")
+        out.append(int(v))
     if len(out) != length:
         raise ValueError(f"{name} must have {length} entries, got {len(out)}: {out}")
-    if any(v < 0 for v in out):
-        raise ValueError(f"{name} must be non-negative, got {out}")
+    bad = [v for v in out if not 0 <= v <= _INT32_MAX]
+    if bad:
+        raise ValueError(f"{name} must be in [0, 2**31 - 1] (int32, non-negative), got {bad} in {out}")
     return out
 
 
@@ -76,7 +94,19 @@ class RoutingCapturer:
         shard_sizes: (dp_size * shards_per_rank,) int32 on ``device``, or None.
         num_tokens: host int, this rank's count of the last :meth:`set_step` (None after a
             :meth:`set_step` with device tensors).
+        step: host int, the number of the current step (0 before the first :meth:`set_step`,
+            then 1, 2, ... cycling below 2**31).
+        step_tensor: (1,) int32 on ``device`` - ``step``, written by :meth:`set_step`.
+        layer_stamps: (num_layers,) int32 on ``device`` - the step in which each layer was last
+            captured (-1: never). A snapshot reads the rows of a layer whose stamp is not the
+            current step as the fill value (-1; the narrow dtype's maximum for unsigned): a layer
+            whose capture did not run this step never delivers an earlier step's ids.
+        fault_counter: this capturer's :class:`~moe_ops.capture.errors.FaultCounter`; its
+            captures and targets record here, and :meth:`check_errors` reads only it.
         pipeline: the :class:`TransferPipeline` that :meth:`snapshot` uses.
+
+    Thread safety: one thread drives a capturer's steps (``set_step``, the forward,
+    ``snapshot``); :meth:`check_errors` may run on any thread at any time.
     """
 
     def __init__(
@@ -96,9 +126,9 @@ class RoutingCapturer:
             raise TypeError(f"shape must be a RoutingShape, got {type(shape).__name__}")
         if isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be an int >= 1, got {max_num_tokens!r}")
-        if dtype not in _BUFFER_LIMITS:
+        if dtype not in _BUFFER_DTYPES:
             raise ValueError(f"dtype must be torch.int16, torch.int32 or torch.int64, got {dtype}")
-        if shape.num_experts > _BUFFER_LIMITS[dtype]:
+        if shape.num_experts - 1 > id_limit(dtype):
             raise ValueError(
                 f"dtype {dtype} cannot hold expert ids up to {shape.num_experts - 1} "
                 f"(num_experts={shape.num_experts}); use torch.int32"
@@ -128,17 +158,26 @@ class RoutingCapturer:
         self.buffer = torch.full(
             (max_num_tokens, shape.num_layers, shape.top_k), -1, dtype=dtype, device=device
         )
-        self.token_counts = torch.zeros(dp_size, dtype=torch.int32, device=device)
-        self.shard_sizes = (
-            None
-            if shards_per_rank is None
-            else torch.zeros(dp_size * shards_per_rank, dtype=torch.int32, device=device)
-        )
-        for t in (self.buffer, self.token_counts, self.shard_sizes):
+        # One int32 tensor holds what set_step writes, so a step's host values travel in one copy:
+        # [token_counts (dp_size) | shard_sizes (dp_size * shards_per_rank, optional) | step (1)].
+        n_sizes = 0 if shards_per_rank is None else dp_size * shards_per_rank
+        self._step_inputs = torch.zeros(dp_size + n_sizes + 1, dtype=torch.int32, device=device)
+        self.token_counts = self._step_inputs[:dp_size]
+        self.shard_sizes = None if shards_per_rank is None else self._step_inputs[dp_size : dp_size + n_sizes]
+        self.step_tensor = self._step_inputs[dp_size + n_sizes :]
+        # stamps[l] == step_tensor[0] once layer l was captured this step; -1: never captured
+        self.layer_stamps = torch.full((shape.num_layers,), -1, dtype=torch.int32, device=device)
+        self.fault_counter = FaultCounter(device)
+        self.step = 0
+        for t in (self.buffer, self.token_counts, self.shard_sizes, self.step_tensor, self.layer_stamps):
             if t is not None:
                 torch._dynamo.mark_static_address(t)
         self.pipeline = TransferPipeline(
-            self.buffer, shape.id_dtype if out_dtype is None else out_dtype, depth=ring_depth
+            self.buffer,
+            shape.id_dtype if out_dtype is None else out_dtype,
+            depth=ring_depth,
+            layer_stamps=self.layer_stamps,
+            step_tensor=self.step_tensor,
         )
 
     def set_step(
@@ -148,65 +187,82 @@ class RoutingCapturer:
         *,
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """Writes this step's counts into ``token_counts`` / ``shard_sizes`` in place.
+        """Starts a step: writes its counts into ``token_counts`` / ``shard_sizes`` and the next
+        step number into ``step_tensor``, in place.
 
         Args:
-            token_counts: (dp_size,) real tokens of each DP rank. Host ints (list, numpy, CPU
-                tensor), checked here; or an int32 tensor on the capturer's device, copied as is
-                (device values are not checked, and ``num_tokens`` becomes unknown).
+            token_counts: (dp_size,) real tokens of each DP rank: host ints in [0, 2**31) (list,
+                numpy integer array, CPU integer tensor), checked here; or an int32 tensor on the
+                capturer's device, copied as is (device values are not checked, and
+                ``num_tokens`` becomes unknown).
             shard_sizes: (dp_size * shards_per_rank,) - required when the capturer has
-                ``shard_sizes``, rejected otherwise.
+                ``shard_sizes``, rejected otherwise; host ints or a device tensor as above.
             stream: the stream the step's forward runs on (default: the current stream).
 
         Ordering: call it on the forward's stream, before the forward. It enqueues (1) a wait for
         the last snapshot to have read the buffer (so this step's captures cannot overwrite rows a
-        queued snapshot still has to copy; an event wait, not a host sync) and (2) non-blocking
-        copies of the counts from freshly pinned host memory (the caching host allocator keeps that
-        memory until the copy ran, so the next ``set_step`` cannot overwrite counts still queued).
-        Nothing waits on the host. Bad input raises before anything is enqueued.
+        queued snapshot still has to copy; an event wait, not a host sync) and (2) one
+        non-blocking copy of the step's host values from freshly pinned host memory (the caching
+        host allocator keeps that memory until the copy ran, so the next ``set_step`` cannot
+        overwrite values still queued). Nothing waits on the host.
+
+        Everything is validated before anything changes: bad input raises ValueError (TypeError
+        for a non-sequence) naming the argument, and leaves the counts, the step and
+        ``num_tokens`` as they were.
         """
-        device_counts = isinstance(token_counts, torch.Tensor) and token_counts.device == self.device
-        if device_counts and self.device.type != "cpu":
-            self._check_device_tensor("token_counts", token_counts, self.dp_size)
-            counts = token_counts
-            num_tokens = None
+        counts, num_tokens = self._step_counts(token_counts)
+        sizes = self._step_sizes(shard_sizes)
+        step = self.step % _STEP_PERIOD + 1
+
+        self.pipeline.guard_source(stream)
+        dp, n_sizes = self.dp_size, 0 if self.shard_sizes is None else self.shard_sizes.shape[0]
+        if not isinstance(counts, torch.Tensor) and (sizes is None or not isinstance(sizes, torch.Tensor)):
+            self._write(self._step_inputs, counts + (sizes or []) + [step], stream)
         else:
-            values = _host_ints("token_counts", token_counts, self.dp_size)
-            if values[self.dp_rank] > self.max_num_tokens:
-                raise ValueError(
-                    f"token_counts[{self.dp_rank}]={values[self.dp_rank]} (this rank) exceeds "
-                    f"max_num_tokens={self.max_num_tokens}, the rows of the capture buffer"
-                )
-            counts = values
-            num_tokens = values[self.dp_rank]
-        sizes = None
+            self._write(self.token_counts, counts, stream)
+            if sizes is not None:
+                self._write(self._step_inputs[dp : dp + n_sizes], sizes, stream)
+            self._write(self.step_tensor, [step], stream)
+        self.step = step
+        self.num_tokens = num_tokens
+
+    def _step_counts(self, token_counts) -> tuple[list[int] | torch.Tensor, int | None]:
+        if (
+            isinstance(token_counts, torch.Tensor)
+            and token_counts.device == self.device
+            and self.device.type != "cpu"
+        ):
+            self._check_device_tensor("token_counts", token_counts, self.dp_size)
+            return token_counts, None
+        values = _host_ints("token_counts", token_counts, self.dp_size)
+        if values[self.dp_rank] > self.max_num_tokens:
+            raise ValueError(
+                f"token_counts[{self.dp_rank}]={values[self.dp_rank]} (this rank) exceeds "
+                f"max_num_tokens={self.max_num_tokens}, the rows of the capture buffer"
+            )
+        return values, values[self.dp_rank]
+
+    def _step_sizes(self, shard_sizes) -> list[int] | torch.Tensor | None:
         if self.shard_sizes is None:
             if shard_sizes is not None:
                 raise ValueError(
                     "shard_sizes given but this capturer has none: create it with shards_per_rank"
                 )
-        else:
-            n = self.shard_sizes.shape[0]
-            if shard_sizes is None:
-                raise ValueError(
-                    f"shard_sizes is required every step: this capturer has {n} shard sizes "
-                    f"(dp_size={self.dp_size} x shards_per_rank={self.shards_per_rank})"
-                )
-            if (
-                isinstance(shard_sizes, torch.Tensor)
-                and shard_sizes.device == self.device
-                and (self.device.type != "cpu")
-            ):
-                self._check_device_tensor("shard_sizes", shard_sizes, n)
-                sizes = shard_sizes
-            else:
-                sizes = _host_ints("shard_sizes", shard_sizes, n)
-
-        self.pipeline.guard_source(stream)
-        self._write(self.token_counts, counts, stream)
-        if sizes is not None:
-            self._write(self.shard_sizes, sizes, stream)
-        self.num_tokens = num_tokens
+            return None
+        n = self.shard_sizes.shape[0]
+        if shard_sizes is None:
+            raise ValueError(
+                f"shard_sizes is required every step: this capturer has {n} shard sizes "
+                f"(dp_size={self.dp_size} x shards_per_rank={self.shards_per_rank})"
+            )
+        if (
+            isinstance(shard_sizes, torch.Tensor)
+            and shard_sizes.device == self.device
+            and self.device.type != "cpu"
+        ):
+            self._check_device_tensor("shard_sizes", shard_sizes, n)
+            return shard_sizes
+        return _host_ints("shard_sizes", shard_sizes, n)
 
     def _check_device_tensor(self, name: str, t: torch.Tensor, length: int) -> None:
         if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != length:
@@ -235,7 +291,7 @@ class RoutingCapturer:
         *,
         tp_group=None,
     ) -> None:
-        """Records this rank's rows of one MoE layer (delegates to :func:`moe_ops.capture_routing`).
+        """Records this rank's rows of one MoE layer: ``capture_into(self.target(...), topk_ids)``.
 
         Args:
             layer_id: the MODEL layer index (what the MoE layer knows as its ``layer_idx``); it is
@@ -243,24 +299,15 @@ class RoutingCapturer:
                 ValueError for a dense layer.
             topk_ids: (n, top_k) integer on the capturer's device - the router's choices, rows in
                 ``layout``.
-            layout: the :class:`BatchLayout` of ``topk_ids``. GATHERED uses ``shard_sizes`` when the
-                capturer has dp_size of them (a padded all-gather), else ``token_counts``; SHARDED
-                needs ``shard_sizes``.
+            layout: the :class:`BatchLayout` of ``topk_ids``. GATHERED reads ``shard_sizes`` when
+                the capturer has them (a padded all-gather: each rank's block is the sum of its
+                shards), else ``token_counts``; SHARDED needs ``shard_sizes``
+                (:mod:`moe_ops.capture.window`).
             tp_group: SEQUENCE_PARALLEL only, the group to all-gather over.
 
         No host reads, no synchronisation: safe inside torch.compile and CUDA graphs.
         """
-        layout = layout_from_value(layout)
-        capture_routing(
-            self.buffer,
-            topk_ids,
-            self._column(layer_id),
-            token_counts=self.token_counts,
-            dp_rank=self.dp_rank,
-            layout=layout,
-            shard_sizes=self._sizes_for(layout),
-            tp_group=tp_group,
-        )
+        capture_into(self.target(layer_id, layout, tp_group=tp_group), topk_ids)
 
     def target(
         self,
@@ -277,24 +324,13 @@ class RoutingCapturer:
         Args:
             model_layer_index: the MODEL layer index, mapped to the buffer's MoE-only layer axis as
                 in :meth:`capture` (IndexError outside the model, ValueError for a dense layer).
-            layout: the :class:`BatchLayout` of the router's rows; ``shard_sizes`` is passed for
-                SHARDED, and for GATHERED when the capturer has dp_size of them (as in
-                :meth:`capture`).
+            layout: the :class:`BatchLayout` of the router's rows; sizes as in :meth:`capture`.
             tp_group: SEQUENCE_PARALLEL only, the group to all-gather over.
 
         Host-side checks only (no device reads); cheap enough to build per layer per step, and
         traceable inside ``torch.compile``.
         """
-        layout = layout_from_value(layout)
-        return CaptureTarget(
-            self.buffer,
-            self._column(model_layer_index),
-            token_counts=self.token_counts,
-            dp_rank=self.dp_rank,
-            layout=layout,
-            shard_sizes=self._sizes_for(layout),
-            tp_group=tp_group,
-        )
+        return CaptureTarget.of(self, self._column(model_layer_index), layout, tp_group=tp_group)
 
     def _column(self, model_layer: int) -> int:
         """Buffer layer of a model layer (raises for dense layers and layers outside the model)."""
@@ -302,16 +338,6 @@ class RoutingCapturer:
         if index is None:
             index = self.shape.buffer_layer(model_layer)  # raises the precise error
         return index
-
-    def _sizes_for(self, layout: BatchLayout) -> torch.Tensor | None:
-        """The ``shard_sizes`` a layout reads: SHARDED always, GATHERED when there is one (padded)
-        size per DP rank, nothing otherwise (unpadded GATHERED reads ``token_counts``)."""
-        gathered_padded = (
-            layout == BatchLayout.GATHERED
-            and self.shard_sizes is not None
-            and self.shard_sizes.shape[0] == self.dp_size
-        )
-        return self.shard_sizes if layout == BatchLayout.SHARDED or gathered_padded else None
 
     def snapshot(
         self,
@@ -336,5 +362,11 @@ class RoutingCapturer:
         return self.pipeline.snapshot(num_rows, stream=stream, timeout=timeout)
 
     def check_errors(self, *, raise_error: bool = True) -> int:
-        """:func:`moe_ops.check_capture_errors` for this capturer's device (HOST SYNC: 8 bytes)."""
-        return check_capture_errors(self.device, raise_error=raise_error)
+        """Reads and resets THIS capturer's fault counter (its captures and targets only); returns
+        the number of faults since the last check, raising :class:`~moe_ops.CaptureFaultError`
+        when there were any and ``raise_error``.
+
+        HOST SYNC: copies 32 bytes from the device. Thread-safe and lossless (see
+        :mod:`moe_ops.capture.errors`).
+        """
+        return self.fault_counter.check(raise_error=raise_error)

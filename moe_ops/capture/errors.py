@@ -1,64 +1,194 @@
 """Device-side fault counters for the capture kernels.
 
 Counts that only turn out inconsistent on the device (``c`` larger than the rows ``topk_ids`` has
-left, or than the buffer) cannot raise without a host sync. The kernels clamp instead, and the first
-program of a faulty call records it here: ``errors[0]`` counts faulty calls, ``errors[1]`` ORs their
-fault flags. Host code checks at a sync point it already has, with :func:`check_capture_errors`.
+left, or than the buffer) and ids that do not fit the buffer cannot raise without a host sync. The
+kernels clamp (or store the fill value -1) instead and record the fault in a :class:`FaultCounter`;
+host code checks it at a sync point it already has (:meth:`FaultCounter.check`,
+:func:`check_capture_errors`).
 
-The counter tensor of a device is allocated once and never moves (CUDA graphs bake its address), so
-make one eager capture call (a warm-up) before capturing a graph.
+Which counter a call records into: every :class:`~moe_ops.RoutingCapturer` owns one (and every
+``CaptureTarget`` built from it carries it), so one capturer's check never reports, nor clears,
+another's faults. A bare ``capture_routing`` call without a counter records into the device-wide
+counter of its device (:func:`capture_error_counter`).
+
+Layout of a counter, (FAULT_SLOTS,) int32 on the device, only ever incremented by the kernels:
+
+    slot 0              calls that had to clamp their row window (counted once per call)
+    slot 1 + log2(bit)  per fault bit: calls with that window fault, or, for FAULT_BAD_ID, rows
+                        whose id was negative or did not fit the buffer (stored as -1)
+
+Reading is lossless under concurrency: :meth:`FaultCounter.read_and_reset` copies the slots to the
+host and then SUBTRACTS what it read (an atomic ``index_add_`` on CUDA; under the counter's lock on
+the CPU, where the kernels' increments take the same lock), so increments that land between the
+read and the reset stay in the counter for the next check instead of being zeroed.
+
+Thread safety: :meth:`FaultCounter.read_and_reset`, :meth:`FaultCounter.check`,
+:func:`check_capture_errors` and the capture calls themselves may run on any threads at once; every
+fault is reported by exactly one check.
+
+A counter's tensor is allocated once and never moves (CUDA graphs bake its address), so make one
+eager capture call (a warm-up) before capturing a graph with the device-wide counter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
+    "FAULT_BAD_ID",
     "FAULT_BAD_OFFSET",
     "FAULT_DEST_SHORT",
     "FAULT_NEGATIVE_COUNT",
+    "FAULT_SLOTS",
     "FAULT_SOURCE_SHORT",
     "CaptureFaultError",
+    "FaultCounter",
+    "FaultReport",
     "capture_error_counter",
     "check_capture_errors",
+    "cpu_counter_lock",
     "describe_faults",
+    "device_fault_counter",
 ]
 
 FAULT_NEGATIVE_COUNT = 1  # c < 0: clamped to 0
 FAULT_SOURCE_SHORT = 2  # start + c > rows of topk_ids: only the rows that exist were copied
 FAULT_DEST_SHORT = 4  # c > rows of the buffer: only the rows that fit were written
 FAULT_BAD_OFFSET = 8  # a negative size before this rank, or a start past the end of topk_ids
+FAULT_BAD_ID = 16  # an id < 0 or beyond the buffer dtype's range: -1 stored in its place
+# bits that describe the row window (uniform over a call, recorded once per call)
+WINDOW_FAULTS = FAULT_NEGATIVE_COUNT | FAULT_SOURCE_SHORT | FAULT_DEST_SHORT | FAULT_BAD_OFFSET
+# slot 0 + one slot per fault bit, rounded up to a power of two
+FAULT_SLOTS = 8
+_BITS = (FAULT_NEGATIVE_COUNT, FAULT_SOURCE_SHORT, FAULT_DEST_SHORT, FAULT_BAD_OFFSET, FAULT_BAD_ID)
+# slot of a fault bit: 1 + log2(bit)
+FAULT_SLOT = {bit: 1 + bit.bit_length() - 1 for bit in _BITS}
 
 _FAULT_NAMES = {
     FAULT_NEGATIVE_COUNT: "negative token count",
     FAULT_SOURCE_SHORT: "token count larger than the rows of topk_ids left for this rank",
     FAULT_DEST_SHORT: "token count larger than the capture buffer's rows",
     FAULT_BAD_OFFSET: "negative shard size or rank offset past the end of topk_ids",
+    FAULT_BAD_ID: "expert id negative or too large for the buffer dtype (stored as -1)",
 }
 
-_lock = threading.Lock()
-# device -> (2,) int32 tensor: [faulty calls, OR of fault flags]
-_counters: dict[torch.device, torch.Tensor] = {}
+# CPU counters are updated by Python code (the PyTorch twins, or the Triton interpreter): one lock
+# makes each update and each read-and-subtract atomic with respect to the others.
+_cpu_lock = threading.RLock()
 
 
-class CaptureFaultError(RuntimeError):
-    """Raised by :func:`check_capture_errors` when a capture kernel had to clamp."""
-
-    def __init__(self, device: torch.device, calls: int, flags: int):
-        self.device, self.calls, self.flags = device, calls, flags
-        super().__init__(
-            f"{calls} routing-capture call(s) on {device} were clamped: {describe_faults(flags)}. "
-            "token_counts/shard_sizes disagree with the tensors they describe; the rows outside the "
-            "valid range were not written."
-        )
+def cpu_counter_lock(device: torch.device) -> contextlib.AbstractContextManager:
+    """The lock a kernel launch that updates a counter on ``device`` holds (a no-op off the CPU,
+    where the kernels update counters with atomics)."""
+    return _cpu_lock if device.type == "cpu" else contextlib.nullcontext()
 
 
 def describe_faults(flags: int) -> str:
     """Human-readable list of the fault bits set in ``flags``."""
     names = [name for bit, name in _FAULT_NAMES.items() if flags & bit]
     return "; ".join(names) if names else "no faults"
+
+
+@dataclass(frozen=True)
+class FaultReport:
+    """What one read of a :class:`FaultCounter` found (all zeros: no fault since the last read)."""
+
+    # calls whose row window had to be clamped
+    calls: int
+    # OR of the fault bits seen (FAULT_* constants)
+    flags: int
+    # rows whose id was negative or too large for the buffer (stored as -1)
+    bad_id_rows: int
+
+    @classmethod
+    def of(cls, values: list[int]) -> FaultReport:
+        """The report of a counter's (FAULT_SLOTS,) values (e.g. ``counter.tensor.tolist()``)."""
+        return _report(list(values))
+
+    @property
+    def total(self) -> int:
+        """Faults in all: clamped calls plus rows with a bad id."""
+        return self.calls + self.bad_id_rows
+
+
+class CaptureFaultError(RuntimeError):
+    """Raised by a check when a capture kernel had to clamp a window or refuse an id."""
+
+    def __init__(self, device: torch.device, calls: int, flags: int, bad_id_rows: int = 0):
+        self.device, self.calls, self.flags, self.bad_id_rows = device, calls, flags, bad_id_rows
+        parts = []
+        if calls:
+            parts.append(f"{calls} routing-capture call(s) on {device} were clamped")
+        if bad_id_rows:
+            parts.append(f"{bad_id_rows} row(s) on {device} had an expert id the buffer cannot hold")
+        super().__init__(
+            f"{' and '.join(parts)}: {describe_faults(flags)}. token_counts/shard_sizes or ids disagree "
+            "with the tensors they describe; rows outside the valid range were not written."
+        )
+
+
+class FaultCounter:
+    """A persistent (FAULT_SLOTS,) int32 fault counter on one device (see the module docstring).
+
+    Args:
+        device: where the counter lives (the capture buffer's device).
+
+    Attributes:
+        tensor: (FAULT_SLOTS,) int32 on ``device`` - what the kernels increment; never reallocated
+            and marked as a static address (CUDA graphs and inductor's graph trees bake it).
+
+    Thread-safe: see the module docstring.
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None):
+        self.device = _normalise(device)
+        self.tensor = torch.zeros(FAULT_SLOTS, dtype=torch.int32, device=self.device)
+        torch._dynamo.mark_static_address(self.tensor)
+        self._slots = torch.arange(FAULT_SLOTS, device=self.device)
+
+    def read_and_reset(self) -> FaultReport:
+        """Reads the counter and subtracts what it read, losing no concurrent increment.
+
+        HOST SYNC: copies 32 bytes from the device, which waits for the work queued before it on
+        the current stream. Call it where the host already synchronises, never inside a captured or
+        compiled step.
+        """
+        with cpu_counter_lock(self.device):
+            values = self.tensor.tolist()
+            if any(values):
+                delta = torch.tensor([-v for v in values], dtype=torch.int32, device=self.device)
+                # atomic on CUDA, so kernels on other streams that add meanwhile are not lost
+                self.tensor.index_add_(0, self._slots, delta)
+        return _report(values)
+
+    def peek(self) -> FaultReport:
+        """Reads the counter without resetting it (HOST SYNC, as :meth:`read_and_reset`)."""
+        with cpu_counter_lock(self.device):
+            return _report(self.tensor.tolist())
+
+    def check(self, *, reset: bool = True, raise_error: bool = True) -> int:
+        """Reads (and by default resets) the counter; returns the number of faults
+        (:attr:`FaultReport.total`), raising :class:`CaptureFaultError` when there were any and
+        ``raise_error``. HOST SYNC, as :meth:`read_and_reset`."""
+        report = self.read_and_reset() if reset else self.peek()
+        if raise_error and report.total:
+            raise CaptureFaultError(self.device, report.calls, report.flags, report.bad_id_rows)
+        return report.total
+
+    def __repr__(self) -> str:
+        return f"FaultCounter(device={self.device})"
+
+
+def _report(values: list[int]) -> FaultReport:
+    flags = 0
+    for bit, slot in FAULT_SLOT.items():
+        if values[slot]:
+            flags |= bit
+    return FaultReport(calls=values[0], flags=flags, bad_id_rows=values[FAULT_SLOT[FAULT_BAD_ID]])
 
 
 def _normalise(device: torch.device | str | int | None) -> torch.device:
@@ -70,16 +200,15 @@ def _normalise(device: torch.device | str | int | None) -> torch.device:
     return device
 
 
-# Under torch.compile this runs at trace time, as plain Python, and the graph holds the counter as a
-# constant: the first traced capture call may allocate it without a graph break (a lock or an
-# allocation traced by dynamo would break the graph).
-@torch._dynamo.assume_constant_result
-def capture_error_counter(device: torch.device | str | int | None = None) -> torch.Tensor:
-    """The persistent (2,) int32 fault counter of ``device``: [faulty calls, OR of fault flags].
+_lock = threading.Lock()
+# device -> the device-wide counter of bare capture calls
+_counters: dict[torch.device, FaultCounter] = {}
 
-    Allocated on first use and then fixed for the process (its address is safe to bake into CUDA
-    graphs). Marked as a static address so that inductor's CUDA-graph trees accept the capture
-    op's mutation of it.
+
+def device_fault_counter(device: torch.device | str | int | None = None) -> FaultCounter:
+    """The device-wide :class:`FaultCounter` of ``device``, for capture calls that bring none.
+
+    Allocated on first use and then fixed for the process.
     """
     device = _normalise(device)
     counter = _counters.get(device)
@@ -87,33 +216,38 @@ def capture_error_counter(device: torch.device | str | int | None = None) -> tor
         with _lock:
             counter = _counters.get(device)
             if counter is None:
-                counter = torch.zeros(2, dtype=torch.int32, device=device)
-                torch._dynamo.mark_static_address(counter)
+                counter = FaultCounter(device)
                 _counters[device] = counter
     return counter
+
+
+# Under torch.compile this runs at trace time, as plain Python, and the graph holds the counter as a
+# constant: the first traced capture call may allocate it without a graph break (a lock or an
+# allocation traced by dynamo would break the graph).
+@torch._dynamo.assume_constant_result
+def capture_error_counter(device: torch.device | str | int | None = None) -> torch.Tensor:
+    """The tensor of the device-wide counter of ``device`` (see :func:`device_fault_counter`)."""
+    return device_fault_counter(device).tensor
 
 
 def check_capture_errors(
     device: torch.device | str | int | None = None, *, reset: bool = True, raise_error: bool = True
 ) -> int:
-    """Reads the fault counter of ``device`` and returns how many capture calls were clamped.
+    """Checks the DEVICE-WIDE counter of ``device`` (bare ``capture_routing`` / ``route`` calls
+    without a capturer's counter); returns the number of faults recorded since the last check.
 
-    HOST SYNC: this copies 8 bytes from the device, which waits for the work queued before it on
-    the current stream. Call it where the host already synchronises (e.g. after reading the step's
-    outputs), never inside a captured or compiled step.
+    HOST SYNC: copies 32 bytes from the device, which waits for the work queued before it on the
+    current stream. Call it where the host already synchronises (e.g. after reading the step's
+    outputs), never inside a captured or compiled step. Thread-safe, and lossless: a fault recorded
+    while the check runs is reported by the next check.
 
     Args:
         device: the device whose counter to read (default: the current CUDA device, else CPU).
-        reset: zero the counter after reading it.
-        raise_error: raise :class:`CaptureFaultError` when any call was clamped.
+        reset: subtract what was read from the counter.
+        raise_error: raise :class:`CaptureFaultError` when there were faults.
     """
     device = _normalise(device)
     counter = _counters.get(device)
     if counter is None:
         return 0
-    calls, flags = (int(v) for v in counter.tolist())
-    if reset:
-        counter.zero_()
-    if raise_error and calls:
-        raise CaptureFaultError(device, calls, flags)
-    return calls
+    return counter.check(reset=reset, raise_error=raise_error)

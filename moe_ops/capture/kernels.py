@@ -6,13 +6,16 @@ CUDA graph captured once replays correctly for any live counts. Two implementati
 * :func:`capture_rows_triton` - the Triton kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1``);
 * :func:`capture_rows_torch` - its PyTorch reference twin (the CPU path, and the test oracle).
 
-Contract (both): with ``c = token_counts[dp_rank]`` and ``start`` from the layout (see
-:mod:`moe_ops.layout`), ``buffer[r, layer_id, :] = topk_ids[start + r, :]`` for ``r < c_eff`` where
-``c_eff = clamp(c, 0, min(n - start, buffer rows))``; every other element of ``buffer`` keeps its
-value. A clamped call adds 1 to ``errors[0]`` and ORs its fault bits into ``errors[1]``.
+Contract (both): with ``(start, c_eff)`` from :mod:`moe_ops.capture.window` (the one row rule),
+``buffer[r, layer_id, :] = topk_ids[start + r, :]`` for ``r < c_eff``, except that an id below 0 or
+beyond the buffer dtype's range is stored as -1 and counted (FAULT_BAD_ID, one per row); every
+other element of ``buffer`` keeps its value. A call whose window was clamped adds 1 to slot 0 of
+``errors`` and 1 to the slot of each fault bit (:mod:`moe_ops.capture.errors`). With a stamp
+(``stamps`` non-empty), ``stamps[layer_id] = step[0]`` records that the layer was captured in the
+current step (the snapshot reads layers whose stamp is stale as the fill value).
 
-:func:`rows_window` is the device-side offset rule shared with the fused router kernels, so both
-paths select rows in exactly the same way.
+:func:`record_faults` and :func:`record_stamp` are shared with the fused router kernel, so both
+paths record in exactly the same way.
 """
 
 from __future__ import annotations
@@ -20,16 +23,35 @@ from __future__ import annotations
 import torch
 
 from .._triton import HAS_TRITON, next_power_of_2
-from ..layout import BatchLayout
-from .errors import FAULT_BAD_OFFSET, FAULT_DEST_SHORT, FAULT_NEGATIVE_COUNT, FAULT_SOURCE_SHORT
+from .errors import (
+    FAULT_BAD_ID,
+    FAULT_SLOT,
+    FAULT_SLOTS,
+    WINDOW_FAULTS,
+    cpu_counter_lock,
+)
+from .window import rows_window_torch
 
-__all__ = ["capture_rows_torch", "capture_rows_triton", "launch_config", "window_first_size"]
+__all__ = ["capture_rows_torch", "capture_rows_triton", "id_limit", "launch_config"]
 
 # At most 1024 ids per program (n=8192, k=8 uses 64 programs); a batch smaller than that gets a
 # tile just big enough. Inside a CUDA graph of 61 layers on an H200 (n=1, k=8, LOCAL), per layer:
 # 1024-id tile 1.11 us, 1-row tile with 1 warp 1.05 us, with 4 warps 1.03 us; a plain copy 0.96 us.
 # At n=64: 64-row tile with 4 warps 1.16 us, 1 warp 1.37 us. So: smallest tile, always 4 warps.
 _TILE_ELEMENTS = 1024
+
+_ID_LIMITS = {
+    torch.int8: (1 << 7) - 1,
+    torch.uint8: (1 << 8) - 1,
+    torch.int16: (1 << 15) - 1,
+    torch.int32: (1 << 31) - 1,
+    torch.int64: (1 << 63) - 1,
+}
+
+
+def id_limit(dtype: torch.dtype) -> int:
+    """Largest id a tensor of integer ``dtype`` holds."""
+    return _ID_LIMITS[dtype]
 
 
 def launch_config(window: int, k_pad: int) -> tuple[int, int]:
@@ -38,58 +60,46 @@ def launch_config(window: int, k_pad: int) -> tuple[int, int]:
     return block_m, 4
 
 
-def window_first_size(layout: int, dp_rank: int, shards_per_rank: int) -> int:
-    """Number of leading ``sizes`` entries that precede this rank's rows (host arithmetic on ints)."""
-    if layout == BatchLayout.GATHERED:
-        return dp_rank
-    if layout == BatchLayout.SHARDED:
-        return dp_rank * shards_per_rank
-    return 0  # LOCAL, and SEQUENCE_PARALLEL after its gather
-
-
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .window import rows_window
+
     # Triton kernels may only read globals that are constexpr.
-    _NEGATIVE_COUNT = tl.constexpr(FAULT_NEGATIVE_COUNT)
-    _SOURCE_SHORT = tl.constexpr(FAULT_SOURCE_SHORT)
-    _DEST_SHORT = tl.constexpr(FAULT_DEST_SHORT)
-    _BAD_OFFSET = tl.constexpr(FAULT_BAD_OFFSET)
-
-    @triton.jit
-    def rows_window(
-        counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD: tl.constexpr, HAS_OFFSET: tl.constexpr
-    ):
-        """Device-side row window: returns (start, c_eff, fault flags) for this rank.
-
-        start = sum(sizes[:n_first]) clamped to [0, n_src]; c_eff = clamp(c, 0, min(n_src - start,
-        n_dst)). Every program of a launch computes the same values (S_PAD <= 64 loads, cached).
-        HAS_OFFSET=False (n_first == 0: LOCAL, rank 0) compiles the sizes load away: start is 0.
-        """
-        c = tl.load(counts_ptr + dp_rank)
-        flags = tl.where(c < 0, _NEGATIVE_COUNT, 0)
-        c = tl.maximum(c, 0)
-        if HAS_OFFSET:
-            idx = tl.arange(0, S_PAD)
-            sizes = tl.load(sizes_ptr + idx, mask=idx < n_first, other=0)
-            start = tl.sum(sizes, axis=0)
-            n_negative = tl.sum((sizes < 0).to(tl.int32), axis=0)
-            flags |= tl.where((n_negative > 0) | (start < 0) | (start > n_src), _BAD_OFFSET, 0)
-            start = tl.minimum(tl.maximum(start, 0), n_src)
-        else:
-            start = 0
-        flags |= tl.where(c > n_src - start, _SOURCE_SHORT, 0)
-        flags |= tl.where(c > n_dst, _DEST_SHORT, 0)
-        c_eff = tl.minimum(tl.minimum(c, n_src - start), n_dst)
-        return start, c_eff, flags
+    _WINDOW_FAULTS = tl.constexpr(WINDOW_FAULTS)
+    _BAD_ID_SLOT = tl.constexpr(FAULT_SLOT[FAULT_BAD_ID])
+    _N_WINDOW_BITS = tl.constexpr(WINDOW_FAULTS.bit_length())
 
     @triton.jit
     def record_faults(errors_ptr, flags):
-        """Called by program 0 only: one count per faulty call, flags OR-ed."""
-        if flags != 0:
+        """Called by program 0 only: a clamped window counts once per call, plus once per bit."""
+        if (flags & _WINDOW_FAULTS) != 0:
             tl.atomic_add(errors_ptr, 1)
-            tl.atomic_or(errors_ptr + 1, flags)
+            bits = tl.arange(0, 4)
+            hit = ((flags >> bits) & 1) != 0
+            tl.atomic_add(errors_ptr + 1 + bits, hit.to(tl.int32), mask=hit & (bits < _N_WINDOW_BITS))
+
+    @triton.jit
+    def record_bad_ids(errors_ptr, n_bad):
+        """Any program: rows it stored with a bad id (stored as -1)."""
+        if n_bad > 0:
+            tl.atomic_add(errors_ptr + _BAD_ID_SLOT, n_bad)
+
+    @triton.jit
+    def record_stamp(stamps_ptr, step_ptr, layer_id):
+        """Called by program 0 only: this layer was captured in the step ``step[0]``."""
+        tl.store(stamps_ptr + layer_id, tl.load(step_ptr))
+
+    @triton.jit
+    def checked_ids(ids, mask, ID_MAX: tl.constexpr, CHECK_HIGH: tl.constexpr):
+        """(ids with -1 where an id does not fit, rows among ``mask`` with such an id)."""
+        bad = ids < 0
+        if CHECK_HIGH:
+            bad = bad | (ids > ID_MAX)
+        bad = bad & mask
+        n_bad = tl.sum(tl.max(bad.to(tl.int32), axis=1), axis=0)
+        return tl.where(bad, -1, ids), n_bad
 
     # Counts live on the device, so nothing that changes per step is a specialisation key: the
     # row count n_src, the layer and the rank are runtime ints (no recompile per layer or batch).
@@ -106,6 +116,8 @@ if HAS_TRITON:
             "stride_bm",
             "stride_bl",
             "stride_im",
+            "stride_c",
+            "stride_s",
         ]
     )
     def _capture_rows_kernel(
@@ -114,6 +126,8 @@ if HAS_TRITON:
         counts_ptr,
         sizes_ptr,
         errors_ptr,
+        stamps_ptr,
+        step_ptr,
         n_src,
         n_dst,
         layer_id,
@@ -124,16 +138,21 @@ if HAS_TRITON:
         stride_bk,
         stride_im,
         stride_ik,
+        stride_c,
+        stride_s,
         top_k,
+        ID_MAX: tl.constexpr,
+        CHECK_HIGH: tl.constexpr,
         K_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         S_PAD: tl.constexpr,
         SOURCE_ORDER: tl.constexpr,
         HAS_OFFSET: tl.constexpr,
+        STAMP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         row0 = pid * BLOCK_M
-        rows = row0 + tl.arange(0, BLOCK_M)
+        rows = (row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         cols = tl.arange(0, K_PAD)
         col_ok = (cols < top_k)[None, :]
         layer_base = buf_ptr + layer_id.to(tl.int64) * stride_bl + cols[None, :] * stride_bk
@@ -145,38 +164,38 @@ if HAS_TRITON:
             # 1.13 us this way; a plain copy 0.96 us). Used when start is 0 (LOCAL, rank 0) or the
             # source is small.
             ids = tl.load(
-                ids_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_ik,
+                ids_ptr + rows[:, None] * stride_im + cols[None, :] * stride_ik,
                 mask=(rows < n_src)[:, None] & col_ok,
             )
             start, c_eff, flags = rows_window(
-                counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD, HAS_OFFSET
+                counts_ptr, stride_c, sizes_ptr, stride_s, dp_rank, n_first, n_src, n_dst, S_PAD, HAS_OFFSET
             )
             dst_rows = rows - start
-            ok = (dst_rows >= 0) & (dst_rows < c_eff)
-            tl.store(
-                layer_base + dst_rows.to(tl.int64)[:, None] * stride_bm,
-                ids.to(buf_ptr.dtype.element_ty),
-                mask=ok[:, None] & col_ok,
-            )
-            # last: a branch with atomics, which nothing above should wait behind
+            ok = ((dst_rows >= 0) & (dst_rows < c_eff))[:, None] & col_ok
+            ids, n_bad = checked_ids(ids, ok, ID_MAX, CHECK_HIGH)
+            tl.store(layer_base + dst_rows[:, None] * stride_bm, ids.to(buf_ptr.dtype.element_ty), mask=ok)
+            # last: branches with atomics, which nothing above should wait behind
+            record_bad_ids(errors_ptr, n_bad)
             if pid == 0:
                 record_faults(errors_ptr, flags)
+                if STAMP:
+                    record_stamp(stamps_ptr, step_ptr, layer_id)
         else:
             # Programs walk DESTINATION rows (large gathers: read only this rank's block).
             start, c_eff, flags = rows_window(
-                counts_ptr, sizes_ptr, dp_rank, n_first, n_src, n_dst, S_PAD, HAS_OFFSET
+                counts_ptr, stride_c, sizes_ptr, stride_s, dp_rank, n_first, n_src, n_dst, S_PAD, HAS_OFFSET
             )
             if row0 < c_eff:
                 mask = (rows < c_eff)[:, None] & col_ok
-                src = (start + rows).to(tl.int64)
+                src = start + rows
                 ids = tl.load(ids_ptr + src[:, None] * stride_im + cols[None, :] * stride_ik, mask=mask)
-                tl.store(
-                    layer_base + rows.to(tl.int64)[:, None] * stride_bm,
-                    ids.to(buf_ptr.dtype.element_ty),
-                    mask=mask,
-                )
+                ids, n_bad = checked_ids(ids, mask, ID_MAX, CHECK_HIGH)
+                tl.store(layer_base + rows[:, None] * stride_bm, ids.to(buf_ptr.dtype.element_ty), mask=mask)
+                record_bad_ids(errors_ptr, n_bad)
             if pid == 0:
                 record_faults(errors_ptr, flags)
+                if STAMP:
+                    record_stamp(stamps_ptr, step_ptr, layer_id)
 
 
 def capture_rows_triton(
@@ -185,6 +204,8 @@ def capture_rows_triton(
     token_counts: torch.Tensor,
     sizes: torch.Tensor,
     errors: torch.Tensor,
+    stamps: torch.Tensor,
+    step: torch.Tensor,
     layer_id: int,
     dp_rank: int,
     n_first: int,
@@ -192,11 +213,13 @@ def capture_rows_triton(
     """Launches the slicing kernel (validated arguments assumed; see ``capture_routing``).
 
     buffer: (max_tokens, num_layers, top_k) int16/int32/int64 - written in place, rows [0, c_eff)
-    topk_ids: (n, top_k) integer - source rows
-    token_counts: (dp_size,) int32 - real tokens of each DP rank, read on the device
-    sizes: (S,) int32 - per-rank (GATHERED) or per-shard (SHARDED) row counts; the first ``n_first``
-        entries precede this rank's block
-    errors: (2,) int32 - fault counter, see :mod:`moe_ops.capture.errors`
+    topk_ids: (n, top_k) integer, any strides - source rows
+    token_counts: (dp_size,) int32, any stride - real tokens of each DP rank, read on the device
+    sizes: (S,) int32, any stride - per-rank (GATHERED) or per-shard row counts; the first
+        ``n_first`` entries precede this rank's block (:func:`moe_ops.capture.window.plan_window`)
+    errors: (FAULT_SLOTS,) int32 - fault counter, see :mod:`moe_ops.capture.errors`
+    stamps: (num_layers,) int32 - per-layer step stamps, or empty (no stamp)
+    step: (1,) int32 - the current step, read on the device (unused without stamps)
     """
     n_src, top_k = topk_ids.shape
     n_dst = buffer.shape[0]
@@ -208,30 +231,70 @@ def capture_rows_triton(
     block_m, num_warps = launch_config(rows, k_pad)
     # At least one program, so a call whose counts overflow an empty source still records its fault.
     grid = (max(1, triton.cdiv(rows, block_m)),)
-    _capture_rows_kernel[grid](
-        buffer,
-        topk_ids,
-        token_counts,
-        sizes,
-        errors,
-        n_src,
-        n_dst,
-        layer_id,
-        dp_rank,
-        n_first,
-        buffer.stride(0),
-        buffer.stride(1),
-        buffer.stride(2),
-        topk_ids.stride(0),
-        topk_ids.stride(1),
-        top_k,
-        K_PAD=k_pad,
-        BLOCK_M=block_m,
-        S_PAD=next_power_of_2(sizes.shape[0]),
-        SOURCE_ORDER=source_order,
-        HAS_OFFSET=n_first > 0,
-        num_warps=num_warps,
-    )
+    id_max = id_limit(buffer.dtype)
+    with cpu_counter_lock(buffer.device):
+        _capture_rows_kernel[grid](
+            buffer,
+            topk_ids,
+            token_counts,
+            sizes,
+            errors,
+            stamps,
+            step,
+            n_src,
+            n_dst,
+            layer_id,
+            dp_rank,
+            n_first,
+            buffer.stride(0),
+            buffer.stride(1),
+            buffer.stride(2),
+            topk_ids.stride(0),
+            topk_ids.stride(1),
+            token_counts.stride(0),
+            sizes.stride(0),
+            top_k,
+            ID_MAX=id_max,
+            CHECK_HIGH=id_limit(topk_ids.dtype) > id_max,
+            K_PAD=k_pad,
+            BLOCK_M=block_m,
+            S_PAD=next_power_of_2(sizes.shape[0]),
+            SOURCE_ORDER=source_order,
+            HAS_OFFSET=n_first > 0,
+            STAMP=stamps.numel() > 0,
+            num_warps=num_warps,
+        )
+
+
+def fault_delta(flags: torch.Tensor, n_bad: torch.Tensor | int) -> torch.Tensor:
+    """(FAULT_SLOTS,) int32 increments of one call: slot 0 and the window bits' slots from
+    ``flags`` (0-d), the bad-id slot from ``n_bad``. No host reads."""
+    flags = flags.to(torch.int64)
+    window = flags & WINDOW_FAULTS
+    parts = [(window != 0).to(torch.int64)]
+    parts += [(window >> b) & 1 for b in range(WINDOW_FAULTS.bit_length())]
+    parts.append(torch.as_tensor(n_bad, dtype=torch.int64, device=flags.device))
+    parts += [torch.zeros((), dtype=torch.int64, device=flags.device)] * (FAULT_SLOTS - len(parts))
+    return torch.stack(parts).to(torch.int32)
+
+
+def add_faults(errors: torch.Tensor, delta: torch.Tensor) -> None:
+    """Adds ``delta`` to the counter atomically (``index_add_``: atomics on CUDA; CPU callers hold
+    :func:`moe_ops.capture.errors.cpu_counter_lock`)."""
+    errors.index_add_(0, torch.arange(FAULT_SLOTS, device=errors.device), delta)
+
+
+def record_stamp_torch(stamps: torch.Tensor, step: torch.Tensor, layer_id: int) -> None:
+    """Twin of the kernels' stamp: ``stamps[layer_id] = step[0]`` on the device."""
+    if stamps.numel():
+        stamps[layer_id : layer_id + 1].copy_(step[:1])
+
+
+def checked_ids_torch(ids: torch.Tensor, id_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of the kernels' id check: (int64 ids with -1 where one does not fit, per-row bad flag)."""
+    ids = ids.to(torch.int64)
+    bad = (ids < 0) | (ids > id_max)
+    return torch.where(bad, -1, ids), bad.any(dim=1)
 
 
 # reference
@@ -241,36 +304,30 @@ def capture_rows_torch(
     token_counts: torch.Tensor,
     sizes: torch.Tensor,
     errors: torch.Tensor,
+    stamps: torch.Tensor,
+    step: torch.Tensor,
     layer_id: int,
     dp_rank: int,
     n_first: int,
 ) -> None:
-    """PyTorch twin of :func:`capture_rows_triton`: same arguments, same writes, same fault bits.
+    """PyTorch twin of :func:`capture_rows_triton`: same arguments, same writes, same faults.
 
     Fixed shapes and no host reads (``torch.where`` over the static window ``min(n, rows)``), so it
     runs on any device and inside graphs; on CPU it is the capture op's implementation.
     """
     n_src = topk_ids.shape[0]
     n_dst = buffer.shape[0]
-    c = token_counts[dp_rank].to(torch.int64)
-    head = sizes[:n_first].to(torch.int64)
-    start = head.sum()
-    flags = torch.where(c < 0, FAULT_NEGATIVE_COUNT, 0)
-    c = c.clamp(min=0)
-    bad_offset = (head < 0).any() | (start < 0) | (start > n_src)
-    flags = flags | torch.where(bad_offset, FAULT_BAD_OFFSET, 0)
-    start = start.clamp(0, n_src)
-    flags = flags | torch.where(c > n_src - start, FAULT_SOURCE_SHORT, 0)
-    flags = flags | torch.where(c > n_dst, FAULT_DEST_SHORT, 0)
-    c_eff = torch.minimum(c, n_src - start).clamp(max=n_dst)
-
+    start, c_eff, flags = rows_window_torch(token_counts, sizes, dp_rank, n_first, n_src, n_dst)
+    n_bad = 0
     window = min(n_src, n_dst)
-    if window > 0:
-        rows = torch.arange(window, device=buffer.device)
-        src = (start + rows).clamp(max=n_src - 1)
-        valid = (rows < c_eff)[:, None]
-        dst = buffer[:window, layer_id]
-        dst.copy_(torch.where(valid, topk_ids[src].to(buffer.dtype), dst))
-    faulty = (flags != 0).to(errors.dtype)
-    errors[0] += faulty
-    errors[1] |= flags.to(errors.dtype)
+    with cpu_counter_lock(buffer.device):
+        if window > 0:
+            rows = torch.arange(window, device=buffer.device)
+            src = (start + rows).clamp(max=n_src - 1)
+            valid = rows < c_eff
+            ids, bad_rows = checked_ids_torch(topk_ids[src], id_limit(buffer.dtype))
+            n_bad = (bad_rows & valid).sum()
+            dst = buffer[:window, layer_id]
+            dst.copy_(torch.where(valid[:, None], ids.to(buffer.dtype), dst))
+        add_faults(errors, fault_delta(flags, n_bad))
+        record_stamp_torch(stamps, step, layer_id)

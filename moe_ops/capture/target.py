@@ -1,39 +1,106 @@
-"""``CaptureTarget``: the arguments of ``capture_routing`` bundled, for routers that capture themselves.
+"""``CaptureTarget``: where one MoE layer's ids go - the one capture contract every path takes.
 
-``moe_ops.route(..., capture=CaptureTarget(buffer, layer_id, token_counts=counts))`` records the ids
-it chooses into ``buffer[:, layer_id]`` exactly as ``capture_routing(buffer, ids, layer_id,
-token_counts=counts)`` would, in the router's own kernel where the layout allows it.
+``capture_routing``, ``route(..., capture=...)``, ``RoutingCapturer.capture`` / ``target`` and the
+monolithic experts all build a :class:`CaptureTarget` and hand it the ids; the target is validated
+once, on construction, and the ids once, by :meth:`CaptureTarget.check_ids`. The rows a target
+selects come from :mod:`moe_ops.capture.window`, the one row rule.
+
+A capturer (anything holding a model's capture state) is described by :class:`RoutingCapturerLike`;
+:meth:`CaptureTarget.of` is the one mapping from a capturer and a layer to a target.
 """
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..layout import BatchLayout
-from .op import validate_capture_args
+from ..layout import BatchLayout, layout_from_value
+from .errors import FaultCounter
+from .kernels import id_limit
+from .window import plan_window
 
-__all__ = ["CaptureTarget"]
+__all__ = ["BUFFER_DTYPES", "ID_DTYPES", "CaptureTarget", "RoutingCapturerLike", "check_buffer"]
+
+BUFFER_DTYPES = (torch.int16, torch.int32, torch.int64)
+# Integer dtypes the kernels read ids in. Quantised, bit-packed and sub-byte integer dtypes
+# (quint8, qint32, bits8, uint1, int4, ...) are not ids; unsigned wider than 8 bits has partial
+# CUDA support in the torch releases this package runs on.
+ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-def _stand_in_ids(buffer: object) -> torch.Tensor:
-    """A (0, top_k) int32 tensor on the buffer's device: lets the capture checks run before routing.
+def _has_internal_overlap(t: torch.Tensor) -> bool:
+    """True unless the strides prove that no two indices of ``t`` address one element.
 
-    Zero elements, so nothing is allocated; a LOCAL buffer of any size holds 0 rows.
+    Sorted by stride, each stride must exceed the span of the dims below it: exact for expanded
+    (stride-0) views, permutations and slices of a dense tensor, conservative beyond. Pure Python
+    on shapes and strides, so torch.compile traces it as constants.
     """
-    if isinstance(buffer, torch.Tensor) and buffer.dim() == 3:
-        return torch.empty((0, buffer.shape[2]), dtype=torch.int32, device=buffer.device)
-    return torch.empty((0, 0), dtype=torch.int32)  # never inspected: the buffer check fails first
+    if t.is_contiguous():
+        return False
+    dims = [(s, n) for s, n in zip(t.stride(), t.shape) if n > 1]
+    span = 0
+    while dims:
+        # smallest stride first (a selection loop: torch.compile cannot trace sorted() here)
+        i = 0
+        for j in range(1, len(dims)):
+            if dims[j][0] < dims[i][0]:
+                i = j
+        stride, size = dims.pop(i)
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def check_buffer(buffer: object) -> None:
+    """ValueError/TypeError unless ``buffer`` is a 3-D int16/int32/int64 tensor without overlap."""
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"buffer must be a torch.Tensor, got {type(buffer).__name__}")
+    if buffer.dim() != 3:
+        raise ValueError(
+            f"buffer must be 3-D (max_tokens, num_layers, top_k), got shape {tuple(buffer.shape)}"
+        )
+    if buffer.dtype not in BUFFER_DTYPES:
+        raise ValueError(f"buffer must be int16, int32 or int64, got {buffer.dtype}")
+    if _has_internal_overlap(buffer):
+        raise ValueError(
+            f"buffer must not overlap itself (an expanded or overlapping view, strides "
+            f"{tuple(buffer.stride())} for shape {tuple(buffer.shape)}): rows would be written over "
+            "each other; allocate it with torch.full or torch.empty"
+        )
+
+
+@runtime_checkable
+class RoutingCapturerLike(Protocol):
+    """The capture state of a model, as the capture paths read it (``moe_ops.RoutingCapturer``).
+
+    buffer: (max_tokens, num_layers, top_k) int16/int32/int64 - the capture buffer, written in place
+    token_counts: (dp_size,) int32, on the buffer's device - real tokens of each DP rank this step,
+        updated in place between steps (read on the device)
+    dp_rank: int - this rank's index into token_counts
+    shard_sizes: (dp_size * shards_per_rank,) int32, or None - rows each rank (shard) occupies in a
+        gathered batch; GATHERED and SHARDED read it (see :mod:`moe_ops.capture.window`)
+
+    Optional attributes, read when present: ``fault_counter`` (a :class:`FaultCounter`; None: the
+    device-wide one), ``layer_stamps`` and ``step_tensor`` (stale-layer stamps, see
+    :class:`CaptureTarget`).
+    """
+
+    buffer: torch.Tensor
+    token_counts: torch.Tensor
+    dp_rank: int
+    shard_sizes: torch.Tensor | None
 
 
 @dataclass(frozen=True)
 class CaptureTarget:
-    """Where a router records its ids: exactly what :func:`moe_ops.capture_routing` takes.
+    """Where a router or capture call records one layer's ids: exactly what
+    :func:`moe_ops.capture_routing` takes.
 
-    Checked on construction with the capture op's own validation (same errors as
-    ``capture_routing``); the checks that need the routed ids (their ``top_k`` and, for LOCAL, the
-    buffer's rows against the padded batch) run again when the router has them.
+    Validated on construction (ValueError naming the argument, TypeError for wrong types,
+    IndexError for ``layer_id``); the checks that need the ids run in :meth:`check_ids`.
     """
 
     # (max_tokens, num_layers, top_k) int16/int32/int64 - the replay buffer; a static address
@@ -41,34 +108,139 @@ class CaptureTarget:
     # layer index in [0, num_layers)
     layer_id: int
     _: KW_ONLY
-    # (dp_size,) int32 on the buffer's device - real tokens of each DP rank; updated in place
+    # (dp_size,) int32 on the buffer's device (any stride) - real tokens of each DP rank
     token_counts: torch.Tensor
     # index into token_counts, in [0, dp_size)
     dp_rank: int = 0
-    # how the router's rows are arranged (BatchLayout or its int value)
+    # how the router's rows are arranged (BatchLayout or its int value; stored as BatchLayout)
     layout: BatchLayout | int = BatchLayout.LOCAL
-    # GATHERED (dp_size,) / SHARDED (dp_size * shards_per_rank,) int32 row counts; None otherwise
+    # GATHERED/SHARDED: (dp_size * shards_per_rank,) int32 row counts (any stride); None otherwise
     shard_sizes: torch.Tensor | None = None
     # SEQUENCE_PARALLEL only: the torch.distributed group to all-gather over (None: tp_size 1)
     tp_group: object = None
+    # where faults are recorded; None: the device-wide counter of the buffer's device
+    fault_counter: FaultCounter | None = None
+    # (num_layers,) int32 on the buffer's device: stamps[layer_id] = step_tensor[0] once captured;
+    # None: no stamp (a bare capture outside a capturer)
+    layer_stamps: torch.Tensor | None = None
+    # (1,) int32 on the buffer's device: the capturer's current step; set with layer_stamps
+    step_tensor: torch.Tensor | None = None
+    # derived, on construction: the sizes tensor the layout reads (shard_sizes or token_counts)
+    sizes: torch.Tensor = field(init=False, repr=False, compare=False)
+    # derived: leading entries of sizes that precede this rank's rows
+    n_first: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.validate(_stand_in_ids(self.buffer))
-
-    def validate(self, topk_ids: torch.Tensor) -> tuple[BatchLayout, int]:
-        """Runs ``capture_routing``'s checks for ids ``topk_ids``; returns (layout, shards_per_rank).
-
-        topk_ids: (n, top_k) integer - the routed ids (or a stand-in of their shape and device)
-        """
-        layout, shards_per_rank = validate_capture_args(
-            self.buffer,
-            topk_ids,
-            self.layer_id,
-            self.token_counts,
-            self.dp_rank,
-            self.layout,
-            self.shard_sizes,
-        )
+        layout = layout_from_value(self.layout)
+        check_buffer(self.buffer)
+        if isinstance(self.layer_id, bool) or not isinstance(self.layer_id, int):
+            raise TypeError(f"layer_id must be an int, got {type(self.layer_id).__name__}")
+        if not 0 <= self.layer_id < self.buffer.shape[1]:
+            raise IndexError(
+                f"layer_id must be in [0, {self.buffer.shape[1]}) for this buffer, got {self.layer_id}"
+            )
+        device = self.buffer.device
+        sizes, n_first = plan_window(layout, self.token_counts, self.dp_rank, self.shard_sizes, device)
         if self.tp_group is not None and layout != BatchLayout.SEQUENCE_PARALLEL:
             raise ValueError(f"tp_group is only used by SEQUENCE_PARALLEL, not {layout.name}; pass None")
-        return layout, shards_per_rank
+        if self.fault_counter is not None:
+            if not isinstance(self.fault_counter, FaultCounter):
+                raise TypeError(
+                    f"fault_counter must be a FaultCounter or None, got {type(self.fault_counter).__name__}"
+                )
+            if self.fault_counter.device != device:
+                raise ValueError(
+                    f"fault_counter must be on the buffer's device {device}, got {self.fault_counter.device}"
+                )
+        if (self.layer_stamps is None) != (self.step_tensor is None):
+            raise ValueError("layer_stamps and step_tensor go together: pass both or neither")
+        if self.layer_stamps is not None:
+            stamps, step = self.layer_stamps, self.step_tensor
+            if (
+                stamps.shape != (self.buffer.shape[1],)
+                or stamps.dtype != torch.int32
+                or stamps.device != device
+            ):
+                raise ValueError(
+                    f"layer_stamps must be ({self.buffer.shape[1]},) int32 on {device}, got "
+                    f"{tuple(stamps.shape)} {stamps.dtype} on {stamps.device}"
+                )
+            if step.shape != (1,) or step.dtype != torch.int32 or step.device != device:
+                raise ValueError(
+                    f"step_tensor must be (1,) int32 on {device}, got {tuple(step.shape)} {step.dtype} "
+                    f"on {step.device}"
+                )
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "n_first", n_first)
+
+    @classmethod
+    def of(
+        cls,
+        capturer: RoutingCapturerLike,
+        layer_id: int,
+        layout: BatchLayout | int = BatchLayout.LOCAL,
+        *,
+        tp_group: object = None,
+    ) -> CaptureTarget:
+        """The target of buffer layer ``layer_id`` of ``capturer`` for rows in ``layout``.
+
+        ``shard_sizes`` is passed to GATHERED and SHARDED when the capturer has them (the window
+        rule reads them; see :mod:`moe_ops.capture.window`), never to the other layouts; the
+        capturer's fault counter and stamps, when it has them, come along.
+        """
+        missing = [
+            n for n in ("buffer", "token_counts", "dp_rank", "shard_sizes") if not hasattr(capturer, n)
+        ]
+        if missing:
+            raise TypeError(
+                "capturer must have the attributes buffer, token_counts, dp_rank, shard_sizes "
+                f"(RoutingCapturerLike); {type(capturer).__name__} lacks {', '.join(missing)}"
+            )
+        layout = layout_from_value(layout)
+        uses_sizes = layout in (BatchLayout.GATHERED, BatchLayout.SHARDED)
+        return cls(
+            capturer.buffer,
+            layer_id,
+            token_counts=capturer.token_counts,
+            dp_rank=capturer.dp_rank,
+            layout=layout,
+            shard_sizes=capturer.shard_sizes if uses_sizes else None,
+            tp_group=tp_group,
+            fault_counter=getattr(capturer, "fault_counter", None),
+            layer_stamps=getattr(capturer, "layer_stamps", None),
+            step_tensor=getattr(capturer, "step_tensor", None),
+        )
+
+    def check_ids(self, topk_ids: torch.Tensor) -> None:
+        """The checks that need the ids: ``topk_ids`` (n, top_k) integer on the buffer's device
+        (any strides) whose rows are in this target's layout. Raises ValueError/TypeError."""
+        if not isinstance(topk_ids, torch.Tensor):
+            raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+        if topk_ids.dim() != 2:
+            raise ValueError(f"topk_ids must be 2-D (n, top_k), got shape {tuple(topk_ids.shape)}")
+        if topk_ids.dtype not in ID_DTYPES:
+            names = ", ".join(str(d).replace("torch.", "") for d in ID_DTYPES)
+            raise ValueError(f"topk_ids must have an integer dtype ({names}), got {topk_ids.dtype}")
+        if topk_ids.shape[1] != self.buffer.shape[2]:
+            raise ValueError(
+                f"topk_ids has top_k={topk_ids.shape[1]} columns but buffer was sized for "
+                f"top_k={self.buffer.shape[2]} (buffer shape {tuple(self.buffer.shape)})"
+            )
+        if topk_ids.device != self.buffer.device:
+            raise ValueError(
+                f"topk_ids must be on the buffer's device {self.buffer.device}, got {topk_ids.device}"
+            )
+        if self.layout == BatchLayout.LOCAL and self.buffer.shape[0] < topk_ids.shape[0]:
+            raise ValueError(
+                f"buffer has {self.buffer.shape[0]} rows but the LOCAL batch has {topk_ids.shape[0]} rows "
+                "(padding included): size the buffer for the largest local batch (max_tokens)"
+            )
+
+    def check_num_experts(self, num_experts: int) -> None:
+        """ValueError when the buffer dtype cannot hold expert ids up to ``num_experts - 1``."""
+        if int(num_experts) - 1 > id_limit(self.buffer.dtype):
+            raise ValueError(
+                f"capture buffer dtype {self.buffer.dtype} cannot hold expert ids up to "
+                f"{num_experts - 1} (num_experts={num_experts}); use an int32 buffer"
+            )

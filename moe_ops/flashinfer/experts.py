@@ -114,17 +114,7 @@ class LayerCapture:
 
         For layers whose experts take precomputed top-k: their router, not the kernel, captures.
         """
-        c = self.capturer
-        layout = layout_from_value(layout)
-        uses_sizes = layout in (BatchLayout.GATHERED, BatchLayout.SHARDED)
-        return CaptureTarget(
-            c.buffer,
-            self.layer_id,
-            token_counts=c.token_counts,
-            dp_rank=c.dp_rank,
-            layout=layout,
-            shard_sizes=c.shard_sizes if uses_sizes else None,
-        )
+        return CaptureTarget.of(self.capturer, self.layer_id, layout)
 
 
 class RoutingReplayExperts:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from ..capture.op import tp_world_size, validate_capture_args
-from ..layout import BatchLayout, layout_from_value
+from ..capture.op import capture_into, tp_world_size
+from ..capture.target import CaptureTarget
+from ..layout import BatchLayout
 from . import ops
 from .backends import DEEPSEEK_V3, fused_topk_support
-from .targets import CaptureTargetLike, capture_ids
 
 __all__ = ["DEEPSEEK_V3", "route_flashinfer"]
 
@@ -77,26 +77,13 @@ def check_grouping(num_experts: int, top_k: int, n_group: int, topk_group: int) 
         )
 
 
-def _check_capture(capture: CaptureTargetLike, replay: torch.Tensor) -> None:
+def _check_capture(capture: CaptureTarget, replay: torch.Tensor) -> None:
     """Checks the capture target against the replay rows before the kernel runs (shapes only)."""
-    missing = [
-        name
-        for name in ("buffer", "layer_id", "token_counts", "dp_rank", "layout", "shard_sizes")
-        if not hasattr(capture, name)
-    ]
-    if missing:
-        raise TypeError(
-            f"capture must have buffer, layer_id, token_counts, dp_rank, layout, shard_sizes "
-            f"(a CaptureTarget); {type(capture).__name__} lacks {', '.join(missing)}"
-        )
-    layout = layout_from_value(capture.layout)
-    tp_group = getattr(capture, "tp_group", None)
-    if layout == BatchLayout.SEQUENCE_PARALLEL and tp_world_size(tp_group) > 1:
-        return  # capture_routing checks the gathered rows
-    shard_sizes = capture.shard_sizes if layout in (BatchLayout.GATHERED, BatchLayout.SHARDED) else None
-    validate_capture_args(
-        capture.buffer, replay, capture.layer_id, capture.token_counts, capture.dp_rank, layout, shard_sizes
-    )
+    if not isinstance(capture, CaptureTarget):
+        raise TypeError(f"capture must be a CaptureTarget or None, got {type(capture).__name__}")
+    if capture.layout == BatchLayout.SEQUENCE_PARALLEL and tp_world_size(capture.tp_group) > 1:
+        return  # capture_into checks the gathered rows
+    capture.check_ids(replay)
 
 
 def route_flashinfer(
@@ -108,7 +95,7 @@ def route_flashinfer(
     n_group: int | None = None,
     topk_group: int | None = None,
     routed_scaling_factor: float | None = None,
-    capture: CaptureTargetLike | None = None,
+    capture: CaptureTarget | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing with FlashInfer's ``fused_topk_deepseek``; optionally captures the ids.
 
@@ -196,6 +183,6 @@ def route_flashinfer(
             routing_replay_out=replay,
         )
     if capture is not None:
-        capture_ids(capture, capture.layer_id, replay, capture.layout, getattr(capture, "tp_group", None))
+        capture_into(capture, replay)
     weights = topk_values if topk_values.dtype == torch.float32 else topk_values.float()
     return weights, topk_indices

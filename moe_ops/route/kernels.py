@@ -9,7 +9,7 @@ Two implementations of one destination-passing contract:
 
 Contract (both): ``weights[t], ids[t]`` are token ``t``'s routing (see
 :mod:`moe_ops.route.methods`). With a capture destination, ``buffer[r, layer_id] = ids[start + r]``
-for ``r < c_eff``, where ``(start, c_eff)`` come from :func:`moe_ops.capture.kernels.rows_window`,
+for ``r < c_eff``, where ``(start, c_eff)`` come from :func:`moe_ops.capture.window.rows_window`,
 the capture op's own device-side offset rule, and faults are recorded the same way: the result is
 bit-identical to routing and then calling ``capture_routing``.
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .._triton import HAS_TRITON, interpreting, next_power_of_2
+from ..capture.errors import cpu_counter_lock
 from ..capture.kernels import capture_rows_torch
 from .methods import RoutingMethod
 from .reference import SUM_EPSILON, route_reference
@@ -71,21 +72,25 @@ _TARGET_PROGRAMS = 4096
 
 @dataclass(frozen=True)
 class FusedCapture:
-    """Where the fused kernel records this rank's ids (arguments of the capture op, validated)."""
+    """Where the fused kernel records this rank's ids (the capture op's arguments, validated)."""
 
     # (max_tokens, num_layers, top_k) int16/int32/int64 - the replay buffer, written in place
     buffer: torch.Tensor
-    # (dp_size,) int32 - real tokens of each DP rank, read on the device
+    # (dp_size,) int32, any stride - real tokens of each DP rank, read on the device
     token_counts: torch.Tensor
-    # (S,) int32 - shard_sizes (GATHERED/SHARDED) or token_counts; first n_first entries precede us
+    # (S,) int32, any stride - the sizes the layout reads (moe_ops.capture.window.plan_window)
     sizes: torch.Tensor
-    # (2,) int32 - the device fault counter of moe_ops.capture.errors
+    # (FAULT_SLOTS,) int32 - fault counter (moe_ops.capture.errors)
     errors: torch.Tensor
-    # layer index in [0, num_layers)
+    # (num_layers,) int32 step stamps, or empty (no stamp)
+    stamps: torch.Tensor
+    # (1,) int32 - the current step (unused without stamps)
+    step: torch.Tensor
+    # buffer layer the ids go to
     layer_id: int
-    # index into token_counts
+    # this rank's index into token_counts
     dp_rank: int
-    # number of leading sizes entries before this rank's rows (window_first_size)
+    # leading sizes entries before this rank's rows
     n_first: int
 
 
@@ -118,7 +123,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ..capture.kernels import record_faults, rows_window
+    from ..capture.kernels import record_faults, record_stamp
+    from ..capture.window import rows_window
 
     # Triton kernels may only read globals that are constexpr.
     _DEFAULT = tl.constexpr(int(RoutingMethod.DEFAULT))
@@ -173,6 +179,8 @@ if HAS_TRITON:
             "n_first",
             "stride_bm",
             "stride_bl",
+            "stride_c",
+            "stride_s",
         ]
     )
     def _route_kernel(
@@ -184,6 +192,8 @@ if HAS_TRITON:
         counts_ptr,
         sizes_ptr,
         errors_ptr,
+        stamps_ptr,
+        step_ptr,
         n_tokens,
         group_size,
         n_group,
@@ -203,6 +213,8 @@ if HAS_TRITON:
         stride_bm,
         stride_bl,
         stride_bk,
+        stride_c,
+        stride_s,
         METHOD: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         GROUPED: tl.constexpr,
@@ -213,6 +225,7 @@ if HAS_TRITON:
         K_PAD: tl.constexpr,
         S_PAD: tl.constexpr,
         HAS_OFFSET: tl.constexpr,
+        STAMP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -222,7 +235,16 @@ if HAS_TRITON:
             # load below; the fault record (a branch with atomics, which the compiler will not
             # move loads across) is the kernel's last statement, so nothing waits for the counts.
             start, c_eff, flags = rows_window(
-                counts_ptr, sizes_ptr, dp_rank, n_first, n_tokens, n_dst, S_PAD, HAS_OFFSET
+                counts_ptr,
+                stride_c,
+                sizes_ptr,
+                stride_s,
+                dp_rank,
+                n_first,
+                n_tokens,
+                n_dst,
+                S_PAD,
+                HAS_OFFSET,
             )
         else:
             start = 0
@@ -323,6 +345,8 @@ if HAS_TRITON:
             tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mine[:, None] & k_ok)
             if pid == 0:
                 record_faults(errors_ptr, flags)
+                if STAMP:
+                    record_stamp(stamps_ptr, step_ptr, layer_id)
 
 
 def route_rows_triton(
@@ -360,17 +384,96 @@ def route_rows_triton(
     if capture is None:
         if programs == 0:
             return
-        buf, counts, sizes, errors = ids, ids, ids, ids  # never read: CAPTURE is False
+        buf = counts = sizes = errors = stamps = step = ids  # never read: CAPTURE is False
         n_dst = layer_id = dp_rank = n_first = 0
-        stride_bm = stride_bl = stride_bk = 0
+        stride_bm = stride_bl = stride_bk = stride_c = stride_s = 0
         s_pad = 1
+        stamped = False
     else:
         # At least one program, so a call whose counts overflow an empty batch still records its fault.
         programs = max(programs, 1)
         buf, counts, sizes, errors = capture.buffer, capture.token_counts, capture.sizes, capture.errors
+        stamps, step = capture.stamps, capture.step
         n_dst, layer_id, dp_rank, n_first = buf.shape[0], capture.layer_id, capture.dp_rank, capture.n_first
         stride_bm, stride_bl, stride_bk = buf.stride()
+        stride_c, stride_s = counts.stride(0), sizes.stride(0)
         s_pad = next_power_of_2(sizes.shape[0])
+        stamped = stamps.numel() > 0
+    with cpu_counter_lock(router_logits.device):
+        _launch(
+            programs,
+            router_logits,
+            bias,
+            weights,
+            ids,
+            buf,
+            counts,
+            sizes,
+            errors,
+            stamps,
+            step,
+            n_tokens,
+            num_experts,
+            n_group,
+            top_k,
+            topk_group,
+            routed_scaling_factor,
+            n_dst,
+            layer_id,
+            dp_rank,
+            n_first,
+            stride_bm,
+            stride_bl,
+            stride_bk,
+            stride_c,
+            stride_s,
+            method,
+            capture is not None,
+            block_m,
+            ng_pad,
+            g_pad,
+            s_pad,
+            stamped,
+            num_warps,
+        )
+
+
+def _launch(
+    programs,
+    router_logits,
+    bias,
+    weights,
+    ids,
+    buf,
+    counts,
+    sizes,
+    errors,
+    stamps,
+    step,
+    n_tokens,
+    num_experts,
+    n_group,
+    top_k,
+    topk_group,
+    routed_scaling_factor,
+    n_dst,
+    layer_id,
+    dp_rank,
+    n_first,
+    stride_bm,
+    stride_bl,
+    stride_bk,
+    stride_c,
+    stride_s,
+    method,
+    capture,
+    block_m,
+    ng_pad,
+    g_pad,
+    s_pad,
+    stamped,
+    num_warps,
+) -> None:
     _route_kernel[(programs,)](
         router_logits,
         router_logits if bias is None else bias,
@@ -380,6 +483,8 @@ def route_rows_triton(
         counts,
         sizes,
         errors,
+        stamps,
+        step,
         n_tokens,
         num_experts // n_group,
         n_group,
@@ -399,16 +504,19 @@ def route_rows_triton(
         stride_bm,
         stride_bl,
         stride_bk,
+        stride_c,
+        stride_s,
         METHOD=int(method),
         HAS_BIAS=bias is not None,
         GROUPED=n_group > 1,
-        CAPTURE=capture is not None,
+        CAPTURE=capture,
         BLOCK_M=block_m,
         NG_PAD=ng_pad,
         G_PAD=g_pad,
         K_PAD=next_power_of_2(top_k),
         S_PAD=s_pad,
         HAS_OFFSET=n_first > 0,
+        STAMP=stamped,
         num_warps=num_warps,
     )
 
@@ -450,6 +558,8 @@ def route_rows_torch(
             capture.token_counts,
             capture.sizes,
             capture.errors,
+            capture.stamps,
+            capture.step,
             capture.layer_id,
             capture.dp_rank,
             capture.n_first,

@@ -33,6 +33,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -69,11 +70,14 @@ LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def method_from_value(method: RoutingMethod | int) -> RoutingMethod:
-    """Returns ``method`` as a :class:`RoutingMethod`, raising ValueError for unknown values."""
-    if not isinstance(method, bool):
+    """Returns ``method`` as a :class:`RoutingMethod`, raising ValueError for anything but a
+    RoutingMethod or an int (numpy ints included) naming one: never a float, str or bool."""
+    if isinstance(method, RoutingMethod):
+        return method
+    if not isinstance(method, bool) and isinstance(method, (int, np.integer)):
         try:
             return RoutingMethod(int(method))
-        except (ValueError, TypeError):
+        except ValueError:
             pass
     names = ", ".join(f"{m.name}={m.value}" for m in RoutingMethod)
     raise ValueError(f"method must be a RoutingMethod ({names}), got {method!r}")

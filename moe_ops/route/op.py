@@ -12,12 +12,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .._triton import triton_runs_on
-from ..capture.errors import capture_error_counter
-from ..capture.kernels import window_first_size
-from ..capture.op import capture_routing
+from ..capture.op import capture_into, target_tensors
 from ..capture.target import CaptureTarget
 from ..layout import BatchLayout
 from .kernels import TRITON_MAX_TILE, FusedCapture, route_rows_torch, route_rows_triton, tile_shape
@@ -54,7 +51,9 @@ def _(router_logits, bias, weights, ids, method, n_group, topk_group, routed_sca
     return None
 
 
-@torch.library.custom_op("moe_ops::route_capture_", mutates_args=("weights", "ids", "buffer", "errors"))
+@torch.library.custom_op(
+    "moe_ops::route_capture_", mutates_args=("weights", "ids", "buffer", "errors", "stamps")
+)
 def route_capture_op(
     router_logits: torch.Tensor,
     bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
@@ -64,30 +63,23 @@ def route_capture_op(
     token_counts: torch.Tensor,
     sizes: torch.Tensor,
     errors: torch.Tensor,
+    stamps: torch.Tensor,
+    step: torch.Tensor,
     method: int,
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
     layer_id: int,
     dp_rank: int,
-    layout: int,
-    shards_per_rank: int,
+    n_first: int,
     use_triton: bool,
 ) -> None:
     """Routes and records this rank's ids into ``buffer[:, layer_id]`` in the same launch.
 
-    ``sizes``, ``layout`` and ``shards_per_rank`` as in ``moe_ops::capture_routing_``; ``layout`` is
-    LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
+    ``sizes``, ``n_first``, ``errors``, ``stamps`` and ``step`` as in ``moe_ops::capture_routing_``;
+    the rows are LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
     """
-    capture = FusedCapture(
-        buffer,
-        token_counts,
-        sizes,
-        errors,
-        layer_id,
-        dp_rank,
-        window_first_size(layout, dp_rank, shards_per_rank),
-    )
+    capture = FusedCapture(buffer, token_counts, sizes, errors, stamps, step, layer_id, dp_rank, n_first)
     args = (router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor, capture)
     if use_triton:
         route_rows_triton(*args)
@@ -105,14 +97,15 @@ def _(
     token_counts,
     sizes,
     errors,
+    stamps,
+    step,
     method,
     n_group,
     topk_group,
     routed_scaling_factor,
     layer_id,
     dp_rank,
-    layout,
-    shards_per_rank,
+    n_first,
     use_triton,
 ):
     return None
@@ -264,39 +257,28 @@ def route(
         torch.ops.moe_ops.route_(router_logits, bias, weights, ids, *route_args, use_triton)
         return weights, ids
 
-    layout, shards_per_rank = capture.validate(ids)
-    if layout == BatchLayout.SEQUENCE_PARALLEL:
+    capture.check_num_experts(cfg.num_experts)
+    capture.check_ids(ids)
+    if capture.layout == BatchLayout.SEQUENCE_PARALLEL:
         torch.ops.moe_ops.route_(router_logits, bias, weights, ids, *route_args, use_triton)
-        capture_routing(
-            capture.buffer,
-            ids,
-            capture.layer_id,
-            token_counts=capture.token_counts,
-            dp_rank=capture.dp_rank,
-            layout=layout,
-            tp_group=capture.tp_group,
-        )
+        capture_into(capture, ids)
         return weights, ids
-    buffer = capture.buffer
-    sizes = capture.token_counts if capture.shard_sizes is None else capture.shard_sizes
-    errors = capture_error_counter(device)
-    if isinstance(buffer, FakeTensor):
-        # Traced outside dynamo (FakeTensorMode, make_fx): a fake stand-in for the real counter.
-        errors = torch.empty(2, dtype=torch.int32, device=device)
+    errors, stamps, step = target_tensors(capture)
     torch.ops.moe_ops.route_capture_(
         router_logits,
         bias,
         weights,
         ids,
-        buffer,
+        capture.buffer,
         capture.token_counts,
-        sizes,
+        capture.sizes,
         errors,
+        stamps,
+        step,
         *route_args,
         capture.layer_id,
         capture.dp_rank,
-        int(layout),
-        shards_per_rank,
+        capture.n_first,
         use_triton,
     )
     return weights, ids

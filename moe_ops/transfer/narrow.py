@@ -2,7 +2,11 @@
 
 Two implementations of one destination-passing contract, ``dst.view(-1)[:n] = src.view(-1)[:n]``
 cast to ``dst.dtype`` with two's-complement truncation (what ``torch.Tensor.copy_`` does for
-integer narrowing: ids that do not fit wrap), both tensors contiguous, same element count per row:
+integer narrowing: ids that do not fit wrap), both tensors contiguous, same element count per row.
+With stamps, ``(num_layers,) int32 stamps`` and ``(1,) int32 step``, the ids of layer ``l`` are
+taken only where ``stamps[l] == step[0]``; the other layers' rows read -1 cast to ``dst.dtype``
+(the fill value: the maximum of an unsigned dtype), so a layer that was not captured in the
+current step never delivers an earlier step's ids:
 
 * :func:`narrow_rows_triton` - one flat Triton kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1``);
 * :func:`narrow_rows_torch` - its PyTorch twin, ``copy_`` of the leading rows: the CPU path and the
@@ -29,8 +33,17 @@ _BLOCK = 2048
 _WARPS = 8
 
 
-def _check(dst: torch.Tensor, src: torch.Tensor, num_rows: int) -> int:
+def _check(dst: torch.Tensor, src: torch.Tensor, num_rows: int, stamps=None, step=None) -> int:
     """Validates the contract; returns the element count to cast."""
+    if (stamps is None) != (step is None):
+        raise ValueError("stamps and step go together: pass both or neither")
+    if stamps is not None and (
+        src.dim() != 3 or stamps.shape != (src.shape[1],) or step.shape != (1,) or stamps.device != src.device
+    ):
+        raise ValueError(
+            f"stamps must be (num_layers,) and step (1,) on the source's device for a (rows, num_layers, "
+            f"top_k) source, got {tuple(stamps.shape)}, {tuple(step.shape)} for {tuple(src.shape)}"
+        )
     if not (src.is_contiguous() and dst.is_contiguous()):
         raise ValueError("src and dst must be contiguous")
     if src.device != dst.device:
@@ -55,35 +68,87 @@ if HAS_TRITON:
     # stores by that much. With a runtime element count it proves nothing and issues scalar loads:
     # 7.0 us for the 8192-token step above instead of 3.1 us.
     @triton.jit(do_not_specialize=["n_rows"])
-    def _narrow_kernel(src_ptr, dst_ptr, n_rows, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    def _narrow_kernel(
+        src_ptr,
+        dst_ptr,
+        stamps_ptr,
+        step_ptr,
+        n_rows,
+        ROW: tl.constexpr,
+        TOP_K: tl.constexpr,
+        BLOCK: tl.constexpr,
+        STAMPED: tl.constexpr,
+    ):
         n = n_rows.to(tl.int64) * ROW
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(src_ptr + offs, mask=mask)
+        if STAMPED:
+            # layer of each id: constant divisors (ROW, TOP_K are constexprs), and the stamps are a
+            # few hundred bytes that stay in L1
+            layer = (offs % ROW) // TOP_K
+            fresh = tl.load(stamps_ptr + layer, mask=mask, other=0) == tl.load(step_ptr)
+            x = tl.where(fresh, x, -1)
         tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
-def narrow_rows_triton(dst: torch.Tensor, src: torch.Tensor, num_rows: int) -> None:
+def narrow_rows_triton(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    num_rows: int,
+    stamps: torch.Tensor | None = None,
+    step: torch.Tensor | None = None,
+) -> None:
     """Casts rows ``[0, num_rows)`` of ``src`` into ``dst`` on the current stream (one launch, no
-    allocation, no host read of device values)."""
-    n = _check(dst, src, num_rows)
+    allocation, no host read of device values); with ``stamps``/``step``, stale layers read -1."""
+    n = _check(dst, src, num_rows, stamps, step)
     if n == 0:
         return
     row = src[0].numel()
-    _narrow_kernel[(triton.cdiv(n, _BLOCK),)](src, dst, num_rows, ROW=row, BLOCK=_BLOCK, num_warps=_WARPS)
+    stamped = stamps is not None
+    _narrow_kernel[(triton.cdiv(n, _BLOCK),)](
+        src,
+        dst,
+        stamps if stamped else src,
+        step if stamped else src,
+        num_rows,
+        ROW=row,
+        TOP_K=src.shape[-1] if stamped else 1,
+        BLOCK=_BLOCK,
+        STAMPED=stamped,
+        num_warps=_WARPS,
+    )
 
 
 # reference
-def narrow_rows_torch(dst: torch.Tensor, src: torch.Tensor, num_rows: int) -> None:
-    """PyTorch twin of :func:`narrow_rows_triton`: ``dst[:num_rows].copy_(src[:num_rows])``."""
-    _check(dst, src, num_rows)
-    if num_rows:
-        dst[:num_rows].copy_(src[:num_rows])
+def narrow_rows_torch(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    num_rows: int,
+    stamps: torch.Tensor | None = None,
+    step: torch.Tensor | None = None,
+) -> None:
+    """PyTorch twin of :func:`narrow_rows_triton`: ``dst[:num_rows].copy_(src[:num_rows])``, stale
+    layers masked to -1 on the device (no host reads)."""
+    _check(dst, src, num_rows, stamps, step)
+    if not num_rows:
+        return
+    rows = src[:num_rows]
+    if stamps is not None:
+        fresh = (stamps == step)[None, :, None]
+        rows = torch.where(fresh, rows, torch.full((), -1, dtype=rows.dtype, device=rows.device))
+    dst[:num_rows].copy_(rows)
 
 
-def narrow_rows(dst: torch.Tensor, src: torch.Tensor, num_rows: int) -> None:
+def narrow_rows(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    num_rows: int,
+    stamps: torch.Tensor | None = None,
+    step: torch.Tensor | None = None,
+) -> None:
     """The Triton kernel where Triton runs on the tensors' device, else the PyTorch twin."""
     if triton_runs_on(src.device):
-        narrow_rows_triton(dst, src, num_rows)
+        narrow_rows_triton(dst, src, num_rows, stamps, step)
     else:
-        narrow_rows_torch(dst, src, num_rows)
+        narrow_rows_torch(dst, src, num_rows, stamps, step)

@@ -165,9 +165,21 @@ class TransferPipeline:
             cross PCIe; ids that do not fit wrap (the caller sizes the dtype, e.g. with
             ``RoutingShape.id_dtype``).
         depth: ring slots, i.e. snapshots that may be unreleased at once (>= 1).
+        layer_stamps, step_tensor: optional (L,) and (1,) int32 tensors on the source's device
+            (``RoutingCapturer``'s): a snapshot reads the rows of layer ``l`` as the fill value
+            (-1 cast to ``out_dtype``) unless ``layer_stamps[l] == step_tensor[0]`` when the copy
+            runs - a layer not captured in the current step never delivers stale ids.
     """
 
-    def __init__(self, source: torch.Tensor, out_dtype: np.dtype | type, *, depth: int = 2):
+    def __init__(
+        self,
+        source: torch.Tensor,
+        out_dtype: np.dtype | type,
+        *,
+        depth: int = 2,
+        layer_stamps: torch.Tensor | None = None,
+        step_tensor: torch.Tensor | None = None,
+    ):
         if not isinstance(source, torch.Tensor):
             raise TypeError(f"source must be a torch.Tensor, got {type(source).__name__}")
         if source.dim() != 3:
@@ -180,6 +192,20 @@ class TransferPipeline:
             raise ValueError("source must be contiguous (its leading rows are copied as one block)")
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int >= 1 (ring slots), got {depth!r}")
+        if (layer_stamps is None) != (step_tensor is None):
+            raise ValueError("layer_stamps and step_tensor go together: pass both or neither")
+        if layer_stamps is not None and (
+            layer_stamps.shape != (source.shape[1],)
+            or step_tensor.shape != (1,)
+            or layer_stamps.device != source.device
+            or step_tensor.device != source.device
+        ):
+            raise ValueError(
+                f"layer_stamps must be ({source.shape[1]},) and step_tensor (1,) on {source.device}, got "
+                f"{tuple(layer_stamps.shape)} on {layer_stamps.device} and {tuple(step_tensor.shape)}"
+            )
+        self.layer_stamps = layer_stamps
+        self.step_tensor = step_tensor
         self.out_dtype = np.dtype(out_dtype)
         self._staging_dtype = staging_dtype(self.out_dtype)
         self.source = source
@@ -246,6 +272,11 @@ class TransferPipeline:
             else:
                 src = self.source[:num_rows].numpy()
                 np.copyto(slot.host_np[:num_rows], src, casting="unsafe")
+                if self.layer_stamps is not None and num_rows:
+                    # CPU tensors: reading the stamps is a host read of host memory
+                    stale = (self.layer_stamps != self.step_tensor).numpy()
+                    if stale.any():
+                        slot.host_np[:num_rows, stale] = np.array(-1).astype(self.out_dtype)
         except BaseException:
             with self._lock:
                 self._free.append(slot.index)
@@ -265,7 +296,7 @@ class TransferPipeline:
         with torch.cuda.stream(copy):
             if num_rows:
                 # Narrowing on the device: one cast kernel, no allocation (moe_ops.transfer.narrow).
-                narrow_rows(slot.staging, self.source, num_rows)
+                narrow_rows(slot.staging, self.source, num_rows, self.layer_stamps, self.step_tensor)
             slot.read_done.record(copy)
             if num_rows:
                 slot.host[:num_rows].copy_(slot.staging[:num_rows], non_blocking=True)
