@@ -24,6 +24,8 @@ batch was cut into ``spr`` contiguous shards, one per TP rank, and all shards we
 
     The shards of one rank are contiguous chunks of its padded batch, so its real tokens are the
     first ``c`` rows of its block; padding only ever sits after them.
+    vLLM's ``dp_metadata.local_sizes`` inside ``sp_local_sizes(tp)`` is exactly this
+    ``shard_sizes``: ``ceil(padded / tp)`` for each TP rank of each DP rank.
 
 SEQUENCE_PARALLEL (3): this TP rank holds ``ceil(padded / tp)`` rows of its DP rank's batch. The
 capture all-gathers them over the TP group first, which turns the batch back into LOCAL::
@@ -35,6 +37,7 @@ capture all-gathers them over the TP group first, which turns the batch back int
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -66,16 +69,44 @@ def layout_from_value(layout: BatchLayout | int) -> BatchLayout:
         raise ValueError(f"layout must be a BatchLayout ({names}), got {layout!r}") from None
 
 
+def _as_int(value) -> int | None:
+    """``value`` as an int if it is one (Python, NumPy or 0-d integer tensor), else None."""
+    # bool is an int subclass and 2.5 would truncate to 2: both are caller bugs, not sizes.
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _host_int(name: str, value: int) -> int:
+    out = _as_int(value)
+    if out is None:
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return out
+
+
 def _host_ints(name: str, values: Sequence[int] | torch.Tensor) -> list[int]:
     # Host read by design: infer_layout is for host-side callers that only know shapes.
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
             raise ValueError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise ValueError(f"{name} must have an integer dtype, got {values.dtype}")
         values = values.tolist()
-    out = [int(v) for v in values]
+    values = list(values)
+    out = [_as_int(v) for v in values]
+    for v, got in zip(values, out):
+        if got is None:
+            raise ValueError(f"{name} must hold ints, got {v!r} in {values!r}")
     if any(v < 0 for v in out):
         raise ValueError(f"{name} must be non-negative, got {out}")
     return out
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def infer_layout(
@@ -94,43 +125,80 @@ def infer_layout(
 
     Args:
         num_rows: rows of ``topk_ids`` the MoE layer produced.
-        token_counts: (dp_size,) real (unpadded) tokens of each DP rank this step.
+        token_counts: (dp_size,) int - real (unpadded) tokens of each DP rank this step.
         dp_rank: this rank's index into ``token_counts``.
-        local_sizes: (dp_size,) rows each DP rank contributed, padding included (e.g. its CUDA-graph
-            size). None means ``token_counts`` (no padding).
-        tp_size: tensor-parallel size; > 1 makes SEQUENCE_PARALLEL and SHARDED possible.
+        local_sizes: (dp_size * spr,) int - rows each DP rank contributed, padding included, as
+            ``spr = len(local_sizes) // dp_size`` shards per rank in DP-then-TP order: the exact
+            all-gatherv layout (vLLM's ``dp_metadata.local_sizes``). ``spr == 1`` is one padded
+            size per rank (e.g. its CUDA-graph size). None means ``token_counts`` (no padding).
+        tp_size: tensor-parallel size; > 1 makes SEQUENCE_PARALLEL and SHARDED of ceil-div shards
+            possible. With ``spr > 1`` it must divide ``spr`` (each TP rank sent ``spr / tp_size``
+            shards of its DP rank's batch; vLLM sends one, more with replicas such as context
+            parallelism).
 
-    Candidate row counts, with ``P = local_sizes`` and ``C = token_counts`` (a padded and an
-    unpadded form of each; they coincide when ``local_sizes`` is None):
-        LOCAL ``C[r]`` or ``P[r]``; GATHERED ``sum(C)`` or ``sum(P)``; SHARDED
-        ``sum(tp * ceil(X[i] / tp))`` for X in (C, P); SEQUENCE_PARALLEL ``ceil(X[r] / tp)``.
+    Candidate row counts, with ``S = local_sizes``, ``P[i] = sum(S[i*spr:(i+1)*spr])`` (rank
+    ``i``'s padded size) and ``C = token_counts`` (an unpadded and a padded form of each; they
+    coincide when ``local_sizes`` is None):
+        LOCAL ``C[r]`` or ``P[r]``; GATHERED ``sum(C)`` or ``sum(P)``; SHARDED ``sum(S)`` when
+        ``spr > 1`` (this rank from ``sum(S[:r*spr])``, exactly how the capture op reads
+        ``shard_sizes=S``), and the sequence-parallel ceil-div shards ``sum(tp * ceil(X[i] / tp))``
+        for X = C, and X = P when ``spr == 1``; SEQUENCE_PARALLEL ``ceil(X[r] / tp)``.
 
     Returns the layout whose expected row count equals ``num_rows``. With a single DP rank and
-    ``tp_size == 1`` it returns LOCAL (after checking ``num_rows >= c``).
+    ``tp_size == 1`` it returns LOCAL (after checking ``num_rows >= c``). When several fit and all
+    select the same rows it returns the first in this order: LOCAL, SHARDED over ``S`` (spr > 1),
+    GATHERED, SHARDED over ceil-div shards, SEQUENCE_PARALLEL; unpadded before padded. SHARDED over
+    ``S`` comes before GATHERED because the two always select the same rows when ``spr > 1`` but
+    only SHARDED reads them from ``S`` itself (GATHERED takes ``dp_size`` sizes). Pass the
+    returned layout to ``capture_routing`` with these ``shard_sizes``:
+        LOCAL, SEQUENCE_PARALLEL: None. GATHERED: ``local_sizes`` if ``num_rows == sum(S)`` (then
+        ``spr == 1``), else None. SHARDED: ``local_sizes`` if ``num_rows == sum(S)`` (then
+        ``spr > 1``), else ``ceil(X[i] / tp)`` repeated ``tp`` times per rank, X = C if
+        ``num_rows == sum(tp * ceil(C[i] / tp))`` else P.
 
     Raises:
-        ValueError: no layout fits (the message lists every expected size), or several fit and
-            they would select different rows (existing engines pick by precedence here and silently
-            take the wrong rows, e.g. when a padded gather happens to equal another size).
+        ValueError: bad arguments (lengths, negative or non-integer values, a rank's
+            ``local_sizes`` holding fewer rows than its ``token_counts``, ``tp_size`` not dividing
+            ``spr``); no layout fits (the message lists every expected size); or several fit and
+            they would select different rows (existing engines pick by precedence here and
+            silently take the wrong rows, e.g. when a padded gather happens to equal another size).
     """
     counts = _host_ints("token_counts", token_counts)
     dp_size = len(counts)
     if dp_size == 0:
         raise ValueError("token_counts must have one entry per DP rank, got an empty sequence")
+    num_rows = _host_int("num_rows", num_rows)
+    dp_rank = _host_int("dp_rank", dp_rank)
+    tp_size = _host_int("tp_size", tp_size)
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must be in [0, {dp_size}) for {dp_size} DP ranks, got {dp_rank}")
-    if int(tp_size) < 1:
+    if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    if int(num_rows) < 0:
+    if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
-    sizes = counts if local_sizes is None else _host_ints("local_sizes", local_sizes)
-    if len(sizes) != dp_size:
-        raise ValueError(f"local_sizes must have dp_size={dp_size} entries, got {len(sizes)}")
+    shards = counts if local_sizes is None else _host_ints("local_sizes", local_sizes)
+    if not shards or len(shards) % dp_size:
+        raise ValueError(
+            f"local_sizes must have a positive multiple of dp_size={dp_size} entries "
+            f"(dp_size * shards_per_rank), got {len(shards)}"
+        )
+    spr = len(shards) // dp_size
+    if spr > 1 and spr % tp_size:
+        raise ValueError(
+            f"local_sizes has {spr} shards per DP rank ({len(shards)} entries for dp_size={dp_size}), "
+            f"which tp_size={tp_size} does not divide: every TP rank of a DP rank sends the same "
+            "number of shards"
+        )
+    sizes = [sum(shards[i * spr : (i + 1) * spr]) for i in range(dp_size)]
     for rank, (c, p) in enumerate(zip(counts, sizes)):
         if p < c:
+            if spr == 1:
+                what = f"local_sizes[{rank}]={p} is"
+            else:
+                lo, hi = rank * spr, (rank + 1) * spr
+                what = f"DP rank {rank}'s {spr} shards local_sizes[{lo}:{hi}]={shards[lo:hi]} sum to {p},"
             raise ValueError(
-                f"local_sizes[{rank}]={p} is smaller than token_counts[{rank}]={c}: padded sizes must "
-                "hold every real token"
+                f"{what} smaller than token_counts[{rank}]={c}: padded sizes must hold every real token"
             )
     c = counts[dp_rank]
 
@@ -141,9 +209,6 @@ def infer_layout(
             )
         return BatchLayout.LOCAL
 
-    def ceil_div(a: int, b: int) -> int:
-        return -(-a // b)
-
     # (layout, expected rows, selection) where selection = (first source row, needs a TP gather).
     # Unpadded forms come first so that a padding-free step reports the plain layout.
     candidates: list[tuple[BatchLayout, int, tuple[int, bool]]] = []
@@ -151,21 +216,26 @@ def infer_layout(
     for xs in forms:
         candidates.append((BatchLayout.LOCAL, xs[dp_rank], (0, False)))
     if dp_size > 1:
+        if spr > 1:
+            # The exact all-gatherv layout, read as the capture op reads shard_sizes=local_sizes.
+            candidates.append((BatchLayout.SHARDED, sum(shards), (sum(shards[: dp_rank * spr]), False)))
         for xs in forms:
             candidates.append((BatchLayout.GATHERED, sum(xs), (sum(xs[:dp_rank]), False)))
     if tp_size > 1:
-        for xs in forms:
-            shard = [tp_size * ceil_div(x, tp_size) for x in xs]
-            if dp_size > 1:
+        for padded, xs in enumerate(forms):
+            # With spr > 1 the padded shards are given exactly: no ceil-div guess of them.
+            if dp_size > 1 and (not padded or spr == 1):
+                shard = [tp_size * _ceil_div(x, tp_size) for x in xs]
                 candidates.append((BatchLayout.SHARDED, sum(shard), (sum(shard[:dp_rank]), False)))
-            candidates.append((BatchLayout.SEQUENCE_PARALLEL, ceil_div(xs[dp_rank], tp_size), (0, True)))
+        for xs in forms:
+            candidates.append((BatchLayout.SEQUENCE_PARALLEL, _ceil_div(xs[dp_rank], tp_size), (0, True)))
 
     fits = [(layout, sel) for layout, rows, sel in candidates if rows == num_rows]
     if not fits:
         expected = ", ".join(f"{layout.name}={rows}" for layout, rows, _ in candidates)
         raise ValueError(
             f"num_rows={num_rows} matches no batch layout for token_counts={counts}, "
-            f"local_sizes={sizes}, dp_rank={dp_rank}, tp_size={tp_size}; expected one of: {expected}"
+            f"local_sizes={shards}, dp_rank={dp_rank}, tp_size={tp_size}; expected one of: {expected}"
         )
     if len({sel for _, sel in fits}) > 1 and c > 0:
         detail = ", ".join(

@@ -7,7 +7,7 @@ against the layout definitions rather than against itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -634,3 +634,145 @@ def narrow_cases(draw, max_rows: int = 40):
         high=high,
         seed=draw(st.integers(0, 2**32 - 1)),
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# infer_layout over vLLM-style shard sizes: a step's shapes together with the batch it really is
+# ---------------------------------------------------------------------------------------------------
+
+
+def layout_token_id(dp_rank: int, j: int) -> int:
+    """Id of real token ``j`` of DP rank ``dp_rank`` in a LayoutBatch: unique while j < 1000."""
+    return 1000 * dp_rank + j
+
+
+@dataclass
+class LayoutBatch:
+    """What infer_layout is told (counts, shard sizes, rank, tp) and the arrangement the rows are
+    really in. The rows are built here from the layout definitions (blocks, shards, TP slices),
+    independently of moe_ops.layout.
+
+    A hypothesis is ``(layout, form)``: form "counts" lays the batch out over the real counts,
+    "padded" over each rank's padded size (the sum of its shards), "shards" over ``local_sizes``
+    exactly (SHARDED with more than one shard per rank).
+    """
+
+    # counts[i] is the number of REAL tokens of DP rank i
+    counts: list[int]
+    # dp_size * spr shard sizes in DP-then-TP order, padding included; None: no padding (spr 1)
+    local_sizes: list[int] | None
+    # this rank's index into counts
+    dp_rank: int
+    # tensor-parallel size; divides spr when spr > 1
+    tp_size: int
+    # the hypothesis the rows are really in; one of self.hypotheses()
+    truth: tuple[BatchLayout, str]
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.counts)
+
+    @property
+    def spr(self) -> int:
+        return 1 if self.local_sizes is None else len(self.local_sizes) // self.dp_size
+
+    @property
+    def shards(self) -> list[int]:
+        return list(self.counts) if self.local_sizes is None else list(self.local_sizes)
+
+    @property
+    def padded(self) -> list[int]:
+        """Each rank's padded size: the sum of its shards."""
+        s = self.spr
+        return [sum(self.shards[i * s : (i + 1) * s]) for i in range(self.dp_size)]
+
+    @property
+    def c(self) -> int:
+        return self.counts[self.dp_rank]
+
+    def real_ids(self) -> np.ndarray:
+        """(c, 1) ids of this rank's real tokens: what the buffer must receive."""
+        ids = [layout_token_id(self.dp_rank, j) for j in range(self.c)]
+        return np.array(ids, dtype=np.int64).reshape(self.c, 1)
+
+    def hypotheses(self) -> list[tuple[BatchLayout, str]]:
+        """Every arrangement these shapes allow (the candidates of the layout definitions)."""
+        out = [(BatchLayout.LOCAL, "counts"), (BatchLayout.LOCAL, "padded")]
+        if self.dp_size > 1:
+            out += [(BatchLayout.GATHERED, "counts"), (BatchLayout.GATHERED, "padded")]
+            if self.spr > 1:
+                out.append((BatchLayout.SHARDED, "shards"))
+        if self.tp_size > 1:
+            out += [(BatchLayout.SEQUENCE_PARALLEL, "counts"), (BatchLayout.SEQUENCE_PARALLEL, "padded")]
+            if self.dp_size > 1:
+                out.append((BatchLayout.SHARDED, "counts"))
+                if self.spr == 1:
+                    out.append((BatchLayout.SHARDED, "padded"))
+        return out
+
+    def _batch(self, rank: int, rows: int) -> np.ndarray:
+        """DP rank ``rank``'s batch padded to ``rows``: its real tokens first, then PAD_ID."""
+        out = np.full((rows, 1), PAD_ID, dtype=np.int64)
+        out[: self.counts[rank], 0] = [layout_token_id(rank, j) for j in range(self.counts[rank])]
+        return out
+
+    def views(self, hypothesis: tuple[BatchLayout, str]) -> list[np.ndarray]:
+        """The (n, 1) rows each TP rank of this DP rank feeds the MoE layer, TP-rank order."""
+        layout, form = hypothesis
+        tp, r = self.tp_size, self.dp_rank
+        xs = self.counts if form == "counts" else self.padded
+        if layout == BatchLayout.LOCAL:
+            return [self._batch(r, xs[r])] * tp
+        if layout == BatchLayout.GATHERED:
+            return [np.concatenate([self._batch(i, x) for i, x in enumerate(xs)])] * tp
+        if layout == BatchLayout.SEQUENCE_PARALLEL:
+            per = -(-xs[r] // tp)  # ceil(X / tp) rows on every TP rank, the tail one padded
+            batch = self._batch(r, tp * per)
+            return [batch[j * per : (j + 1) * per] for j in range(tp)]
+        # SHARDED: every shard of every rank, gathered in DP-then-TP order; a rank's shards are
+        # consecutive chunks of its padded batch
+        if form == "shards":
+            s = self.spr
+            per_rank = [self.shards[i * s : (i + 1) * s] for i in range(self.dp_size)]
+        else:
+            per_rank = [[-(-x // tp)] * tp for x in xs]
+        pieces = []
+        for i, parts in enumerate(per_rank):
+            batch = self._batch(i, sum(parts))
+            bounds = np.cumsum([0, *parts])
+            pieces += [batch[bounds[k] : bounds[k + 1]] for k in range(len(parts))]
+        return [np.concatenate(pieces)] * tp
+
+    def selection(self, hypothesis: tuple[BatchLayout, str]) -> tuple[int, bool]:
+        """(row of this rank's first real token, whether the TP shards are gathered first)."""
+        if hypothesis[0] == BatchLayout.SEQUENCE_PARALLEL:
+            return 0, True
+        if self.c == 0:
+            return 0, False
+        rows = self.views(hypothesis)[0][:, 0]
+        return int(np.flatnonzero(rows == layout_token_id(self.dp_rank, 0))[0]), False
+
+
+@st.composite
+def layout_batches(draw, max_dp: int = 5, max_count: int = 10, max_pad: int = 4):
+    """A LayoutBatch: counts, CUDA-graph style padding (none, per rank, or every rank to one size),
+    ``spr`` shards per rank split SP ceil-div or arbitrarily, and one of its hypotheses as truth."""
+    dp_size = draw(st.integers(1, max_dp))
+    tp = draw(st.sampled_from([1, 2, 4]))
+    spr = draw(st.sampled_from([1, 2, 3] if tp == 1 else [1, tp, 2 * tp]))
+    counts = draw(st.lists(st.integers(0, max_count), min_size=dp_size, max_size=dp_size))
+    padding = draw(st.sampled_from(["none", "per-rank", "uniform"]))
+    if padding == "none":
+        totals = list(counts)
+    elif padding == "per-rank":
+        pads = draw(st.lists(st.integers(0, max_pad), min_size=dp_size, max_size=dp_size))
+        totals = [c + p for c, p in zip(counts, pads)]
+    else:  # DP padding under CUDA graphs: every rank runs the largest size
+        totals = [max(counts) + draw(st.integers(0, max_pad))] * dp_size
+    if spr == 1 and totals == counts and draw(st.booleans()):
+        local_sizes = None
+    else:
+        local_sizes = [size for t in totals for size in _split(draw, t, spr)]
+    dp_rank = draw(st.integers(0, dp_size - 1))
+    probe = LayoutBatch(counts, local_sizes, dp_rank, tp, truth=(BatchLayout.LOCAL, "counts"))
+    return replace(probe, truth=draw(st.sampled_from(probe.hypotheses())))

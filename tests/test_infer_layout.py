@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import layout_queries
+from strategies import POISON, LayoutBatch, layout_batches, layout_queries
 
-from moe_ops import BatchLayout, infer_layout
+from moe_ops import BatchLayout, capture_routing, infer_layout
+from moe_ops.capture.kernels import capture_rows_torch, window_first_size
+from moe_ops.capture.op import validate_capture_args
 
 
 def oracle(counts, local_sizes, dp_rank, tp):
@@ -104,6 +108,33 @@ def test_no_fit_lists_every_expected_size():
         (dict(num_rows=3, token_counts=[1, 2], dp_rank=0, tp_size=0), "tp_size must be >= 1"),
         (dict(num_rows=3, token_counts=[1, -2], dp_rank=0), "non-negative"),
         (dict(num_rows=3, token_counts=[1, 2], dp_rank=0, local_sizes=[1]), "local_sizes must have"),
+        (
+            dict(num_rows=3, token_counts=[1, 2], dp_rank=0, local_sizes=[1, 2, 3]),
+            "positive multiple of dp_size=2",
+        ),
+        (dict(num_rows=3, token_counts=[1, 2], dp_rank=0, local_sizes=[]), r"positive multiple .*got 0"),
+        (dict(num_rows=3, token_counts=[1, 2], dp_rank=0, local_sizes=[1, -1, 2, 2]), "non-negative"),
+        (
+            dict(num_rows=8, token_counts=[3, 2], dp_rank=0, local_sizes=[1, 1, 2, 2], tp_size=2),
+            r"DP rank 0's 2 shards local_sizes\[0:2\]=\[1, 1\] sum to 2, smaller than token_counts\[0\]=3",
+        ),
+        (
+            dict(num_rows=9, token_counts=[3, 2], dp_rank=0, local_sizes=[1, 1, 1, 2, 2, 2], tp_size=2),
+            "3 shards per DP rank .* tp_size=2 does not divide",
+        ),
+        (
+            dict(num_rows=8, token_counts=[3, 2], dp_rank=0, local_sizes=[2, 2, 2, 2], tp_size=4),
+            "2 shards per DP rank .* tp_size=4 does not divide",
+        ),
+        (dict(num_rows=3, token_counts=[1.5, 2], dp_rank=0), "token_counts must hold ints, got 1.5"),
+        (dict(num_rows=3, token_counts=torch.tensor([1.0, 2.0]), dp_rank=0), "must have an integer dtype"),
+        (
+            dict(num_rows=3, token_counts=[1, 2], dp_rank=0, local_sizes=[True, 2]),
+            "local_sizes must hold ints",
+        ),
+        (dict(num_rows=3.0, token_counts=[1, 2], dp_rank=0), "num_rows must be an int, got 3.0"),
+        (dict(num_rows=3, token_counts=[1, 2], dp_rank=0, tp_size=2.0), "tp_size must be an int"),
+        (dict(num_rows=3, token_counts=[1, 2], dp_rank=True), "dp_rank must be an int"),
         (dict(num_rows=3, token_counts=[4, 2], dp_rank=0, local_sizes=[3, 2]), "smaller than token_counts"),
         (dict(num_rows=-1, token_counts=[4, 2], dp_rank=0), "num_rows must be >= 0"),
     ],
@@ -111,3 +142,154 @@ def test_no_fit_lists_every_expected_size():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         infer_layout(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# local_sizes of dp_size * shards_per_rank entries (vLLM's dp_metadata.local_sizes)
+# ---------------------------------------------------------------------------------------------------
+
+
+def caller_shard_sizes(layout, num_rows, counts, local_sizes, tp):
+    """The shard_sizes infer_layout's docstring says to pass to capture_routing with ``layout``."""
+    if layout in (BatchLayout.LOCAL, BatchLayout.SEQUENCE_PARALLEL):
+        return None
+    shards = list(counts) if local_sizes is None else list(local_sizes)
+    spr = len(shards) // len(counts)
+    if num_rows == sum(shards):
+        # the docstring's claim: GATHERED is only returned here with one size per rank, SHARDED
+        # only with several (otherwise GATHERED comes first)
+        assert (spr == 1) == (layout == BatchLayout.GATHERED)
+        return shards
+    if layout == BatchLayout.GATHERED:
+        return None
+    padded = [sum(shards[i * spr : (i + 1) * spr]) for i in range(len(counts))]
+    xs = counts if num_rows == sum(tp * math.ceil(c / tp) for c in counts) else padded
+    return [math.ceil(x / tp) for x in xs for _ in range(tp)]
+
+
+def op_reads(layout, shard_sizes, views, counts, dp_rank, *, public_op=False):
+    """What the capture op writes for this rank, on every TP rank: a list of (c, top_k) arrays.
+
+    SEQUENCE_PARALLEL all-gathers the TP ranks' rows first (TP-rank order, as
+    ``_gather_sequence_parallel`` does) and then reads LOCAL, exactly what ``capture_routing``
+    does with a tp_group; the gather itself is simulated by concatenating the views.
+    """
+    layout = BatchLayout(layout)
+    if layout == BatchLayout.SEQUENCE_PARALLEL:
+        views, layout = [np.concatenate(views)], BatchLayout.LOCAL
+    c = counts[dp_rank]
+    token_counts = torch.tensor(counts, dtype=torch.int32)
+    sizes = None if shard_sizes is None else torch.tensor(shard_sizes, dtype=torch.int32)
+    out = []
+    for view in views:
+        topk_ids = torch.from_numpy(view).to(torch.int32)
+        buffer = torch.full((max(view.shape[0], c, 1), 1, 1), POISON, dtype=torch.int32)
+        if public_op:
+            capture_routing(
+                buffer,
+                topk_ids,
+                0,
+                token_counts=token_counts,
+                dp_rank=dp_rank,
+                layout=layout,
+                shard_sizes=sizes,
+            )
+        else:
+            # capture_routing minus the dispatch: its checks, then its CPU twin (the Triton kernel
+            # is interpreted here and far too slow for a property test of this size)
+            layout_, spr = validate_capture_args(buffer, topk_ids, 0, token_counts, dp_rank, layout, sizes)
+            errors = torch.zeros(2, dtype=torch.int32)
+            read = token_counts if sizes is None else sizes
+            n_first = window_first_size(int(layout_), dp_rank, spr)
+            capture_rows_torch(buffer, topk_ids, token_counts, read, errors, 0, dp_rank, n_first)
+            assert errors.tolist() == [0, 0], f"the op clamped its window: fault bits {errors.tolist()}"
+        assert (buffer[c:] == POISON).all()
+        out.append(buffer[:c, 0].numpy())
+    return out
+
+
+def infer(case: LayoutBatch, num_rows: int):
+    return infer_layout(
+        num_rows, case.counts, case.dp_rank, local_sizes=case.local_sizes, tp_size=case.tp_size
+    )
+
+
+@settings(max_examples=1000)
+@given(case=layout_batches())
+def test_inferred_layout_makes_the_op_read_the_true_rows(case):
+    views = case.views(case.truth)
+    num_rows = views[0].shape[0]
+    fitting = [h for h in case.hypotheses() if case.views(h)[0].shape[0] == num_rows]
+    assert case.truth in fitting
+    if case.c > 0 and len({case.selection(h) for h in fitting}) > 1:
+        # real ambiguity: two arrangements of these shapes put this rank's tokens elsewhere
+        with pytest.raises(ValueError, match="ambiguous batch layout"):
+            infer(case, num_rows)
+        return
+    layout = infer(case, num_rows)
+    assert layout in {h[0] for h in fitting}
+    sizes = caller_shard_sizes(layout, num_rows, case.counts, case.local_sizes, case.tp_size)
+    for tp_rank, got in enumerate(op_reads(layout, sizes, views, case.counts, case.dp_rank)):
+        assert np.array_equal(got, case.real_ids()), (tp_rank, layout, sizes)
+
+
+def test_vllm_local_sizes_issue_example():
+    # 2 DP ranks x TP 2, sequence-parallel shards gathered over the EP group: GATHERED (per-rank
+    # sums 8, 2) and SHARDED (local_sizes) both select rows [0, 8) for rank 0 and [8, 10) for rank 1
+    counts, local_sizes = [8, 2], [4, 4, 1, 1]
+    case = LayoutBatch(counts, local_sizes, 0, 2, truth=(BatchLayout.SHARDED, "shards"))
+    for dp_rank, rows in ((0, range(8)), (1, range(8, 10))):
+        case.dp_rank = dp_rank
+        layout = infer_layout(10, counts, dp_rank, local_sizes=local_sizes, tp_size=2)
+        assert layout == BatchLayout.SHARDED
+        view = case.views(case.truth)[0]
+        assert np.array_equal(view[list(rows)], case.real_ids())
+        sizes = caller_shard_sizes(layout, 10, counts, local_sizes, 2)
+        assert sizes == local_sizes
+        (got,) = op_reads(layout, sizes, [view], counts, dp_rank, public_op=True)
+        assert np.array_equal(got, case.real_ids())
+
+
+def test_vllm_cuda_graph_padded_shards():
+    # vLLM under CUDA graphs pads every DP rank to one size (num_tokens_across_dp = [8, 8]) and
+    # sp_local_sizes(2) cuts each into ceil(8 / 2) = 4: local_sizes = [4, 4, 4, 4]. Real counts
+    # [5, 2]: rank 1's tokens sit at rows [8, 10) of the 16 gathered rows.
+    case = LayoutBatch([5, 2], [4, 4, 4, 4], 1, 2, truth=(BatchLayout.SHARDED, "shards"))
+    assert (
+        infer_layout(16, [5, 2], 1, local_sizes=torch.tensor([4, 4, 4, 4]), tp_size=2) == BatchLayout.SHARDED
+    )
+    (got,) = op_reads(
+        BatchLayout.SHARDED, [4, 4, 4, 4], case.views(case.truth)[:1], [5, 2], 1, public_op=True
+    )
+    assert np.array_equal(got, case.real_ids())
+    # the same counts as vLLM's own (padded) num_tokens_across_dp also work: rows [8, 16)
+    assert infer_layout(16, [8, 8], 1, local_sizes=[4, 4, 4, 4], tp_size=2) == BatchLayout.SHARDED
+
+
+def test_shard_groups_that_select_different_rows_still_raise():
+    # counts [3, 2], local_sizes [2, 1 | 1, 2], tp 2, 6 rows: the given shards put rank 1 at row 3
+    # (SHARDED over local_sizes, and GATHERED over the sums [3, 3]), the unpadded ceil-div shards
+    # [2, 2 | 1, 1] at row 4
+    with pytest.raises(ValueError, match="ambiguous") as err:
+        infer_layout(6, [3, 2], 1, local_sizes=[2, 1, 1, 2], tp_size=2)
+    assert "SHARDED (rows from 3)" in str(err.value) and "SHARDED (rows from 4)" in str(err.value)
+    # rank 0 starts at row 0 in all of them: no error
+    assert infer_layout(6, [3, 2], 0, local_sizes=[2, 1, 1, 2], tp_size=2) == BatchLayout.SHARDED
+
+
+def test_shards_per_rank_with_context_parallel_replicas():
+    # 4 shards per DP rank with tp 2 (two replicas of each TP shard, e.g. context parallelism)
+    counts, local_sizes = [3, 4], [1, 1, 1, 1, 1, 1, 1, 1]
+    assert infer_layout(8, counts, 1, local_sizes=local_sizes, tp_size=2) == BatchLayout.SHARDED
+    # with tp 1 the shard sizes alone decide
+    assert infer_layout(8, counts, 1, local_sizes=local_sizes) == BatchLayout.SHARDED
+
+
+def test_given_shards_are_not_replaced_by_a_ceil_div_guess():
+    # counts [2, 2], shards [2, 1 | 2, 1] (padded sizes [3, 3]), tp 2. One size per rank would
+    # make ceil-div shards [2, 2 | 2, 2] (8 rows) a candidate; with the shards given exactly the
+    # gather had 6 rows, so 8 rows fit nothing.
+    with pytest.raises(ValueError, match="matches no batch layout") as err:
+        infer_layout(8, [2, 2], 1, local_sizes=[2, 1, 2, 1], tp_size=2)
+    assert "SHARDED=6" in str(err.value) and "SHARDED=8" not in str(err.value)
+    assert infer_layout(8, [2, 2], 1, local_sizes=[3, 3], tp_size=2) == BatchLayout.SHARDED
