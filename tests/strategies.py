@@ -55,8 +55,12 @@ class CaptureCase:
         """(buffer poisoned, topk_ids, token_counts, shard_sizes or None) on ``device``, each in the
         case's memory layout (a strided, sliced or expanded view carries the same values)."""
         shape = (self.max_tokens, self.num_layers, self.top_k)
-        buffer = buffer_view(torch.full(shape, POISON, dtype=self.buffer_dtype, device=device), self.buffer_view)
-        topk_ids = ids_view(torch.from_numpy(self.rows).to(device=device, dtype=self.ids_dtype), self.ids_view)
+        buffer = buffer_view(
+            torch.full(shape, POISON, dtype=self.buffer_dtype, device=device), self.buffer_view
+        )
+        topk_ids = ids_view(
+            torch.from_numpy(self.rows).to(device=device, dtype=self.ids_dtype), self.ids_view
+        )
         counts = count_view(torch.tensor(self.counts, dtype=torch.int32, device=device), self.counts_view)
         sizes = None
         if self.shard_sizes is not None:

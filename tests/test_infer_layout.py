@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from strategies import POISON, LayoutBatch, layout_batches, layout_queries
 
 from moe_ops import BatchLayout, capture_routing, infer_layout
-from moe_ops.capture.kernels import capture_rows_torch, window_first_size
-from moe_ops.capture.op import validate_capture_args
+from moe_ops.capture.errors import FAULT_SLOTS
+from moe_ops.capture.kernels import capture_rows_torch
+from moe_ops.capture.target import CaptureTarget
 
 
 def oracle(counts, local_sizes, dp_rank, tp):
@@ -197,12 +198,16 @@ def op_reads(layout, shard_sizes, views, counts, dp_rank, *, public_op=False):
         else:
             # capture_routing minus the dispatch: its checks, then its CPU twin (the Triton kernel
             # is interpreted here and far too slow for a property test of this size)
-            layout_, spr = validate_capture_args(buffer, topk_ids, 0, token_counts, dp_rank, layout, sizes)
-            errors = torch.zeros(2, dtype=torch.int32)
-            read = token_counts if sizes is None else sizes
-            n_first = window_first_size(int(layout_), dp_rank, spr)
-            capture_rows_torch(buffer, topk_ids, token_counts, read, errors, 0, dp_rank, n_first)
-            assert errors.tolist() == [0, 0], f"the op clamped its window: fault bits {errors.tolist()}"
+            target = CaptureTarget(
+                buffer, 0, token_counts=token_counts, dp_rank=dp_rank, layout=layout, shard_sizes=sizes
+            )
+            target.check_ids(topk_ids)
+            errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32)
+            empty = torch.empty(0, dtype=torch.int32)
+            capture_rows_torch(
+                buffer, topk_ids, token_counts, target.sizes, errors, empty, empty, 0, dp_rank, target.n_first
+            )
+            assert not errors.any(), f"the op recorded faults: {errors.tolist()}"
         assert (buffer[c:] == POISON).all()
         out.append(buffer[:c, 0].numpy())
     return out
