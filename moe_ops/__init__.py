@@ -17,6 +17,7 @@ from .flashinfer.backends import backends
 from .guards import UnsupportedConfigError, validate_serving_config
 from .integrations.hf import attach_capture
 from .layout import BatchLayout, infer_layout
+from .replay import replay_routing
 from .route import RoutingMethod, route
 from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
 from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
@@ -51,6 +52,7 @@ __all__ = [
     "encode_routing_bytes",
     "infer_layout",
     "narrow_dtype",
+    "replay_routing",
     "resolve_routing_shape",
     "route",
     "validate_serving_config",
