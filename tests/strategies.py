@@ -639,3 +639,44 @@ def recorded_cases(draw, configs=None, max_tokens: int = 24, dtypes=LOGIT_DTYPES
             allowed.append("partial")
     row_kinds = draw(st.lists(st.sampled_from(allowed), min_size=router.n, max_size=router.n))
     return RecordedCase(router, row_kinds, ids_dtype, draw(st.integers(0, 2**32 - 1)))
+
+
+@dataclass
+class MismatchCase:
+    # (n, num_layers, top_k) recorded and live ids (None layers: the 2-D form)
+    recorded: np.ndarray
+    live: np.ndarray
+    # (n,) valid flags, or None
+    valid: np.ndarray | None
+    # whether to pass the 2-D (n, top_k) form (num_layers is then 1)
+    flat: bool
+
+
+@st.composite
+def mismatch_cases(draw, max_tokens: int = 20, max_layers: int = 4, max_top_k: int = 6):
+    """Recorded and live routings of the same tokens: some rows equal up to column order, some
+    sharing part of their experts, some disjoint, some with an id listed twice (on either side)."""
+    n = draw(st.integers(0, max_tokens))
+    flat = draw(st.booleans())
+    layers = 1 if flat else draw(st.integers(1, max_layers))
+    k = draw(st.integers(1, max_top_k))
+    num_experts = draw(st.integers(k, 3 * k + 2))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    recorded = np.zeros((n, layers, k), dtype=np.int64)
+    for t in range(n):
+        for layer in range(layers):
+            recorded[t, layer] = rng.permutation(num_experts)[:k]
+    live = recorded.copy()
+    for t in range(n):
+        for layer in range(layers):
+            how = rng.integers(5)  # 4: unchanged
+            if how == 0:
+                live[t, layer] = rng.permutation(live[t, layer])  # same set, other order
+            elif how == 1:
+                live[t, layer] = rng.permutation(num_experts)[:k]  # anything
+            elif how == 2:
+                live[t, layer, rng.integers(k)] = live[t, layer, rng.integers(k)]  # maybe a duplicate
+            elif how == 3:
+                recorded[t, layer, rng.integers(k)] = recorded[t, layer, rng.integers(k)]
+    valid = rng.random(n) < 0.7 if draw(st.booleans()) else None
+    return MismatchCase(recorded, live, valid, flat)

@@ -9,7 +9,7 @@ from gpu_helpers import skip_unless_triton_runs
 from strategies import MODEL_ROUTERS
 
 from graphs import CompileCounters, mark_rows_dynamic
-from moe_ops import RoutingMethod, replay_routing
+from moe_ops import RoutingMethod, replay_routing, routing_mismatch
 from moe_ops.replay import check_replay_errors
 
 BACKENDS = [
@@ -118,6 +118,26 @@ def test_fake_tensor_tracing_does_not_run_the_kernels():
         assert weights.shape == (6, 8) and weights.dtype == torch.float32 and ids.dtype == torch.int32
         (grad,) = torch.autograd.grad(weights.sum(), logits)
         assert grad.shape == (6, 64) and grad.dtype == torch.bfloat16
+
+
+def test_compiled_routing_mismatch_without_graph_breaks():
+    def fn(recorded, live, valid):
+        m = routing_mismatch(recorded, live, valid=valid)
+        return m.changed, m.overlap, m.disjoint, m.num_tokens
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    with CompileCounters() as cc:
+        for n in (6, 11):
+            recorded = torch.randint(0, 8, (n, 3, 4))
+            live = torch.randint(0, 8, (n, 3, 4), dtype=torch.int16)
+            valid = torch.rand(n) < 0.8
+            mark_rows_dynamic(recorded, live, valid)
+            got = compiled(recorded, live, valid)
+            want = fn(recorded, live, valid)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, equal_nan=True)
+    assert cc.graph_breaks == 0 and cc.graphs == 1
 
 
 def _opcheck_args(device, use_triton):

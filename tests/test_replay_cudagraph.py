@@ -9,7 +9,7 @@ import torch
 from strategies import MODEL_ROUTERS
 
 from graphs import CompileCounters
-from moe_ops import replay_routing
+from moe_ops import replay_routing, routing_mismatch
 from moe_ops.replay import check_replay_errors
 
 pytestmark = pytest.mark.gpu
@@ -150,7 +150,7 @@ def test_reduce_overhead_forward_backward_has_no_cudagraph_skips(cuda_device):
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_no_host_sync(cuda_device, backend):
-    """torch's sync debug mode raises on any synchronising call: forward and backward."""
+    """torch's sync debug mode raises on any synchronising call: forward, backward and the metric."""
     cfg = DEEPSEEK
     logits, recorded, kw = _inputs(cuda_device, requires_grad=True)
     with torch.no_grad():
@@ -159,7 +159,7 @@ def test_no_host_sync(cuda_device, backend):
     def step():
         weights, ids = replay_routing(logits, recorded, cfg.method, backend=backend, **kw)
         weights.sum().backward()
-        return ids
+        return routing_mismatch(recorded, ids)
 
     step()  # warm-up
     torch.cuda.synchronize()
