@@ -17,6 +17,7 @@ from .flashinfer.backends import backends
 from .guards import UnsupportedConfigError, validate_serving_config
 from .integrations.hf import attach_capture
 from .layout import BatchLayout, infer_layout
+from .replay import RoutingMismatch, replay_routing, routing_mismatch
 from .route import RoutingMethod, route
 from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
 from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
@@ -34,6 +35,7 @@ __all__ = [
     "RoutingCapturer",
     "RoutingLedger",
     "RoutingMethod",
+    "RoutingMismatch",
     "RoutingShape",
     "ScheduledStep",
     "SlotStore",
@@ -51,7 +53,9 @@ __all__ = [
     "encode_routing_bytes",
     "infer_layout",
     "narrow_dtype",
+    "replay_routing",
     "resolve_routing_shape",
     "route",
+    "routing_mismatch",
     "validate_serving_config",
 ]

@@ -1,0 +1,430 @@
+"""Replay cost: ``replay_routing`` forward and backward against the router and the PyTorch reference,
+and a compiled MoE layer of the reference model with replay on against live routing.
+
+Cases (``CASES``; each names the test that checks the same shapes): DeepSeek-V3 routing (256
+experts, top-8, 8 groups keep 4, routed scaling 2.5, bias) and RENORMALIZE 128/8, bf16 logits, at n
+in {1, 128, 4096, 16384}. The record is the router's choice for slightly different logits (the
+rollout's: logits + N(0, 0.1^2)), so it is not the trainer's top-k, as in a real replay.
+
+Tables, every peer timed as one call inside a CUDA graph of ``GRAPH_CALLS`` = 61 calls (DeepSeek-V3's
+MoE layers each route once per step), peers interleaved trial by trial (benchmarks/harness.py):
+
+* ``forward``: ``replay`` (``replay_routing``, Triton) against ``route`` (the Triton router, same
+  method). Target: **<= 1.0x** (replay does no top-k).
+* ``forward+backward``: ``replay`` (forward, then ``torch.autograd.grad`` to the logits) against
+  ``eager-ref`` (autograd through ``moe_ops.route.reference.weights_for_ids`` at the recorded ids)
+  and ``compiled-ref`` (the same, ``torch.compile``-d). Target: replay **>= 5x** faster than
+  ``eager-ref`` at 4096 tokens; ``compiled-ref`` reported.
+* ``moe layer``: the MoE block of the reference model's ``deepseek_small`` preset (its router gate,
+  bias and experts, made trainable), compiled (``fullgraph=True``), forward + backward to the input
+  and every parameter, with ``replay`` (the record), ``live`` (``replay_routing`` on rows of -1: the
+  same op routing live) and ``live-ref`` (``route`` for the ids, autograd through
+  ``weights_for_ids`` for the weights: live routing without this package's op). Target: replay
+  **<= 1.02x** of live. Experts are the block's own ``"auto"`` choice (gathered below
+  ``n * top_k < num_experts``, dense above), not a fast grouped GEMM: at 16384 tokens the dense
+  experts dominate (tens of ms, tens of GB of activations; a size that does not fit is reported
+  as OOM).
+
+``eager_us`` (``do_bench``, Python dispatch included) and ``device_us`` (kernel time from the
+profiler) are reported for the op tables as context.
+
+    python benchmarks/bench_replay.py [--csv out.csv] [--sizes 1,128,4096,16384]
+        [--layer-sizes 1,128,4096,16384] [--tables forward,backward,layer] [--dry-run]
+
+``--dry-run`` builds every case and peer on the CPU (small sizes, the "tiny" reference model, the
+PyTorch twins, nothing compiled or timed) and calls each once: a check that the benchmark runs,
+for machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
+from moe_ops import RoutingMethod, replay_routing, route
+from moe_ops.models import ReferenceMoEModel, reference_config
+from moe_ops.route.reference import weights_for_ids
+
+GRAPH_CALLS = 61  # DeepSeek-V3's MoE-bearing depth
+REF_CALLS = 8  # the eager reference is slow: a shorter graph
+LAYER_CALLS = 4  # a MoE layer step with dense experts takes milliseconds at 4096+ tokens
+ROLLOUT_NOISE = 0.1  # std of the rollout/trainer logit difference the record is drawn with
+SIZES = (1, 128, 4096, 16384)
+DRY_SIZES = (1, 8)
+TARGET_FORWARD = 1.0
+TARGET_BACKWARD_SPEEDUP = 5.0
+TARGET_LAYER = 1.02
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    method: RoutingMethod
+    # experts of the router
+    num_experts: int
+    # experts per token
+    top_k: int
+    # DEEPSEEK_V3 groups (None: no grouping) and groups kept per token
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float | None = None
+    # whether the router has a selection bias
+    has_bias: bool = False
+    # the test that checks replay_routing at this case's shapes and sizes
+    test: str = "tests/test_replay.py::test_benchmark_shapes_gpu"
+
+
+CASES = [
+    Case("deepseek-v3", RoutingMethod.DEEPSEEK_V3, 256, 8, 8, 4, 2.5, True),
+    Case("renormalize-128", RoutingMethod.RENORMALIZE, 128, 8),
+]
+
+
+@dataclass
+class Inputs:
+    """The tensors of one (case, n): static addresses, as a CUDA-graphed training step holds them."""
+
+    # (n, E) bf16 trainer logits (no grad: the forward peers)
+    logits: torch.Tensor
+    # (n, E) bf16 the same values, requiring grad (the forward+backward peers)
+    trainable: torch.Tensor
+    # (E,) float32 selection bias or None
+    bias: torch.Tensor | None
+    # (n, top_k) int32 the rollout's record: route() of logits + N(0, ROLLOUT_NOISE^2)
+    recorded: torch.Tensor
+    # (n, top_k) float32 incoming gradient of the weights
+    grad_out: torch.Tensor
+    # replay_routing / route backend: "triton" on a GPU, "torch" in the dry run
+    backend: str
+
+    def kwargs(self, case: Case) -> dict:
+        return dict(
+            bias=self.bias,
+            n_group=case.n_group,
+            topk_group=case.topk_group,
+            routed_scaling_factor=case.routed_scaling_factor,
+        )
+
+
+def make_inputs(case: Case, n: int, device: torch.device, backend: str) -> Inputs:
+    g = torch.Generator(device=device).manual_seed(n)
+    logits = torch.randn(n, case.num_experts, device=device, generator=g).to(torch.bfloat16)
+    bias = torch.randn(case.num_experts, device=device, generator=g) * 0.1 if case.has_bias else None
+    noise = torch.randn(n, case.num_experts, device=device, generator=g) * ROLLOUT_NOISE
+    kw = dict(
+        bias=bias,
+        n_group=case.n_group,
+        topk_group=case.topk_group,
+        routed_scaling_factor=case.routed_scaling_factor,
+    )
+    recorded = route(logits.float() + noise, case.top_k, case.method, backend=backend, **kw)[1]
+    return Inputs(
+        logits=logits,
+        trainable=logits.clone().requires_grad_(),
+        bias=bias,
+        recorded=recorded,
+        grad_out=torch.randn(n, case.top_k, device=device, generator=g),
+        backend=backend,
+    )
+
+
+def _scale(case: Case) -> float:
+    return 1.0 if case.routed_scaling_factor is None else case.routed_scaling_factor
+
+
+# ---------------------------------------------------------------------------------------------------
+# Peers: name -> builder(case, inputs, compile) -> zero-argument callable
+# ---------------------------------------------------------------------------------------------------
+
+
+def fwd_replay(case: Case, x: Inputs, compile: bool) -> Callable[[], object]:
+    kw = x.kwargs(case)
+    return lambda: replay_routing(x.logits, x.recorded, case.method, backend=x.backend, **kw)
+
+
+def fwd_route(case: Case, x: Inputs, compile: bool) -> Callable[[], object]:
+    kw = x.kwargs(case)
+    return lambda: route(x.logits, case.top_k, case.method, backend=x.backend, **kw)
+
+
+def fb_replay(case: Case, x: Inputs, compile: bool) -> Callable[[], object]:
+    kw = x.kwargs(case)
+
+    def step():
+        weights, _ = replay_routing(x.trainable, x.recorded, case.method, backend=x.backend, **kw)
+        return torch.autograd.grad(weights, x.trainable, x.grad_out)
+
+    return step
+
+
+def _reference_weights(case: Case, x: Inputs) -> Callable[[torch.Tensor], torch.Tensor]:
+    ids = x.recorded.long()
+    return lambda logits: weights_for_ids(logits.float(), ids, case.method, _scale(case))
+
+
+def fb_eager_reference(case: Case, x: Inputs, compile: bool) -> Callable[[], object]:
+    ref = _reference_weights(case, x)
+    return lambda: torch.autograd.grad(ref(x.trainable), x.trainable, x.grad_out)
+
+
+def fb_compiled_reference(case: Case, x: Inputs, compile: bool) -> Callable[[], object] | None:
+    if not compile:
+        return None
+    ref = torch.compile(_reference_weights(case, x), fullgraph=True, dynamic=False)
+    return lambda: torch.autograd.grad(ref(x.trainable), x.trainable, x.grad_out)
+
+
+FORWARD_PEERS = {"replay": fwd_replay, "route": fwd_route}
+BACKWARD_PEERS = {"replay": fb_replay, "eager-ref": fb_eager_reference, "compiled-ref": fb_compiled_reference}
+BACKWARD_REFERENCES = ("eager-ref", "compiled-ref")
+
+
+def check_forward(case: Case, x: Inputs) -> None:
+    """The benchmarked replay returns the record, and route's own weights when given route's ids."""
+    _, ids = fwd_replay(case, x, False)()
+    assert torch.equal(ids, x.recorded), "replay did not return the record"
+    route_w, route_ids = fwd_route(case, x, False)()
+    same_w, same_ids = replay_routing(x.logits, route_ids, case.method, backend=x.backend, **x.kwargs(case))
+    assert torch.equal(same_ids, route_ids)
+    torch.testing.assert_close(same_w, route_w, rtol=0, atol=1e-6)
+    grads = {name: build(case, x, False) for name, build in BACKWARD_PEERS.items()}
+    (mine,) = grads["replay"]()
+    (ref,) = grads["eager-ref"]()
+    torch.testing.assert_close(mine.float(), ref.float(), rtol=2e-2, atol=1e-3)  # bf16 gradients
+
+
+# ---------------------------------------------------------------------------------------------------
+# The MoE layer of the reference model
+# ---------------------------------------------------------------------------------------------------
+
+LAYER_MODES = ("replay", "live", "live-ref")
+
+
+def make_block(config, device: torch.device) -> torch.nn.Module:
+    """The MoE block of a one-MoE-layer reference model, its parameters made trainable (the
+    reference model is inference-only) except the selection bias, which gets no gradient."""
+    model = ReferenceMoEModel(config, device)
+    block = model.layers[config.first_k_dense].mlp
+    for name, p in block.named_parameters():
+        p.requires_grad_(name != "bias")
+    return block
+
+
+def layer_forward(block, x: torch.Tensor, recorded: torch.Tensor, *, mode: str, backend: str) -> torch.Tensor:
+    """The block's forward (``_MoEBlock.forward``) with its routing chosen by ``mode``."""
+    cfg = block.config
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * block.norm
+    logits = h.to(block.gate.dtype) @ block.gate
+    kw = dict(
+        bias=block.bias,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
+    method = RoutingMethod(cfg.routing_method)
+    if mode == "live-ref":
+        _, ids = route(logits.detach().float(), cfg.top_k, method, backend=backend, **kw)
+        scale = 1.0 if cfg.routed_scaling_factor is None else cfg.routed_scaling_factor
+        weights = weights_for_ids(logits.float(), ids.long(), method, scale)
+    else:
+        if mode == "live":
+            recorded = torch.full_like(recorded, -1)
+        weights, ids = replay_routing(logits.float(), recorded, method, backend=backend, **kw)
+    weights = weights.to(h.dtype)
+    if h.shape[0] * cfg.top_k < cfg.num_experts:
+        return block._gathered(h, weights, ids)
+    return block._dense(h, weights, ids)
+
+
+def layer_peer(block, n: int, mode: str, backend: str, compile: bool) -> Callable[[], object]:
+    cfg = block.config
+    device = block.gate.device
+    g = torch.Generator(device=device).manual_seed(n)
+    x = torch.randn(n, cfg.hidden_size, device=device, generator=g).to(cfg.dtype).requires_grad_()
+    grad_y = torch.randn(n, cfg.hidden_size, device=device, generator=g).to(cfg.dtype)
+    with torch.no_grad():
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * block.norm
+        logits = (h.to(block.gate.dtype) @ block.gate).float()
+        logits = logits + torch.randn(logits.shape, device=device, generator=g) * ROLLOUT_NOISE
+        kw = dict(bias=block.bias, n_group=cfg.n_group, topk_group=cfg.topk_group)
+        kw["routed_scaling_factor"] = cfg.routed_scaling_factor
+        recorded = route(logits, cfg.top_k, cfg.routing_method, backend=backend, **kw)[1]
+    fn = functools.partial(layer_forward, block, mode=mode, backend=backend)
+    if compile:
+        fn = torch.compile(fn, fullgraph=True, dynamic=False)
+    params = [x, *(p for p in block.parameters() if p.requires_grad)]
+    return lambda: torch.autograd.grad(fn(x, recorded), params, grad_y)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------------
+
+
+def measure_ops(sizes: list[int], tables: set[str]) -> list[Table]:
+    dev = torch.device("cuda")
+    cols = ["case", "n", "peer", "eager_us", "graph_us", "device_us", "graph_vs_replay"]
+    forward = Table(
+        f"replay forward (bf16 logits; graph = one call of a {GRAPH_CALLS}-call CUDA graph)", cols
+    )
+    backward = Table("replay forward+backward (gradient w.r.t. the logits)", cols)
+    summary = Table(
+        "targets (graph time per call)",
+        [
+            "case",
+            "n",
+            "replay/route fwd",
+            f"<= {TARGET_FORWARD}",
+            "eager-ref/replay fwd+bwd",
+            "compiled-ref/replay",
+        ],
+    )
+    for case in CASES:
+        for n in sizes:
+            # one compile per (case, n) of shared code: stay below dynamo's per-code cache limit
+            torch._dynamo.reset()
+            x = make_inputs(case, n, dev, "triton")
+            check_forward(case, x)
+            torch.cuda.synchronize()
+            fwd_ratio = bwd_ratio = compiled_ratio = ""
+            if "forward" in tables:
+                fns = {name: build(case, x, True) for name, build in FORWARD_PEERS.items()}
+                graph = graph_calls_us(fns, calls=GRAPH_CALLS)
+                for name, fn in fns.items():
+                    forward.add(
+                        case.name,
+                        n,
+                        name,
+                        do_bench_median_us(fn),
+                        graph[name],
+                        device_us_per_call(fn),
+                        graph[name] / graph["replay"],
+                    )
+                fwd_ratio = graph["replay"] / graph["route"]
+            if "backward" in tables:
+                fns = {name: build(case, x, True) for name, build in BACKWARD_PEERS.items()}
+                fns = {name: fn for name, fn in fns.items() if fn is not None}
+                fast = {name: fn for name, fn in fns.items() if name not in BACKWARD_REFERENCES}
+                refs = {name: fn for name, fn in fns.items() if name in BACKWARD_REFERENCES}
+                graph = graph_calls_us(fast, calls=GRAPH_CALLS)
+                graph.update(graph_calls_us(refs, calls=REF_CALLS, trials=7))
+                for name, fn in fns.items():
+                    backward.add(
+                        case.name,
+                        n,
+                        name,
+                        do_bench_median_us(fn),
+                        graph[name],
+                        device_us_per_call(fn),
+                        graph[name] / graph["replay"],
+                    )
+                bwd_ratio = graph["eager-ref"] / graph["replay"]
+                compiled_ratio = graph["compiled-ref"] / graph["replay"]
+            ok = "" if fwd_ratio == "" else fwd_ratio <= TARGET_FORWARD
+            summary.add(case.name, n, fwd_ratio, ok, bwd_ratio, compiled_ratio)
+    out = [t for t, key in ((forward, "forward"), (backward, "backward")) if key in tables]
+    return [*out, summary]
+
+
+def measure_layer(sizes: list[int]) -> Table:
+    dev = torch.device("cuda")
+    config = reference_config("deepseek_small", num_layers=2)  # one dense, one MoE layer
+    block = make_block(config, dev)
+    table = Table(
+        f"compiled MoE layer of deepseek_small, forward+backward (one call of a {LAYER_CALLS}-call graph)",
+        [
+            "n",
+            "experts",
+            "replay_us",
+            "live_us",
+            "live-ref_us",
+            "replay/live",
+            f"<= {TARGET_LAYER}",
+            "replay/live-ref",
+        ],
+    )
+    for n in sizes:
+        experts = "gathered" if n * config.top_k < config.num_experts else "dense"
+        torch._dynamo.reset()  # three compiles of layer_forward per size, below the cache limit
+        try:
+            fns = {mode: layer_peer(block, n, mode, "triton", True) for mode in LAYER_MODES}
+            graph = graph_calls_us(fns, calls=LAYER_CALLS, replays=3, trials=7)
+        except torch.cuda.OutOfMemoryError:
+            table.add(n, experts, "OOM", "OOM", "OOM", "", "", "")
+            torch.cuda.empty_cache()
+            continue
+        ratio = graph["replay"] / graph["live"]
+        table.add(
+            n,
+            experts,
+            graph["replay"],
+            graph["live"],
+            graph["live-ref"],
+            ratio,
+            ratio <= TARGET_LAYER,
+            graph["replay"] / graph["live-ref"],
+        )
+        del fns
+        torch.cuda.empty_cache()
+    return table
+
+
+def dry_run(sizes: list[int], compile: bool = False) -> Table:
+    """Builds every case and peer on the CPU and calls each once (no timing); returns what ran."""
+    dev = torch.device("cpu")
+    table = Table("dry run (cpu, PyTorch twins, not timed)", ["table", "case", "n", "peer", "output"])
+    for case in CASES:
+        for n in sizes:
+            x = make_inputs(case, n, dev, "torch")
+            check_forward(case, x)
+            for label, peers in (("forward", FORWARD_PEERS), ("backward", BACKWARD_PEERS)):
+                for name, build in peers.items():
+                    fn = build(case, x, compile)
+                    if fn is not None:
+                        out = fn()
+                        table.add(label, case.name, n, name, tuple(out[0].shape))
+    block = make_block(reference_config("tiny", dtype=torch.float32, num_layers=2), dev)
+    for n in sizes:
+        for mode in LAYER_MODES:
+            grads = layer_peer(block, n, mode, "torch", compile)()
+            assert all(torch.isfinite(g).all() for g in grads), f"layer {mode} n={n}: non-finite gradient"
+            table.add("layer", "tiny", n, mode, tuple(grads[0].shape))
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--csv", default=None)
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--layer-sizes", default=",".join(map(str, SIZES)))
+    parser.add_argument("--tables", default="forward,backward,layer")
+    parser.add_argument("--dry-run", action="store_true", help="build and call every peer on the CPU")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        dry_run(list(DRY_SIZES)).print()
+        return
+    if not torch.cuda.is_available():
+        print("bench_replay needs a CUDA GPU; nothing measured (--dry-run checks the benchmark on CPU)")
+        return
+    tables = set(args.tables.split(","))
+    sizes = [int(s) for s in args.sizes.split(",")]
+    out = measure_ops(sizes, tables) if tables & {"forward", "backward"} else []
+    if "layer" in tables:
+        out.append(measure_layer([int(s) for s in args.layer_sizes.split(",")]))
+    for t in out:
+        if args.csv:
+            t.write_csv(args.csv)
+        t.print()
+
+
+if __name__ == "__main__":
+    main()

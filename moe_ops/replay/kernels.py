@@ -1,0 +1,640 @@
+"""The replay kernels: recorded ids -> (weights, ids) forward, and the gradient w.r.t. the logits.
+
+Two implementations of each destination-passing contract, side by side:
+
+* :func:`replay_rows_triton` / :func:`replay_backward_triton` - Triton kernels (CUDA; CPU tensors
+  under ``TRITON_INTERPRET=1``);
+* :func:`replay_rows_torch` / :func:`replay_backward_torch` - their PyTorch twins, the CPU path and
+  the test oracle (they run in the dtype of ``weights``: float32, or float64 for gradcheck).
+
+Forward contract (both). A row of ``recorded_ids`` is
+
+* **recorded**: every id in ``[0, num_experts)`` and no id twice - ``ids[t]`` is the recorded row,
+  column order kept;
+* **live**: every entry ``-1`` - ``ids[t]`` is the live routing of the row, exactly what
+  ``moe_ops.route`` returns for it;
+* **faulty**: anything else (an id outside ``[0, num_experts)`` other than a whole row of ``-1``,
+  or an id twice) - routed live like a ``-1`` row, and counted: ``errors[0] += 1`` per faulty row,
+  ``errors[1] |=`` its :data:`REPLAY_FAULT_OUT_OF_RANGE` / :data:`REPLAY_FAULT_REPEATED` bits. A
+  faulty id is never used as an address.
+
+``weights[t]`` is the method's weight rule evaluated at ``ids[t]`` from the live logits, gathered
+from the dense scores (:func:`replay_weights`). The backward writes the whole dense gradient row:
+zero for experts outside ``ids[t]`` except for DEFAULT, whose full softmax couples every expert.
+
+Per method, with ``xs = x[ids]``, ``s = sigmoid(xs)``, ``g`` the incoming gradient of the weights
+and ``dot = sum(g * w)``; the gradient w.r.t. ``x[ids]`` (DEFAULT: w.r.t. every ``x``)::
+
+    TOPK                       g
+    RENORMALIZE(_NAIVE)        w * (g - dot)
+    DEFAULT                    p * (onehot(ids) . g - dot),   p = softmax(x) over the row
+    DEEPSEEK_V3, MINIMAX2      (scale * g - dot) / (sum s + 1e-20) * s * (1 - s)
+    SIGMOID_RENORM             (g - [sum s >= 1e-20] * dot) / max(sum s, 1e-20) * s * (1 - s)
+    LLAMA4, SIGMOID, TOPK_SIGMOID   g * s * (1 - s)
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .._triton import HAS_TRITON, interpreting, next_power_of_2
+from ..route.kernels import launch_config, tile_shape
+from ..route.methods import BIAS_METHODS, RoutingMethod
+from ..route.reference import SUM_EPSILON, select_experts, selection_keys, weights_for_ids
+
+__all__ = [
+    "REPLAY_FAULT_OUT_OF_RANGE",
+    "REPLAY_FAULT_REPEATED",
+    "backward_launch_config",
+    "replay_backward_torch",
+    "replay_backward_triton",
+    "replay_rows_torch",
+    "replay_rows_triton",
+    "replay_weights",
+]
+
+REPLAY_FAULT_OUT_OF_RANGE = 1  # an id outside [0, num_experts) in a row that is not all -1
+REPLAY_FAULT_REPEATED = 2  # an id twice in one row
+
+# Serialises the twins' read-modify-write of a fault counter (CPU threads would race on it; on a
+# GPU the writes are ordered by the stream). The Triton kernels use atomics instead.
+counter_lock = threading.Lock()
+
+# Backward tile: about this many logits per program, 4 warps. Not tuned on a GPU yet (the forward
+# reuses the router's measured launch configuration, moe_ops.route.kernels.launch_config).
+_BACKWARD_TILE = 2048
+_BACKWARD_WARPS = 4
+
+
+def backward_launch_config(n_tokens: int, e_pad: int) -> tuple[int, int]:
+    """(rows per program, warps) of the backward kernel for rows of ``e_pad`` padded experts."""
+    if interpreting():
+        # The interpreter pays per program and per operation, hardly per element: few programs.
+        return min(next_power_of_2(n_tokens), 64), 1
+    return max(1, min(next_power_of_2(n_tokens), _BACKWARD_TILE // e_pad)), _BACKWARD_WARPS
+
+
+def replay_weights(x: torch.Tensor, ids: torch.Tensor, method: RoutingMethod, scale: float) -> torch.Tensor:
+    """The method's weights of the experts ``ids``: :func:`moe_ops.route.reference.weights_for_ids`.
+
+    x: (n, E) float - logits in the compute dtype
+    ids: (n, k) int64 - distinct, in-range experts per row
+    Returns (n, k) in ``x``'s dtype.
+
+    RENORMALIZE_NAIVE (``p[ids] / sum p[ids]``, ``p = softmax(x)``) is computed as
+    ``softmax(x[ids])``, its exact equal in real arithmetic and what the router kernel computes: the
+    literal form underflows to 0 / 0 = NaN in float32 when every recorded expert lies about 104
+    below the row's best logit, which a replayed (not top-k) row can.
+    """
+    if method == RoutingMethod.RENORMALIZE_NAIVE:
+        method = RoutingMethod.RENORMALIZE
+    return weights_for_ids(x, ids, method, scale)
+
+
+def _classify(rec: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(live, out_of_range, repeated): (n,) bool each, for (n, k) int64 recorded ids."""
+    live = (rec == -1).all(1)
+    out_of_range = ~((rec >= 0) & (rec < num_experts)).all(1) & ~live
+    ordered = torch.sort(rec, dim=1)[0]
+    repeated = (ordered[:, 1:] == ordered[:, :-1]).any(1) & ~live
+    return live, out_of_range, repeated
+
+
+# reference
+def replay_rows_torch(
+    router_logits: torch.Tensor,
+    recorded_ids: torch.Tensor,
+    bias: torch.Tensor | None,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    errors: torch.Tensor,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> None:
+    """PyTorch twin of :func:`replay_rows_triton`: same arguments, same writes, same fault record.
+
+    router_logits: (n, E) float - live router outputs
+    recorded_ids: (n, k) integer - the rollout's ids; rows of -1 are routed live
+    bias: (E,) float or None - DEEPSEEK_V3/MINIMAX2 selection bias (live rows only; never in weights)
+    weights: (n, k) float32 (float64 for gradcheck) - written; the compute dtype
+    ids: (n, k) int32 - written
+    errors: (2,) int32 - [faulty rows, OR of fault bits], added to
+
+    Live ids are :func:`moe_ops.route.reference.select_experts` of every row in the compute dtype
+    (the route twin's rule, so equal to ``route(backend="torch")`` bit for bit), used where needed.
+    No host reads; allocates its intermediates.
+    """
+    k = recorded_ids.shape[1]
+    num_experts = router_logits.shape[1]
+    method = RoutingMethod(method)
+    x = router_logits.to(weights.dtype)
+    rec = recorded_ids.to(torch.int64)
+    live, out_of_range, repeated = _classify(rec, num_experts)
+    faulty = out_of_range | repeated
+    live_ids = select_experts(selection_keys(x, method, bias), k, n_group, topk_group)
+    final = torch.where((live | faulty)[:, None], live_ids, rec)
+    weights.copy_(replay_weights(x, final, method, routed_scaling_factor))
+    ids.copy_(final)
+    flags = torch.where(out_of_range.any(), REPLAY_FAULT_OUT_OF_RANGE, 0) | torch.where(
+        repeated.any(), REPLAY_FAULT_REPEATED, 0
+    )
+    with counter_lock:
+        errors[0] += faulty.sum().to(errors.dtype)
+        errors[1] |= flags.to(errors.dtype)
+
+
+# reference
+def replay_backward_torch(
+    grad_weights: torch.Tensor,
+    router_logits: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    grad_logits: torch.Tensor,
+    method: int,
+    routed_scaling_factor: float,
+) -> None:
+    """PyTorch twin of :func:`replay_backward_triton`: writes ``grad_logits`` (module doc formulas).
+
+    grad_weights: (n, k) float - gradient of the loss w.r.t. the forward's weights (any strides)
+    router_logits: (n, E) float - the forward's logits
+    weights: (n, k) float32 (float64 for gradcheck) - the forward's weights; the compute dtype
+    ids: (n, k) int32 - the forward's ids (distinct, in range)
+    grad_logits: (n, E) router_logits' dtype - written, every element
+    """
+    method = RoutingMethod(method)
+    dtype = weights.dtype
+    g = grad_weights.to(dtype)
+    w = weights
+    idx = ids.long()
+    dot = (g * w).sum(-1, keepdim=True)
+    x = router_logits.to(dtype)
+    dense = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    if method == RoutingMethod.TOPK:
+        gs = g
+    elif method in (RoutingMethod.RENORMALIZE, RoutingMethod.RENORMALIZE_NAIVE):
+        gs = w * (g - dot)
+    elif method == RoutingMethod.DEFAULT:
+        p = torch.softmax(x, dim=-1)
+        dense = -p * dot
+        gs = g * p.gather(1, idx)
+    else:
+        s = torch.sigmoid(x.gather(1, idx))
+        total = s.sum(-1, keepdim=True)
+        if method in BIAS_METHODS:
+            gs_s = (routed_scaling_factor * g - dot) / (total + SUM_EPSILON)
+        elif method == RoutingMethod.SIGMOID_RENORM:
+            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it
+            gs_s = (g - torch.where(total >= SUM_EPSILON, dot, 0.0)) / total.clamp(min=SUM_EPSILON)
+        else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
+            gs_s = g
+        gs = gs_s * s * (1 - s)
+    grad_logits.copy_(dense.scatter_add(1, idx, gs))
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    # Triton kernels may only read globals that are constexpr.
+    _DEFAULT = tl.constexpr(int(RoutingMethod.DEFAULT))
+    _RENORMALIZE = tl.constexpr(int(RoutingMethod.RENORMALIZE))
+    _DEEPSEEK_V3 = tl.constexpr(int(RoutingMethod.DEEPSEEK_V3))
+    _RENORMALIZE_NAIVE = tl.constexpr(int(RoutingMethod.RENORMALIZE_NAIVE))
+    _TOPK = tl.constexpr(int(RoutingMethod.TOPK))
+    _SIGMOID_RENORM = tl.constexpr(int(RoutingMethod.SIGMOID_RENORM))
+    _MINIMAX2 = tl.constexpr(int(RoutingMethod.MINIMAX2))
+    _SUM_EPSILON = tl.constexpr(SUM_EPSILON)
+    _OUT_OF_RANGE = tl.constexpr(REPLAY_FAULT_OUT_OF_RANGE)
+    _REPEATED = tl.constexpr(REPLAY_FAULT_REPEATED)
+    _NONE = tl.constexpr(-2147483648)  # INT32_MIN: knocked out / masked (below every valid key)
+    _NO_EXPERT = tl.constexpr(1 << 30)  # above every expert index (min-reduction identity)
+
+    # The live-routing helpers below follow moe_ops.route.kernels' _route_kernel operation for
+    # operation (same keys, same int32 ordering, same two-step rounds), so a live row's ids equal
+    # route(backend="triton")'s bit for bit; the tests compare them exactly. They are copies because
+    # the router keeps its helpers inside its kernel module.
+
+    @triton.jit
+    def _ordered(key, valid):
+        """int32 whose signed order is the order of ``key``; ``_NONE`` (below all) where not valid."""
+        bits = key.to(tl.int32, bitcast=True)
+        return tl.where(valid, bits ^ ((bits >> 31) & 0x7FFFFFFF), _NONE)
+
+    @triton.jit
+    def _unordered(ordered):
+        """The float32 key of an ordered int (the mapping of :func:`_ordered` is an involution)."""
+        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _canonical(key):
+        """NaN -> -inf, -0.0 -> 0.0 (the reference's rule)."""
+        key = tl.where(key != key, float("-inf"), key)
+        return tl.where(key == 0.0, 0.0, key)
+
+    @triton.jit
+    def _live_topk(
+        logits_ptr,
+        bias_ptr,
+        row_off,
+        row_ok,
+        group_size,
+        n_group,
+        topk_group,
+        stride_le,
+        METHOD: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        GROUPED: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        NG_PAD: tl.constexpr,
+        G_PAD: tl.constexpr,
+        K_PAD: tl.constexpr,
+    ):
+        """(BLOCK_M, K_PAD) int32: the router's top-k of each row (descending key, ties to the lowest
+        index), from a (BLOCK_M, NG_PAD, G_PAD) register tile of the rows' logits."""
+        grp = tl.arange(0, NG_PAD)
+        col = tl.arange(0, G_PAD)
+        expert = grp[:, None] * group_size + col[None, :]
+        expert_ok = (grp[:, None] < n_group) & (col[None, :] < group_size)
+        expert3 = expert[None, :, :]
+        ok3 = row_ok[:, None, None] & expert_ok[None, :, :]
+        x = tl.load(logits_ptr + row_off[:, None, None] + expert3 * stride_le, mask=ok3, other=0.0)
+        x = x.to(tl.float32)
+        if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
+            key = tl.sigmoid(x)
+            if HAS_BIAS:
+                b = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0).to(tl.float32)
+                key = key + b[None, :, :]
+        else:
+            key = x  # softmax and sigmoid keep the order of the logits
+        okey = _ordered(_canonical(key), ok3)
+        if GROUPED:
+            col3 = col[None, None, :]
+            top1 = tl.max(okey, axis=2)
+            col1 = tl.min(tl.where(okey == top1[:, :, None], col3, G_PAD), axis=2)
+            top2 = tl.max(tl.where(col3 == col1[:, :, None], _NONE, okey), axis=2)
+            score = tl.where(top2 != _NONE, _unordered(top1) + _unordered(top2), _unordered(top1))
+            grp_ok = row_ok[:, None] & (grp[None, :] < n_group)
+            gkey = _ordered(_canonical(score), grp_ok)
+            kept = tl.zeros([BLOCK_M, NG_PAD], dtype=tl.int32)
+            for _ in range(topk_group):
+                gbest = tl.max(gkey, axis=1)
+                gwin = tl.min(tl.where(gkey == gbest[:, None], grp[None, :], NG_PAD), axis=1)
+                hit = grp[None, :] == gwin[:, None]
+                kept = tl.where(hit, 1, kept)
+                gkey = tl.where(hit, _NONE, gkey)
+            okey = tl.where(kept[:, :, None] != 0, okey, _NONE)
+        kcol = tl.arange(0, K_PAD)
+        ids = tl.zeros([BLOCK_M, K_PAD], dtype=tl.int32)
+        for i in tl.static_range(K_PAD):
+            best = tl.max(tl.max(okey, axis=1), axis=1)
+            win = tl.min(tl.min(tl.where(okey == best[:, None, None], expert3, _NO_EXPERT), axis=1), axis=1)
+            ids = tl.where(kcol[None, :] == i, win[:, None], ids)
+            okey = tl.where(expert3 == win[:, None, None], _NONE, okey)
+        return ids
+
+    # As in the router: nothing that changes per step or per layer is a specialisation key (the
+    # token count, top_k, the group shape and the row strides are runtime ints).
+    @triton.jit(
+        do_not_specialize=[
+            "n_tokens",
+            "group_size",
+            "n_group",
+            "top_k",
+            "topk_group",
+            "stride_lm",
+            "stride_rm",
+            "stride_rk",
+            "stride_wm",
+            "stride_im",
+        ]
+    )
+    def _replay_kernel(
+        logits_ptr,
+        rec_ptr,
+        bias_ptr,
+        weights_ptr,
+        ids_ptr,
+        errors_ptr,
+        n_tokens,
+        group_size,
+        n_group,
+        top_k,
+        topk_group,
+        scale,
+        stride_lm,
+        stride_le,
+        stride_rm,
+        stride_rk,
+        stride_wm,
+        stride_wk,
+        stride_im,
+        stride_ik,
+        METHOD: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        GROUPED: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        NG_PAD: tl.constexpr,
+        G_PAD: tl.constexpr,
+        K_PAD: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_tokens
+        rows64 = rows.to(tl.int64)
+        kcol = tl.arange(0, K_PAD)
+        k_ok = kcol < top_k
+        out_ok = row_ok[:, None] & k_ok[None, :]
+        num_experts = n_group * group_size
+
+        # Classify each row from its recorded ids alone (k loads per row); masked cells read -1.
+        rec = tl.load(
+            rec_ptr + rows64[:, None] * stride_rm + kcol[None, :] * stride_rk, mask=out_ok, other=-1
+        )
+        rec = rec.to(tl.int64)  # int64: a wide id never wraps into range, uint8 never reads as -1
+        row_live = tl.min((rec == -1).to(tl.int32), axis=1) == 1
+        bad = out_ok & ((rec < 0) | (rec >= num_experts))
+        out_of_range = row_ok & ~row_live & (tl.max(bad.to(tl.int32), axis=1) > 0)
+        pair_ok = (kcol[:, None] < kcol[None, :]) & k_ok[None, :]
+        pairs = (rec[:, :, None] == rec[:, None, :]) & pair_ok[None, :, :]
+        repeated = row_ok & ~row_live & (tl.max(tl.max(pairs.to(tl.int32), axis=2), axis=1) > 0)
+        faulty = out_of_range | repeated
+        need_live = row_ok & (row_live | faulty)
+        ids = tl.where(need_live[:, None], 0, rec).to(tl.int32)  # only in-range ids stay
+
+        row_off = rows64 * stride_lm
+        # Live routing only where a block holds a row that needs it: the full row, the keys and the
+        # top-k rounds are skipped for fully recorded blocks (the common case of a replay).
+        if tl.max(need_live.to(tl.int32), axis=0) > 0:
+            live_ids = _live_topk(
+                logits_ptr,
+                bias_ptr,
+                row_off,
+                row_ok,
+                group_size,
+                n_group,
+                topk_group,
+                stride_le,
+                METHOD,
+                HAS_BIAS,
+                GROUPED,
+                BLOCK_M,
+                NG_PAD,
+                G_PAD,
+                K_PAD,
+            )
+            ids = tl.where(need_live[:, None], live_ids, ids)
+
+        # Weights gathered from the dense logits at the final ids (the router kernel's formulas).
+        xs = tl.load(logits_ptr + row_off[:, None] + ids.to(tl.int64) * stride_le, mask=out_ok, other=0.0)
+        xs = xs.to(tl.float32)
+        if METHOD == _TOPK:
+            w = xs
+        elif METHOD == _DEFAULT:
+            # softmax over every expert, read at the chosen ones
+            grp = tl.arange(0, NG_PAD)
+            col = tl.arange(0, G_PAD)
+            expert3 = (grp[:, None] * group_size + col[None, :])[None, :, :]
+            ok3 = row_ok[:, None, None] & ((grp[:, None] < n_group) & (col[None, :] < group_size))[None, :, :]
+            x = tl.load(logits_ptr + row_off[:, None, None] + expert3 * stride_le, mask=ok3, other=0.0)
+            x = x.to(tl.float32)
+            x_max = tl.max(tl.max(tl.where(ok3, x, float("-inf")), axis=2), axis=1)
+            x_max = tl.where(row_ok, x_max, 0.0)
+            z = tl.sum(tl.sum(tl.where(ok3, tl.exp(x - x_max[:, None, None]), 0.0), axis=2), axis=1)
+            z = tl.where(row_ok, z, 1.0)
+            w = tl.exp(xs - x_max[:, None]) / z[:, None]
+        elif METHOD == _RENORMALIZE or METHOD == _RENORMALIZE_NAIVE:  # noqa: SIM109 - no `in` in Triton
+            xs_max = tl.max(tl.where(out_ok, xs, float("-inf")), axis=1)
+            xs_max = tl.where(row_ok, xs_max, 0.0)
+            ex = tl.where(out_ok, tl.exp(xs - xs_max[:, None]), 0.0)
+            w = ex / tl.where(row_ok, tl.sum(ex, axis=1), 1.0)[:, None]
+        else:
+            s = tl.sigmoid(xs)
+            total = tl.sum(tl.where(out_ok, s, 0.0), axis=1)
+            if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
+                w = s * scale / (total + _SUM_EPSILON)[:, None]
+            elif METHOD == _SIGMOID_RENORM:
+                w = s / tl.maximum(total, _SUM_EPSILON)[:, None]
+            else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
+                w = s
+
+        tl.store(weights_ptr + rows64[:, None] * stride_wm + kcol[None, :] * stride_wk, w, mask=out_ok)
+        tl.store(ids_ptr + rows64[:, None] * stride_im + kcol[None, :] * stride_ik, ids, mask=out_ok)
+        # Last: a branch with atomics, one pair per program that saw a faulty row.
+        n_faulty = tl.sum(faulty.to(tl.int32), axis=0)
+        if n_faulty > 0:
+            flags = tl.where(tl.max(out_of_range.to(tl.int32), axis=0) > 0, _OUT_OF_RANGE, 0)
+            flags |= tl.where(tl.max(repeated.to(tl.int32), axis=0) > 0, _REPEATED, 0)
+            tl.atomic_add(errors_ptr, n_faulty)
+            tl.atomic_or(errors_ptr + 1, flags)
+
+    @triton.jit(
+        do_not_specialize=[
+            "n_tokens",
+            "num_experts",
+            "top_k",
+            "stride_gm",
+            "stride_lm",
+            "stride_wm",
+            "stride_im",
+        ]
+    )
+    def _replay_backward_kernel(
+        grad_w_ptr,
+        logits_ptr,
+        weights_ptr,
+        ids_ptr,
+        grad_ptr,
+        n_tokens,
+        num_experts,
+        top_k,
+        scale,
+        stride_gm,
+        stride_gk,
+        stride_lm,
+        stride_le,
+        stride_wm,
+        stride_wk,
+        stride_im,
+        stride_ik,
+        stride_om,
+        stride_oe,
+        METHOD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        E_PAD: tl.constexpr,
+        K_PAD: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < n_tokens
+        rows64 = rows.to(tl.int64)
+        kcol = tl.arange(0, K_PAD)
+        out_ok = row_ok[:, None] & (kcol[None, :] < top_k)
+        g = tl.load(
+            grad_w_ptr + rows64[:, None] * stride_gm + kcol[None, :] * stride_gk, mask=out_ok, other=0.0
+        )
+        g = g.to(tl.float32)
+        w = tl.load(
+            weights_ptr + rows64[:, None] * stride_wm + kcol[None, :] * stride_wk, mask=out_ok, other=0.0
+        )
+        ids = tl.load(ids_ptr + rows64[:, None] * stride_im + kcol[None, :] * stride_ik, mask=out_ok, other=0)
+        dot = tl.sum(g * w, axis=1)
+        row_off = rows64 * stride_lm
+        cols = tl.arange(0, E_PAD)
+        ok2 = row_ok[:, None] & (cols[None, :] < num_experts)
+        dense = tl.zeros([BLOCK_M, E_PAD], dtype=tl.float32)
+        if METHOD == _TOPK:
+            gs = g
+        elif METHOD == _RENORMALIZE or METHOD == _RENORMALIZE_NAIVE:  # noqa: SIM109 - no `in` in Triton
+            gs = w * (g - dot[:, None])
+        elif METHOD == _DEFAULT:
+            # the full softmax couples every expert: d p_e = p_e * ([e in ids] g_e - dot)
+            x = tl.load(logits_ptr + row_off[:, None] + cols[None, :] * stride_le, mask=ok2, other=0.0)
+            x = x.to(tl.float32)
+            x_max = tl.where(row_ok, tl.max(tl.where(ok2, x, float("-inf")), axis=1), 0.0)
+            ex = tl.where(ok2, tl.exp(x - x_max[:, None]), 0.0)
+            p = ex / tl.where(row_ok, tl.sum(ex, axis=1), 1.0)[:, None]
+            dense = -p * dot[:, None]
+            gs = g * w
+        else:
+            xs = tl.load(logits_ptr + row_off[:, None] + ids.to(tl.int64) * stride_le, mask=out_ok, other=0.0)
+            s = tl.sigmoid(xs.to(tl.float32))
+            total = tl.sum(tl.where(out_ok, s, 0.0), axis=1)
+            if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
+                gs = (scale * g - dot[:, None]) / (total + _SUM_EPSILON)[:, None]
+            elif METHOD == _SIGMOID_RENORM:
+                gs = (g - tl.where(total >= _SUM_EPSILON, dot, 0.0)[:, None]) / tl.maximum(
+                    total, _SUM_EPSILON
+                )[:, None]
+            else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
+                gs = g
+            gs = gs * s * (1.0 - s)
+        gs = tl.where(out_ok, gs, 0.0)
+        # Scatter the k values into the dense row in registers, then one store of the whole row
+        # (a zero store and a scatter store to the same addresses would race between threads).
+        for i in tl.static_range(K_PAD):
+            id_i = tl.sum(tl.where(kcol[None, :] == i, ids, 0), axis=1)
+            g_i = tl.sum(tl.where(kcol[None, :] == i, gs, 0.0), axis=1)
+            hit = (cols[None, :] == id_i[:, None]) & (i < top_k)
+            dense = tl.where(hit, dense + g_i[:, None], dense)
+        dst = grad_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oe
+        tl.store(dst, dense.to(grad_ptr.dtype.element_ty), mask=ok2)
+
+
+def replay_rows_triton(
+    router_logits: torch.Tensor,
+    recorded_ids: torch.Tensor,
+    bias: torch.Tensor | None,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    errors: torch.Tensor,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    *,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Launches the forward kernel (arguments as :func:`replay_rows_torch`; ``weights`` float32).
+
+    block_m, num_warps: override the launch configuration (tests and tuning). The default is the
+    router's (:func:`moe_ops.route.kernels.launch_config`): a block that needs live routing holds
+    the same register tile as the router.
+
+    One launch, no host reads, no allocation: CUDA-graph capturable.
+    """
+    n_tokens, num_experts = router_logits.shape
+    top_k = recorded_ids.shape[1]
+    ng_pad, g_pad = tile_shape(num_experts, n_group)
+    default_m, default_warps = launch_config(n_tokens, ng_pad, g_pad)
+    block_m = block_m or default_m
+    num_warps = num_warps or default_warps
+    programs = triton.cdiv(n_tokens, block_m)
+    if programs == 0:
+        return
+    _replay_kernel[(programs,)](
+        router_logits,
+        recorded_ids,
+        router_logits if bias is None else bias,
+        weights,
+        ids,
+        errors,
+        n_tokens,
+        num_experts // n_group,
+        n_group,
+        top_k,
+        topk_group,
+        float(routed_scaling_factor),
+        router_logits.stride(0),
+        router_logits.stride(1),
+        recorded_ids.stride(0),
+        recorded_ids.stride(1),
+        weights.stride(0),
+        weights.stride(1),
+        ids.stride(0),
+        ids.stride(1),
+        METHOD=int(method),
+        HAS_BIAS=bias is not None,
+        GROUPED=n_group > 1,
+        BLOCK_M=block_m,
+        NG_PAD=ng_pad,
+        G_PAD=g_pad,
+        K_PAD=next_power_of_2(top_k),
+        num_warps=num_warps,
+    )
+
+
+def replay_backward_triton(
+    grad_weights: torch.Tensor,
+    router_logits: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    grad_logits: torch.Tensor,
+    method: int,
+    routed_scaling_factor: float,
+    *,
+    block_m: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Launches the backward kernel (arguments as :func:`replay_backward_torch`; ``weights``
+    float32). One launch, no host reads, no allocation."""
+    n_tokens, num_experts = router_logits.shape
+    top_k = ids.shape[1]
+    e_pad = next_power_of_2(num_experts)
+    default_m, default_warps = backward_launch_config(n_tokens, e_pad)
+    block_m = block_m or default_m
+    num_warps = num_warps or default_warps
+    programs = triton.cdiv(n_tokens, block_m)
+    if programs == 0:
+        return
+    _replay_backward_kernel[(programs,)](
+        grad_weights,
+        router_logits,
+        weights,
+        ids,
+        grad_logits,
+        n_tokens,
+        num_experts,
+        top_k,
+        float(routed_scaling_factor),
+        grad_weights.stride(0),
+        grad_weights.stride(1),
+        router_logits.stride(0),
+        router_logits.stride(1),
+        weights.stride(0),
+        weights.stride(1),
+        ids.stride(0),
+        ids.stride(1),
+        grad_logits.stride(0),
+        grad_logits.stride(1),
+        METHOD=int(method),
+        BLOCK_M=block_m,
+        E_PAD=e_pad,
+        K_PAD=next_power_of_2(top_k),
+        num_warps=num_warps,
+    )

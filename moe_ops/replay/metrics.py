@@ -1,0 +1,133 @@
+"""Routing-mismatch metrics: how far the trainer's live routing strays from the rollout's record.
+
+Set semantics: a token's routing is the *set* of its experts, so column order never matters and an
+id listed twice counts once. All arithmetic stays on the device in fixed shapes (no boolean
+indexing, no ``.item()``), so the metrics trace under ``torch.compile(fullgraph=True)`` and capture
+in CUDA graphs; the host waits only when the caller reads a value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RoutingMismatch", "routing_mismatch"]
+
+_ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class RoutingMismatch:
+    """Per-layer mismatch between recorded and live routing, over the valid tokens.
+
+    Every tensor is on the inputs' device; reading one (``float(m.disjoint.max())``) is a host sync.
+    With no valid token the fractions are NaN (0 / 0), never a made-up 0.
+    """
+
+    # (num_layers,) float32 in [0, 1]: fraction of valid tokens whose expert set differs
+    changed: torch.Tensor
+    # (num_layers,) float32 in [0, 1]: mean over valid tokens of |recorded & live| / top_k
+    overlap: torch.Tensor
+    # (num_layers,) float32 in [0, 1]: fraction of valid tokens with no expert in common
+    disjoint: torch.Tensor
+    # () int64: valid tokens counted (the denominator of every fraction)
+    num_tokens: torch.Tensor
+
+
+def _check(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() not in (2, 3):
+        raise ValueError(f"{name} must be (n, top_k) or (n, num_layers, top_k), got shape {tuple(t.shape)}")
+    if t.dtype not in _ID_DTYPES:
+        raise ValueError(f"{name} must be uint8, int8, int16, int32 or int64, got {t.dtype}")
+    if t.shape[-1] < 1:
+        raise ValueError(
+            f"{name} must have at least one expert column (top_k >= 1), got shape {tuple(t.shape)}"
+        )
+    return t
+
+
+def _members(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(..., k) bool: ``a[..., i]`` occurs in ``b[..., :]``. One compare per column of ``b``: k
+    passes over (..., k) instead of one (..., k, k) temporary."""
+    hit = a == b[..., :1]
+    for j in range(1, b.shape[-1]):
+        hit = hit | (a == b[..., j : j + 1])
+    return hit
+
+
+def _first_occurrence(a: torch.Tensor) -> torch.Tensor:
+    """(..., k) bool: ``a[..., i]`` differs from every ``a[..., j]``, j < i (each distinct id once)."""
+    cols = [torch.ones_like(a[..., 0], dtype=torch.bool)]
+    for i in range(1, a.shape[-1]):
+        cols.append(~(a[..., :i] == a[..., i : i + 1]).any(-1))
+    return torch.stack(cols, dim=-1)
+
+
+def routing_mismatch(
+    recorded_ids: torch.Tensor, live_ids: torch.Tensor, *, valid: torch.Tensor | None = None
+) -> RoutingMismatch:
+    """Compares two routings of the same tokens, per layer, as sets of experts.
+
+    Args:
+        recorded_ids: (n, top_k) or (n, num_layers, top_k) integer - e.g. the rollout's record.
+        live_ids: same shape, integer (any of the dtypes; they need not match) - e.g. what the
+            trainer's router chooses live for the same tokens.
+        valid: (n,) bool or None - tokens to count (padding False); None counts every token.
+
+    Returns:
+        A :class:`RoutingMismatch`; a 2-D input is one layer (``num_layers = 1``).
+
+    No host reads, no synchronisation; temporaries of (n, num_layers, top_k) elements. Raises
+    ValueError naming the argument for shapes, dtypes or devices that disagree (TypeError for
+    non-tensors).
+    """
+    _check("recorded_ids", recorded_ids)
+    _check("live_ids", live_ids)
+    if live_ids.shape != recorded_ids.shape:
+        raise ValueError(
+            f"live_ids must have recorded_ids' shape {tuple(recorded_ids.shape)}, got {tuple(live_ids.shape)}"
+        )
+    if live_ids.device != recorded_ids.device:
+        raise ValueError(
+            f"live_ids must be on recorded_ids' device {recorded_ids.device}, got {live_ids.device}"
+        )
+    n = recorded_ids.shape[0]
+    if valid is not None:
+        if not isinstance(valid, torch.Tensor):
+            raise TypeError(f"valid must be a torch.Tensor or None, got {type(valid).__name__}")
+        if valid.dtype != torch.bool or tuple(valid.shape) != (n,):
+            raise ValueError(
+                f"valid must be a ({n},) bool tensor (one flag per token), got "
+                f"{valid.dtype} {tuple(valid.shape)}"
+            )
+        if valid.device != recorded_ids.device:
+            raise ValueError(
+                f"valid must be on recorded_ids' device {recorded_ids.device}, got {valid.device}"
+            )
+
+    common = torch.promote_types(recorded_ids.dtype, live_ids.dtype)
+    a = recorded_ids.to(common)
+    b = live_ids.to(common)
+    if a.dim() == 2:
+        a, b = a[:, None], b[:, None]
+    top_k = a.shape[-1]
+    a_first = _first_occurrence(a)
+    b_first = _first_occurrence(b)
+    shared = (_members(a, b) & a_first).sum(-1)  # (n, L) distinct experts in both sets
+    size_a = a_first.sum(-1)
+    size_b = b_first.sum(-1)
+    changed = ~((shared == size_a) & (shared == size_b))
+    disjoint = shared == 0
+
+    weight = torch.ones(n, dtype=torch.float32, device=a.device) if valid is None else valid.to(torch.float32)
+    count = weight.sum()
+    w = weight[:, None]
+    return RoutingMismatch(
+        changed=(changed.to(torch.float32) * w).sum(0) / count,
+        overlap=(shared.to(torch.float32) * w).sum(0) / (count * top_k),
+        disjoint=(disjoint.to(torch.float32) * w).sum(0) / count,
+        num_tokens=count.to(torch.int64),
+    )

@@ -1,0 +1,365 @@
+"""``moe_ops.replay_routing`` and its registered ops ``moe_ops::replay_routing_`` and
+``moe_ops::replay_routing_backward_``.
+
+Destination-passing, like the router: the forward op writes preallocated ``weights``, ``ids`` and
+the device fault counter; the backward op writes a preallocated ``grad_logits``. Both declare what
+they mutate and have fake implementations. A ``torch.autograd.Function`` sits on top (QuACK's
+layering: op, thin allocating wrapper, autograd function, public function), because
+``torch.library.register_autograd`` accepts only functional schemas and rejects ops that mutate
+their arguments ("Cannot register autograd formula for non-functional operator"). Dynamo traces the
+autograd function, so ``torch.compile(fullgraph=True)`` compiles the forward and the backward
+without a graph break, and CUDA graphs capture both after one warm-up call (which compiles the
+Triton kernels and allocates the fault counter).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.autograd.function import once_differentiable
+
+from .._triton import triton_runs_on
+from ..route.kernels import TRITON_MAX_TILE, tile_shape
+from ..route.methods import RouteConfig, RoutingMethod, method_from_value, validate_route_args
+from .kernels import (
+    REPLAY_FAULT_OUT_OF_RANGE,
+    REPLAY_FAULT_REPEATED,
+    counter_lock,
+    replay_backward_torch,
+    replay_backward_triton,
+    replay_rows_torch,
+    replay_rows_triton,
+)
+
+__all__ = [
+    "BACKENDS",
+    "RECORDED_ID_DTYPES",
+    "ReplayFaultError",
+    "check_replay_errors",
+    "replay_fault_counter",
+    "replay_routing",
+]
+
+BACKENDS = ("auto", "triton", "torch")
+# uint8 is what decode_routing gives for up to 256 experts (it cannot hold the -1 of a live row)
+RECORDED_ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fault counter (kept small and self-contained: it is to merge with the capture counters)
+# ---------------------------------------------------------------------------------------------------
+
+# device -> (2,) int32 tensor: [faulty rows, OR of REPLAY_FAULT_* bits]
+_counters: dict[torch.device, torch.Tensor] = {}
+
+_FAULT_NAMES = {
+    REPLAY_FAULT_OUT_OF_RANGE: "an id outside [0, num_experts) in a row that is not all -1",
+    REPLAY_FAULT_REPEATED: "an expert recorded twice in one row",
+}
+
+
+def _normalise(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class ReplayFaultError(RuntimeError):
+    """Raised by :func:`check_replay_errors` when recorded rows were bad (and were routed live)."""
+
+    def __init__(self, device: torch.device, rows: int, flags: int):
+        self.device, self.rows, self.flags = device, rows, flags
+        names = "; ".join(name for bit, name in _FAULT_NAMES.items() if flags & bit) or "no fault bits"
+        super().__init__(
+            f"{rows} replayed row(s) on {device} had bad recorded ids ({names}); those rows were routed "
+            "live from the trainer's logits instead of replayed. The recorded routing does not match "
+            "this model (num_experts, top_k, layer order) or was corrupted on its way here."
+        )
+
+
+# Under torch.compile this runs at trace time, as plain Python, and the graph holds the counter as a
+# constant (a lock or an allocation traced by dynamo would break the graph).
+@torch._dynamo.assume_constant_result
+def replay_fault_counter(device: torch.device | str | int | None = None) -> torch.Tensor:
+    """The persistent (2,) int32 fault counter of ``device``: [faulty rows, OR of fault bits].
+
+    Allocated on first use, then fixed for the process (its address is safe to bake into CUDA
+    graphs), and marked as a static address so that inductor's CUDA-graph trees accept the replay
+    op's mutation of it. Thread-safe: concurrent first calls get the same tensor. The count is int32:
+    it wraps after 2**31 faulty rows without a check.
+    """
+    device = _normalise(device)
+    counter = _counters.get(device)
+    if counter is None:
+        with counter_lock:
+            counter = _counters.get(device)
+            if counter is None:
+                counter = torch.zeros(2, dtype=torch.int32, device=device)
+                torch._dynamo.mark_static_address(counter)
+                _counters[device] = counter
+    return counter
+
+
+def check_replay_errors(device: torch.device | str | int | None = None, *, raise_error: bool = True) -> int:
+    """Reads and zeroes the fault counter of ``device``; returns the faulty rows counted since the
+    last check (0 where the counter was never allocated).
+
+    HOST SYNC: copies 8 bytes from the device, which waits for the work queued before it on the
+    current stream. Call it where the trainer already synchronises (e.g. after reading the loss),
+    never inside a captured or compiled step. The read and the reset hold the lock the CPU twin
+    updates under, so no CPU update is lost between them; on a GPU the update kernels are ordered by
+    their stream, so check after the streams that replay have been joined.
+
+    Args:
+        device: the device whose counter to read (default: the current CUDA device, else CPU).
+        raise_error: raise :class:`ReplayFaultError` when any row was faulty (after the reset).
+    """
+    device = _normalise(device)
+    counter = _counters.get(device)
+    if counter is None:
+        return 0
+    with counter_lock:
+        rows, flags = (int(v) for v in counter.tolist())
+        counter.zero_()
+    if raise_error and rows:
+        raise ReplayFaultError(device, rows, flags)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registered ops
+# ---------------------------------------------------------------------------------------------------
+
+
+# torch.library infers the schema from these annotations; it needs typing.Optional, not "X | None".
+@torch.library.custom_op("moe_ops::replay_routing_", mutates_args=("weights", "ids", "errors"))
+def replay_routing_op(
+    router_logits: torch.Tensor,
+    recorded_ids: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    errors: torch.Tensor,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    use_triton: bool,
+) -> None:
+    """Writes every row's replayed (or live) ``weights`` and ``ids``; counts faulty rows in
+    ``errors`` (contract in kernels.py)."""
+    args = (router_logits, recorded_ids, bias, weights, ids, errors, method, n_group, topk_group)
+    if use_triton:
+        replay_rows_triton(*args, routed_scaling_factor)
+    else:
+        replay_rows_torch(*args, routed_scaling_factor)
+
+
+@replay_routing_op.register_fake
+def _(
+    router_logits, recorded_ids, bias, weights, ids, errors, method, n_group, topk_group, scale, use_triton
+):
+    return None
+
+
+@torch.library.custom_op("moe_ops::replay_routing_backward_", mutates_args=("grad_logits",))
+def replay_routing_backward_op(
+    grad_weights: torch.Tensor,
+    router_logits: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    grad_logits: torch.Tensor,
+    method: int,
+    routed_scaling_factor: float,
+    use_triton: bool,
+) -> None:
+    """Writes the gradient of the loss w.r.t. ``router_logits`` into ``grad_logits`` (every element)."""
+    args = (grad_weights, router_logits, weights, ids, grad_logits, method, routed_scaling_factor)
+    if use_triton:
+        replay_backward_triton(*args)
+    else:
+        replay_backward_torch(*args)
+
+
+@replay_routing_backward_op.register_fake
+def _(grad_weights, router_logits, weights, ids, grad_logits, method, routed_scaling_factor, use_triton):
+    return None
+
+
+def _errors_for(router_logits: torch.Tensor) -> torch.Tensor:
+    if isinstance(router_logits, FakeTensor):
+        # Traced outside dynamo (FakeTensorMode, make_fx): a fake stand-in for the real counter.
+        return torch.empty(2, dtype=torch.int32, device=router_logits.device)
+    return replay_fault_counter(router_logits.device)
+
+
+def _forward(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton, dtype):
+    """Allocates the outputs and runs the forward op (``dtype``: float32; float64 in gradcheck)."""
+    n, k = recorded_ids.shape
+    weights = torch.empty((n, k), dtype=dtype, device=router_logits.device)
+    ids = torch.empty((n, k), dtype=torch.int32, device=router_logits.device)
+    torch.ops.moe_ops.replay_routing_(
+        router_logits,
+        recorded_ids,
+        bias,
+        weights,
+        ids,
+        _errors_for(router_logits),
+        method,
+        n_group,
+        topk_group,
+        scale,
+        use_triton,
+    )
+    return weights, ids
+
+
+class ReplayRoutingFunction(torch.autograd.Function):
+    """Autograd over the two ops: gradients reach ``router_logits`` only (the ids are
+    non-differentiable and the bias only chooses live rows, a piecewise-constant choice).
+
+    ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton,
+    dtype)`` with validated arguments; ``dtype`` is the compute and weights dtype (float32 in
+    :func:`replay_routing`; float64 tensors with the PyTorch twin for gradcheck).
+    """
+
+    @staticmethod
+    def forward(
+        ctx, router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton, dtype
+    ):
+        weights, ids = _forward(
+            router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton, dtype
+        )
+        ctx.save_for_backward(router_logits, weights, ids)
+        ctx.mark_non_differentiable(ids)
+        ctx.method, ctx.scale, ctx.use_triton = method, scale, use_triton
+        return weights, ids
+
+    @staticmethod
+    @once_differentiable  # first order only: double backward raises instead of a graph-less grad
+    def backward(ctx, grad_weights, grad_ids):
+        router_logits, weights, ids = ctx.saved_tensors
+        grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
+        torch.ops.moe_ops.replay_routing_backward_(
+            grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale, ctx.use_triton
+        )
+        return grad_logits, None, None, None, None, None, None, None, None
+
+
+def _use_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
+    """Whether the Triton kernels run (True) or the PyTorch twins (False); raises for "triton"
+    where they cannot run. Same rule as the router's: a block routed live holds its tile."""
+    ng_pad, g_pad = tile_shape(cfg.num_experts, cfg.n_group)
+    fits = ng_pad * g_pad <= TRITON_MAX_TILE
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return device.type == "cuda" and triton_runs_on(device) and fits
+    if not triton_runs_on(device):
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
+            f"moe_ops is imported); router_logits are on {device}"
+        )
+    if not fits:
+        raise ValueError(
+            f"backend='triton' holds a padded row of at most {TRITON_MAX_TILE} experts; "
+            f"num_experts={cfg.num_experts} with n_group={cfg.n_group} pads to {ng_pad * g_pad}. "
+            "Use backend='torch' (or 'auto')"
+        )
+    return True
+
+
+def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor, method) -> None:
+    if not isinstance(recorded_ids, torch.Tensor):
+        raise TypeError(f"recorded_ids must be a torch.Tensor, got {type(recorded_ids).__name__}")
+    if recorded_ids.dim() != 2:
+        raise ValueError(f"recorded_ids must be 2-D (n_tokens, top_k), got shape {tuple(recorded_ids.shape)}")
+    if recorded_ids.dtype not in RECORDED_ID_DTYPES:
+        raise ValueError(f"recorded_ids must be uint8, int8, int16, int32 or int64, got {recorded_ids.dtype}")
+    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
+        return  # validate_route_args names the problem with router_logits
+    n, num_experts = router_logits.shape
+    if recorded_ids.shape[0] != n:
+        raise ValueError(
+            f"recorded_ids must have one row per token of router_logits ({n}), "
+            f"got {recorded_ids.shape[0]} rows"
+        )
+    top_k = recorded_ids.shape[1]
+    if not 1 <= top_k <= max(num_experts, 1):
+        raise ValueError(
+            f"recorded_ids must have top_k columns in [1, num_experts={num_experts}], got {top_k}"
+        )
+    if recorded_ids.device != router_logits.device:
+        raise ValueError(
+            f"recorded_ids must be on router_logits' device {router_logits.device}, got {recorded_ids.device}"
+        )
+    if method_from_value(method) == RoutingMethod.LLAMA4 and top_k != 1:
+        raise ValueError(
+            f"LLAMA4 routing picks one expert per token: recorded_ids must have 1 column, got {top_k}"
+        )
+
+
+def replay_routing(
+    router_logits: torch.Tensor,
+    recorded_ids: torch.Tensor,
+    method: RoutingMethod | int = RoutingMethod.RENORMALIZE,
+    *,
+    bias: torch.Tensor | None = None,
+    n_group: int | None = None,
+    topk_group: int | None = None,
+    routed_scaling_factor: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes every token through the experts the rollout recorded, weighted from the live logits.
+
+    Args:
+        router_logits: (n, num_experts) float32/bf16/fp16 - the trainer's router outputs; may
+            require grad (bf16/fp16 are upcast to float32 inside the kernels). n may be 0.
+        recorded_ids: (n, top_k) uint8/int8/int16/int32/int64 - the rollout's choices, any
+            strides (e.g. ``routing[:, layer]``); a row of -1 means "route this token live".
+        method: the :class:`RoutingMethod` the model routes with.
+        bias: (num_experts,) float - DEEPSEEK_V3/MINIMAX2 selection bias: chooses the live rows'
+            experts, never enters a weight.
+        n_group, topk_group: DEEPSEEK_V3 groups (live rows only); ``n_group`` None or <= 1: none.
+        routed_scaling_factor: multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0).
+        backend: "auto" (Triton on CUDA, the PyTorch twins on CPU or for rows wider than the kernel
+            tile), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the twins).
+
+    Returns:
+        weights: (n, top_k) float32 - the method's weight rule restricted to ``ids`` (docs/replay.md),
+            from the dense logits; differentiable w.r.t. ``router_logits``.
+        ids: (n, top_k) int32 - the recorded ids, column order kept; on a row of -1 (and on a faulty
+            row) the live routing of that row, exactly what ``moe_ops.route`` returns for it.
+
+    A row with an id outside ``[0, num_experts)`` (other than a whole row of -1) or an expert twice
+    is faulty: it is routed live, its bad ids are never used as addresses, and it is counted on the
+    device for :func:`check_replay_errors` (the caller's next sync point). No host reads, no
+    synchronisation; allocates the two outputs (and, in backward, the logits' gradient). Bad
+    arguments raise before anything runs (ValueError naming the argument; TypeError for
+    non-tensors).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    _check_recorded_ids(recorded_ids, router_logits, method)
+    top_k = recorded_ids.shape[1]
+    cfg = validate_route_args(router_logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+    use_triton = _use_triton(backend, router_logits.device, cfg)
+    args = (
+        router_logits,
+        recorded_ids,
+        bias,
+        int(cfg.method),
+        cfg.n_group,
+        cfg.topk_group,
+        cfg.routed_scaling_factor,
+        use_triton,
+        torch.float32,
+    )
+    if torch.is_grad_enabled() and router_logits.requires_grad:
+        return ReplayRoutingFunction.apply(*args)
+    return _forward(*args)

@@ -1,0 +1,43 @@
+"""benchmarks/bench_replay.py on a machine without a GPU: every case and peer builds and runs once on
+the CPU (--dry-run), and every case names a test that checks its shapes."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_replay", ROOT / "benchmarks" / "bench_replay.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_builds_and_calls_every_peer(bench):
+    table = bench.dry_run([1, 8])
+    ran = {(row[0], row[1], row[2], row[3]) for row in table.rows}
+    for case in bench.CASES:
+        for n in (1, 8):
+            for name in bench.FORWARD_PEERS:
+                assert ("forward", case.name, n, name) in ran
+            for name in bench.BACKWARD_PEERS:
+                if name != "compiled-ref":  # the dry run compiles nothing
+                    assert ("backward", case.name, n, name) in ran
+    for n in (1, 8):
+        for mode in bench.LAYER_MODES:
+            assert ("layer", "tiny", n, mode) in ran
+
+
+def test_every_case_names_an_existing_test(bench):
+    for case in bench.CASES:
+        path, name = case.test.split("::")
+        source = (ROOT / path).read_text()
+        assert f"def {name}(" in source, f"{case.name}: {case.test} does not exist"

@@ -1,0 +1,141 @@
+"""routing_mismatch against Python sets, its order invariance, padding, and the CI check of the docs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from strategies import MismatchCase, mismatch_cases
+
+from moe_ops import RoutingMismatch, replay_routing, route, routing_mismatch
+
+
+def _oracle(case: MismatchCase) -> tuple[list[float], list[float], list[float], int]:
+    """(changed, overlap, disjoint) per layer and the token count, from Python sets."""
+    n, layers, k = case.recorded.shape
+    rows = [t for t in range(n) if case.valid is None or case.valid[t]]
+    changed, overlap, disjoint = [], [], []
+    for layer in range(layers):
+        a = [set(case.recorded[t, layer].tolist()) for t in rows]
+        b = [set(case.live[t, layer].tolist()) for t in rows]
+        if not rows:
+            changed.append(math.nan), overlap.append(math.nan), disjoint.append(math.nan)
+            continue
+        changed.append(sum(x != y for x, y in zip(a, b)) / len(rows))
+        overlap.append(sum(len(x & y) / k for x, y in zip(a, b)) / len(rows))
+        disjoint.append(sum(not (x & y) for x, y in zip(a, b)) / len(rows))
+    return changed, overlap, disjoint, len(rows)
+
+
+def _tensors(case: MismatchCase, dtypes=(torch.int32, torch.int64)):
+    recorded = torch.from_numpy(case.recorded).to(dtypes[0])
+    live = torch.from_numpy(case.live).to(dtypes[1])
+    if case.flat:
+        recorded, live = recorded[:, 0], live[:, 0]
+    valid = None if case.valid is None else torch.from_numpy(case.valid)
+    return recorded, live, valid
+
+
+@settings(max_examples=200)
+@given(case=mismatch_cases())
+def test_matches_python_sets(case):
+    recorded, live, valid = _tensors(case, (torch.int16, torch.int64))
+    m = routing_mismatch(recorded, live, valid=valid)
+    changed, overlap, disjoint, count = _oracle(case)
+    layers = case.recorded.shape[1]
+    for name, got, want in (("changed", m.changed, changed), ("overlap", m.overlap, overlap)):
+        assert got.shape == (layers,) and got.dtype == torch.float32, name
+        torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-7, equal_nan=True, msg=name)
+    torch.testing.assert_close(m.disjoint, torch.tensor(disjoint), rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert int(m.num_tokens) == count and m.num_tokens.dtype == torch.int64
+
+
+@settings(max_examples=50)
+@given(case=mismatch_cases())
+def test_column_order_and_argument_order_do_not_matter(case):
+    recorded, live, valid = _tensors(case)
+    rng = np.random.default_rng(0)
+    perm = torch.from_numpy(rng.permutation(recorded.shape[-1]))
+    a = routing_mismatch(recorded, live, valid=valid)
+    b = routing_mismatch(recorded[..., perm], live.flip(-1), valid=valid)
+    c = routing_mismatch(live, recorded, valid=valid)  # symmetric in the two routings
+    for m in (b, c):
+        for field in ("changed", "overlap", "disjoint"):
+            torch.testing.assert_close(getattr(m, field), getattr(a, field), equal_nan=True)
+
+
+def test_known_values_and_padding():
+    recorded = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7]])
+    live = torch.tensor([[3, 2, 1, 0], [0, 1, 2, 9], [8, 9, 10, 11], [0, 1, 2, 3]])
+    m = routing_mismatch(recorded, live)
+    assert isinstance(m, RoutingMismatch)
+    torch.testing.assert_close(m.changed, torch.tensor([0.75]))
+    torch.testing.assert_close(m.overlap, torch.tensor([(1 + 0.75 + 0 + 0) / 4]))
+    torch.testing.assert_close(m.disjoint, torch.tensor([0.5]))
+    padded = routing_mismatch(recorded, live, valid=torch.tensor([True, True, False, False]))
+    torch.testing.assert_close(padded.changed, torch.tensor([0.5]))
+    torch.testing.assert_close(padded.disjoint, torch.tensor([0.0]))
+    assert int(padded.num_tokens) == 2
+    empty = routing_mismatch(recorded, live, valid=torch.zeros(4, dtype=torch.bool))
+    assert torch.isnan(empty.changed).all() and int(empty.num_tokens) == 0
+
+
+def test_ci_check_of_the_docs_fails_a_run_above_one_percent_disjoint():
+    """The check docs/replay.md shows: fail when more than 1% of tokens are disjoint in any layer."""
+
+    def check(m: RoutingMismatch, limit: float = 0.01) -> None:
+        worst = float(m.disjoint.max())  # host sync: once per step, where the loss is read anyway
+        if worst > limit:
+            layer = int(m.disjoint.argmax())
+            raise AssertionError(f"{worst:.2%} of tokens disjoint from the rollout in layer {layer}")
+
+    n, layers = 400, 3
+    recorded = torch.stack([torch.randperm(64)[:8] for _ in range(n * layers)]).view(n, layers, 8)
+    live = recorded.clone()
+    live[:4, 1] = recorded[:4, 1] + 64  # 4 of 400 tokens = 1%: allowed
+    check(routing_mismatch(recorded, live))
+    live[4, 1] += 64  # 5 of 400 = 1.25%
+    with pytest.raises(AssertionError, match=r"1.25% of tokens disjoint from the rollout in layer 1"):
+        check(routing_mismatch(recorded, live))
+
+
+def test_replayed_ids_have_no_mismatch_and_live_ones_are_measured():
+    """The metric on the op's own outputs: replayed ids equal the record; the live router's ids of
+    perturbed logits differ by what the perturbation moved."""
+    logits = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    recorded = route(logits, 4)[1]
+    trainer_logits = logits + 0.3 * torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    replayed = replay_routing(trainer_logits, recorded)[1]
+    assert float(routing_mismatch(recorded, replayed).changed) == 0.0
+    live = route(trainer_logits, 4)[1]
+    m = routing_mismatch(recorded, live)
+    want = sum(set(a) != set(b) for a, b in zip(recorded.tolist(), live.tolist())) / 64
+    assert 0 < float(m.changed) == pytest.approx(want)
+
+
+BAD = [
+    (dict(recorded_ids=[[1]]), TypeError, "recorded_ids must be a torch.Tensor"),
+    (dict(recorded_ids=torch.zeros(4, dtype=torch.int32)), ValueError, r"recorded_ids must be \(n, top_k\)"),
+    (dict(live_ids=torch.zeros(4, 3, 2, 1, dtype=torch.int32)), ValueError, "live_ids must be"),
+    (dict(live_ids=torch.zeros(4, 3)), ValueError, "live_ids must be uint8, int8, int16, int32 or int64"),
+    (dict(live_ids=torch.zeros(4, 2, dtype=torch.int32)), ValueError, r"recorded_ids' shape \(4, 3\)"),
+    (dict(recorded_ids=torch.zeros(4, 0, dtype=torch.int32)), ValueError, "at least one expert column"),
+    (dict(valid=torch.ones(4)), ValueError, r"valid must be a \(4,\) bool tensor"),
+    (dict(valid=torch.ones(5, dtype=torch.bool)), ValueError, r"valid must be a \(4,\) bool tensor"),
+    (dict(valid=[True] * 4), TypeError, "valid must be a torch.Tensor or None"),
+    (dict(live_ids=torch.zeros(4, 3, dtype=torch.int32, device="meta")), ValueError, "device cpu, got meta"),
+]
+
+
+@pytest.mark.parametrize("change, exc, message", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_arguments(change, exc, message):
+    args = dict(
+        recorded_ids=torch.zeros(4, 3, dtype=torch.int32), live_ids=torch.zeros(4, 3, dtype=torch.int64)
+    )
+    args.update(change)
+    valid = args.pop("valid", None)
+    with pytest.raises(exc, match=message):
+        routing_mismatch(args["recorded_ids"], args["live_ids"], valid=valid)
