@@ -125,7 +125,7 @@ def test_kernel_limits_are_checked_before_the_call(kwargs, message):
 def test_bad_capture_targets_are_refused_before_the_kernel():
     buffer = torch.full((16, 2, TOP_K), POISON, dtype=torch.int32, device="meta")
     counts = torch.zeros(1, dtype=torch.int32, device="meta")
-    with pytest.raises(TypeError, match="object lacks buffer, layer_id"):
+    with pytest.raises(TypeError, match="capture must be a CaptureTarget or None, got object"):
         route_flashinfer(_meta_logits(), TOP_K, 2, n_group=8, topk_group=4, capture=object())
     with pytest.raises(IndexError, match="layer_id"):
         target = CaptureTarget(buffer, 2, token_counts=counts)
