@@ -146,13 +146,13 @@ def test_ids_that_do_not_fit_are_stored_as_minus_one_and_counted(impl):
     buf = torch.full((4, 1, 1), POISON, dtype=torch.int16, device=device)
     report = kernel_capture(impl, buf, ids16, counts, 0, 0, BatchLayout.LOCAL)
     assert buf[:, 0, 0].tolist() == [-1, -1, -1, 7]
-    assert report.bad_id_rows == 3 and report.calls == 0 and report.flags == FAULT_BAD_ID
+    assert report.bad_ids == 3 and report.calls == 0 and report.flags == FAULT_BAD_ID
 
     ids64 = torch.tensor([[2**40, 3], [5, -2], [1, 2], [0, 0]], dtype=torch.int64, device=device)
     buf = torch.full((4, 1, 2), POISON, dtype=torch.int32, device=device)
     report = kernel_capture(impl, buf, ids64, counts, 0, 0, BatchLayout.LOCAL)
     assert buf[:, 0].tolist() == [[-1, 3], [5, -1], [1, 2], [0, 0]]
-    assert report.bad_id_rows == 2
+    assert report.bad_ids == 2
 
 
 def test_route_refuses_a_buffer_dtype_that_cannot_hold_its_experts():
@@ -582,5 +582,5 @@ def test_fault_bits_of_a_clamped_window_are_counted_per_bit():
     for _ in range(3):
         _faulty_call(counter)
     report = counter.peek()
-    assert report == FaultReport(calls=3, flags=FAULT_SOURCE_SHORT, bad_id_rows=0)
+    assert report == FaultReport(calls=3, flags=FAULT_SOURCE_SHORT, bad_ids=0)
     assert counter.check(raise_error=False) == 3 and counter.check() == 0

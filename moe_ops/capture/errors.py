@@ -14,8 +14,8 @@ counter of its device (:func:`capture_error_counter`).
 Layout of a counter, (FAULT_SLOTS,) int32 on the device, only ever incremented by the kernels:
 
     slot 0              calls that had to clamp their row window (counted once per call)
-    slot 1 + log2(bit)  per fault bit: calls with that window fault, or, for FAULT_BAD_ID, rows
-                        whose id was negative or did not fit the buffer (stored as -1)
+    slot 1 + log2(bit)  per fault bit: calls with that window fault, or, for FAULT_BAD_ID, ids
+                        that were negative or did not fit the buffer (each stored as -1)
 
 Reading is lossless under concurrency: :meth:`FaultCounter.read_and_reset` copies the slots to the
 host and then SUBTRACTS what it read (an atomic ``index_add_`` on CUDA; under the counter's lock on
@@ -101,8 +101,8 @@ class FaultReport:
     calls: int
     # OR of the fault bits seen (FAULT_* constants)
     flags: int
-    # rows whose id was negative or too large for the buffer (stored as -1)
-    bad_id_rows: int
+    # ids that were negative or too large for the buffer (each stored as -1)
+    bad_ids: int
 
     @classmethod
     def of(cls, values: list[int]) -> FaultReport:
@@ -111,20 +111,20 @@ class FaultReport:
 
     @property
     def total(self) -> int:
-        """Faults in all: clamped calls plus rows with a bad id."""
-        return self.calls + self.bad_id_rows
+        """Faults in all: clamped calls plus ids refused."""
+        return self.calls + self.bad_ids
 
 
 class CaptureFaultError(RuntimeError):
     """Raised by a check when a capture kernel had to clamp a window or refuse an id."""
 
-    def __init__(self, device: torch.device, calls: int, flags: int, bad_id_rows: int = 0):
-        self.device, self.calls, self.flags, self.bad_id_rows = device, calls, flags, bad_id_rows
+    def __init__(self, device: torch.device, calls: int, flags: int, bad_ids: int = 0):
+        self.device, self.calls, self.flags, self.bad_ids = device, calls, flags, bad_ids
         parts = []
         if calls:
             parts.append(f"{calls} routing-capture call(s) on {device} were clamped")
-        if bad_id_rows:
-            parts.append(f"{bad_id_rows} row(s) on {device} had an expert id the buffer cannot hold")
+        if bad_ids:
+            parts.append(f"{bad_ids} expert id(s) on {device} did not fit the buffer")
         super().__init__(
             f"{' and '.join(parts)}: {describe_faults(flags)}. token_counts/shard_sizes or ids disagree "
             "with the tensors they describe; rows outside the valid range were not written."
@@ -176,7 +176,7 @@ class FaultCounter:
         ``raise_error``. HOST SYNC, as :meth:`read_and_reset`."""
         report = self.read_and_reset() if reset else self.peek()
         if raise_error and report.total:
-            raise CaptureFaultError(self.device, report.calls, report.flags, report.bad_id_rows)
+            raise CaptureFaultError(self.device, report.calls, report.flags, report.bad_ids)
         return report.total
 
     def __repr__(self) -> str:
@@ -188,7 +188,7 @@ def _report(values: list[int]) -> FaultReport:
     for bit, slot in FAULT_SLOT.items():
         if values[slot]:
             flags |= bit
-    return FaultReport(calls=values[0], flags=flags, bad_id_rows=values[FAULT_SLOT[FAULT_BAD_ID]])
+    return FaultReport(calls=values[0], flags=flags, bad_ids=values[FAULT_SLOT[FAULT_BAD_ID]])
 
 
 def _normalise(device: torch.device | str | int | None) -> torch.device:
