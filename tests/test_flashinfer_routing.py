@@ -201,7 +201,9 @@ def test_route_with_capture_compiles_fullgraph_on_fake_tensors(layout):
     assert replay.op == "call_function" and replay.args[0] is route, (
         "capture must read the kernel's replay output"
     )
-    assert capture.kwargs["layout"] == int(layout) and capture.kwargs["dp_rank"] == dp_size - 1
+    # the row rule's offset: GATHERED rank dp_size - 1 starts after the blocks of the ranks before it
+    n_first = 0 if layout == BatchLayout.LOCAL else dp_size - 1
+    assert capture.kwargs["n_first"] == n_first and capture.kwargs["dp_rank"] == dp_size - 1
 
 
 def test_zero_tokens_skip_the_kernel_but_not_the_capture():
