@@ -897,3 +897,44 @@ def mismatch_cases(draw, max_tokens: int = 20, max_layers: int = 4, max_top_k: i
                 recorded[t, layer, rng.integers(k)] = recorded[t, layer, rng.integers(k)]
     valid = rng.random(n) < 0.7 if draw(st.booleans()) else None
     return MismatchCase(recorded, live, valid, flat)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ids near the dtype limits: values a buffer dtype holds or not, in ids of a wider or narrower dtype.
+# ---------------------------------------------------------------------------------------------------
+
+_DTYPE_MAX = {torch.int16: 2**15 - 1, torch.int32: 2**31 - 1, torch.int64: 2**63 - 1}
+
+
+def refused_ids(case: CaptureCase, buffer_before: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The buffer a capture of ``case`` leaves when ids that do not fit the buffer dtype (or are
+    negative) are stored as -1, and how many ids were refused (computed here, from the dtypes)."""
+    out = buffer_before.clone()
+    block = torch.from_numpy(case.rows[case.start : case.start + case.c]).to(torch.int64)
+    bad = (block < 0) | (block > _DTYPE_MAX[case.buffer_dtype])
+    out[: case.c, case.layer_id] = torch.where(bad, -1, block).to(out.dtype).to(out.device)
+    return out, int(bad.sum())
+
+
+@st.composite
+def limit_id_cases(draw, buffer_dtypes=(torch.int16, torch.int32, torch.int64), views: bool = True):
+    """A capture case whose real rows hold ids at and beyond the buffer dtype's limits (and negative
+    ones), in ids of a dtype at least as wide as the buffer's."""
+    case = draw(capture_cases(buffer_dtypes=buffer_dtypes, ids_dtypes=(torch.int64,), views=views))
+    limit = _DTYPE_MAX[case.buffer_dtype]
+    ids_dtype = draw(
+        st.sampled_from([d for d in (torch.int16, torch.int32, torch.int64) if _DTYPE_MAX[d] >= limit])
+    )
+    id_max = _DTYPE_MAX[ids_dtype]
+    near = [0, 1, limit - 1, limit, -1, -(2**15)]
+    if id_max > limit:
+        near += [limit + 1, min(id_max, 2 * limit + 1), id_max]
+    rows = case.rows.copy()
+    real = np.zeros(rows.shape[0], dtype=bool)
+    real[case.start : case.start + case.c] = True
+    picks = draw(st.lists(st.sampled_from(near), min_size=rows.size, max_size=rows.size))
+    values = np.array(picks, dtype=np.int64).reshape(rows.shape)
+    rows[real] = values[real]
+    case.rows = rows
+    case.ids_dtype = ids_dtype
+    return case

@@ -16,7 +16,7 @@ import torch
 from gpu_helpers import skip_unless_triton_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import POISON, routed_capture_cases
+from strategies import POISON, limit_id_cases, refused_ids, routed_capture_cases, view_base_untouched
 
 import moe_ops
 from moe_ops import (
@@ -584,3 +584,17 @@ def test_fault_bits_of_a_clamped_window_are_counted_per_bit():
     report = counter.peek()
     assert report == FaultReport(calls=3, flags=FAULT_SOURCE_SHORT, bad_ids=0)
     assert counter.check(raise_error=False) == 3 and counter.check() == 0
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@settings(max_examples=150)
+@given(case=limit_id_cases())
+def test_ids_at_the_dtype_limits(impl, case):
+    """Every id the buffer dtype holds is stored as is, every other one as -1 and counted."""
+    device = impl[1]
+    buffer, ids, counts, sizes = case.tensors(device)
+    expected, n_bad = refused_ids(case, buffer)
+    report = kernel_capture(impl, buffer, ids, counts, case.layer_id, case.dp_rank, case.layout, sizes)
+    assert torch.equal(buffer, expected)
+    assert report.bad_ids == n_bad and report.calls == 0
+    assert view_base_untouched(buffer)
