@@ -335,6 +335,23 @@ def test_slot_mapping_is_read_only():
     assert ledger.store.read([3, 1], 6, 4)[:, 0, 0].tolist() == list(range(6))
 
 
+def test_slot_mapping_of_long_and_short_entries_in_one_step():
+    """Entries up to 32 tokens and longer ones take different paths; the mapping is one sequence."""
+    rng = np.random.default_rng(5)
+    ledger = RoutingLedger(SlotStore(64 * 4, SMALL), 4)
+    lengths = [1, 40, 3, 33, 32, 0, 2, 70]
+    free = rng.permutation(64).tolist()
+    tables = {}
+    for rid, n in enumerate(lengths):
+        ledger.add_request(rid)
+        tables[rid] = [free.pop() for _ in range(-(-(n + 5) // 4))]
+        ledger.append_blocks(rid, tables[rid])
+    ledger.schedule([(rid, 5) for rid in range(len(lengths))])  # every entry starts mid-block
+    step = ledger.schedule(list(enumerate(lengths)))
+    expected = [tables[rid][p // 4] * 4 + p % 4 for rid, n in enumerate(lengths) for p in range(5, 5 + n)]
+    assert step.slot_mapping.tolist() == expected and step.slot_mapping.dtype == np.int64
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [
