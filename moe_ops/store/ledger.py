@@ -97,8 +97,6 @@ class _Request:
     cached: int = 0
     # tokens [0, computed) of the current attempt are scheduled or prefix-hit
     computed: int = 0
-    # attempts started so far minus one (0 = first run, +1 per resume)
-    attempt: int = 0
     # "running", "preempted", "finished" or "aborted"
     state: str = "running"
     # sampling: the longest ended attempt (tokens [0, covered) have their rows in result);
@@ -229,10 +227,10 @@ class RoutingLedger:
         req = self._get(req_id, "running", "preempted")
         if req.state != "preempted":
             raise ValueError(f"request {req_id!r} is {req.state}, only a preempted request can resume")
-        self._start_attempt(req, cached_blocks, num_cached_tokens, attempt=req.attempt + 1)
+        self._start_attempt(req, cached_blocks, num_cached_tokens)
         req.state = "running"
 
-    def _start_attempt(self, req: _Request, cached_blocks, num_cached_tokens: int, attempt: int = 0) -> None:
+    def _start_attempt(self, req: _Request, cached_blocks, num_cached_tokens: int) -> None:
         blocks = self._block_list("cached_blocks", cached_blocks)
         if isinstance(num_cached_tokens, bool) or not isinstance(num_cached_tokens, (int, np.integer)):
             raise TypeError(f"num_cached_tokens must be an int, got {type(num_cached_tokens).__name__}")
@@ -246,7 +244,6 @@ class RoutingLedger:
         self._refs[blocks] += 1
         req.blocks = list(blocks)
         req.cached = req.computed = int(num_cached_tokens)
-        req.attempt = attempt
 
     @_locked
     def append_blocks(self, req_id: Hashable, block_ids: Sequence[int]) -> None:
