@@ -18,6 +18,10 @@ Each number is a ratio against a floor or peer measured in the same run:
   16): GB/s of routing rows. Target >= 2 GB/s. CPU.
 - ``encode_routing`` + ``decode_routing`` of a 32768-token request: GB/s of routing bytes. Target
   >= 1 GB/s. CPU.
+- ``RoutingLedger`` lock cost: median us per ``schedule`` / ``land`` / ``finish`` / ``collect`` call
+  of a decode loop (64 requests, 1 token each per step, rows landing one step late), against the
+  same ledger with its lock swapped for a no-op (floor), and with ``land`` on a second thread (the
+  engine's output thread). CPU.
 
     python benchmarks/bench_transfer.py [--csv out.csv] [--quick]
 
@@ -27,9 +31,12 @@ Without a GPU only the CPU sections run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import queue
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -40,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import Table, device_us_per_call
 from moe_ops import (
     RoutingCapturer,
+    RoutingLedger,
     RoutingShape,
     SlotStore,
     TransferPipeline,
@@ -285,6 +293,93 @@ def wire_throughput(reps: int) -> Table:
     return table
 
 
+def ledger_lock_cost(steps: int) -> Table:
+    """Per-call cost of RoutingLedger's lock in a decode loop, with and without a second thread.
+
+    64 running requests decode one token per step (a 64-row step of 61 x 8 uint8 ids); each step's
+    rows land one step later (async scheduling); a request finishes after 64..191 tokens and a new
+    one takes its place (its blocks come back to the pool at once). Modes: the ledger with its lock
+    replaced by a no-op context (floor: the bookkeeping alone), the real lock on one thread, and
+    the real lock with ``land`` on an output thread while the scheduler thread schedules, finishes
+    and collects (each thread times its own calls, so lock waits and GIL hand-overs are inside).
+    """
+    table = Table(
+        f"RoutingLedger calls in a decode loop (64 requests x 1 token, {LAYERS}x{TOP_K} uint8 rows, "
+        f"{steps} steps)",
+        ["mode", "op", "calls", "median_us", "p90_us", "ratio_vs_floor"],
+    )
+    block_size, running, num_blocks = 16, 64, 64 * 16
+    rows = np.random.default_rng(2).integers(0, EXPERTS, size=(running, LAYERS, TOP_K), dtype=np.uint8)
+
+    def run(mode: str) -> dict[str, list[float]]:
+        ledger = RoutingLedger(SlotStore(num_blocks * block_size, SHAPE), block_size)
+        if mode == "no lock (floor)":
+            ledger._lock = contextlib.nullcontext()  # the bookkeeping without the lock around it
+        rng = np.random.default_rng(3)
+        free = list(range(num_blocks))
+        live = {}  # req_id -> [tokens scheduled, tokens to generate, blocks]
+        times = {op: [] for op in ("schedule", "land", "finish", "collect")}
+        landing: queue.Queue = queue.Queue()
+        clock = time.perf_counter
+
+        def timed(op, fn, *args):
+            t = clock()
+            out = fn(*args)
+            times[op].append(clock() - t)
+            return out
+
+        def output_thread():
+            while (item := landing.get()) is not None:
+                timed("land", ledger.land, *item)
+
+        worker = threading.Thread(target=output_thread) if mode == "lock, land on a 2nd thread" else None
+        if worker is not None:
+            worker.start()
+        next_id, previous = 0, None
+        for _ in range(steps):
+            while len(live) < running:
+                ledger.add_request(next_id)
+                live[next_id] = [0, int(rng.integers(64, 192)), []]
+                next_id += 1
+            for rid, state in live.items():
+                if state[0] == len(state[2]) * block_size:
+                    state[2].append(free.pop())
+                    ledger.append_blocks(rid, state[2][-1:])
+            step = timed("schedule", ledger.schedule, [(rid, 1) for rid in live])
+            if previous is not None:  # the previous step's rows arrive while this one runs
+                if worker is not None:
+                    landing.put(previous)
+                else:
+                    timed("land", ledger.land, *previous)
+            previous = (step.seq, rows)
+            for rid in [rid for rid, state in live.items() if state[0] + 1 == state[1]]:
+                timed("finish", ledger.finish, rid)
+                free.extend(live.pop(rid)[2])
+            for state in live.values():
+                state[0] += 1
+            timed("collect", ledger.collect)
+        if worker is not None:
+            landing.put(previous)
+            landing.put(None)
+            worker.join()
+        else:
+            ledger.land(*previous)
+        ledger.collect()
+        assert ledger.in_flight == [], "steps left in flight"
+        return times
+
+    modes = ["no lock (floor)", "lock, 1 thread", "lock, land on a 2nd thread"]
+    run(modes[0])  # warm-up
+    results = {m: run(m) for m in modes}
+    for op in ("schedule", "land", "finish", "collect"):
+        floor = statistics.median(results[modes[0]][op])
+        for m in modes:
+            t = sorted(results[m][op])
+            med = statistics.median(t)
+            table.add(m, op, len(t), med * 1e6, t[int(0.9 * (len(t) - 1))] * 1e6, med / floor)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--csv", default=None)
@@ -302,6 +397,7 @@ def main() -> None:
         print("no CUDA GPU: D2H bandwidth, narrowing kernel and compute slowdown not measured")
     tables.append(store_throughput(reps))
     tables.append(wire_throughput(reps))
+    tables.append(ledger_lock_cost(steps=500 if args.quick else 3000))
     for t in tables:
         if args.csv:
             t.write_csv(args.csv)

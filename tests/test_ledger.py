@@ -1,11 +1,14 @@
-"""Request lifecycle: pre-free capture, preemption/resume, abort, block reuse, prefix hits, in flight.
+"""Request lifecycle: pre-free capture, preemption/resume under both policies, abort, block reuse,
+prefix hits, steps in flight, dropped steps, rejected draft tokens, start offsets.
 
 The state machine simulates an engine scheduler (paged KV allocator with a prefix cache and LRU-less
-eviction, chunked prefill, decode, preemption by recompute, abort, finish) and drives the REAL data
-path for every step: ``RoutingCapturer.set_step`` / ``capture`` (the capture op, LOCAL layout with
-padding rows) / ``snapshot`` through the transfer ring (1..4 steps in flight, landing in any order)
+eviction, chunked prefill, decode with speculative draft tokens that a verify outcome rejects,
+preemption by recompute, abort, finish) and drives the REAL data path for every step:
+``RoutingCapturer.set_step`` / ``capture`` (the capture op, LOCAL layout with padding rows) /
+``snapshot`` through the transfer ring (1..4 steps in flight, landing in any order, some dropped)
 into ``RoutingLedger`` and ``SlotStore``. Its invariant: every finished request's routing equals
-what its tokens were routed to, row for row.
+what its tokens were routed to under the ledger's policy, row for row, with exactly the rows of
+dropped steps marked missing.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from strategies import routing_rows
 
 from moe_ops import RoutingCapturer, RoutingLedger, RoutingShape, SlotStore
-from moe_ops.store import slots_for
 
 # model layers 0..3, layer 2 dense; ids need uint16 (300 experts)
 SHAPE = RoutingShape(num_layers=3, num_experts=300, top_k=2, moe_layers=(0, 1, 3), num_model_layers=4)
@@ -72,9 +74,11 @@ def test_late_rows_never_land_in_a_reallocated_block():
     assert np.array_equal(store.read_slots([2]), b_rows) and (store.read_slots([3]) == store.fill).all()
 
 
-def test_preempt_and_resume_return_the_most_complete_copy_in_order():
+@pytest.mark.parametrize("policy", ["sampling", "latest"])
+def test_preempt_and_resume_return_the_most_complete_copy_in_order(policy):
+    """A shorter later attempt adds nothing: both policies return the first attempt's rows."""
     store = SlotStore(8 * 2, SHAPE)
-    ledger = RoutingLedger(store, block_size=2)
+    ledger = RoutingLedger(store, block_size=2, policy=policy)
     ledger.add_request("r")
     ledger.append_blocks("r", [0, 1, 2])
     s = ledger.schedule([("r", 5)])
@@ -112,6 +116,348 @@ def test_prefix_hit_on_a_block_whose_step_is_in_flight():
     assert np.array_equal(done.routing, np.concatenate([a_rows, b_rows]))
 
 
+# --------------------------------------------------------------- preemption policies (sampling, latest)
+
+SMALL = RoutingShape(num_layers=1, num_experts=64, top_k=1)  # uint8 rows, fill 255
+
+
+def _const(value: int, n: int) -> np.ndarray:
+    return np.full((n, 1, 1), value, np.uint8)
+
+
+def _ids(values) -> np.ndarray:
+    return np.asarray(values, np.uint8).reshape(-1, 1, 1)
+
+
+@pytest.mark.parametrize("policy, expected", [("sampling", [0, 0, 0, 0, 0, 1]), ("latest", [1] * 6)])
+def test_policy_of_the_issue_example(policy, expected):
+    """Sampling-time routes survive a re-prefill: the positions the first attempt computed keep its
+    rows; the re-prefill only adds the new token (``policy="latest"`` keeps the old behaviour)."""
+    lg = RoutingLedger(SlotStore(64, RoutingShape(num_layers=1, num_experts=8, top_k=1)), 16, policy)
+    lg.add_request("r")
+    lg.append_blocks("r", [0])
+    s = lg.schedule([("r", 5)])
+    lg.land(s.seq, np.zeros((5, 1, 1), np.uint8))  # sampling-time routes
+    lg.preempt("r")
+    lg.resume("r")
+    lg.append_blocks("r", [1])
+    s = lg.schedule([("r", 6)])
+    lg.land(s.seq, np.ones((6, 1, 1), np.uint8))  # re-prefill + 1 new token
+    lg.finish("r")
+    (done,) = lg.collect()
+    assert done.routing[:, 0, 0].tolist() == expected
+    assert not done.missing.any() and done.missing.shape == (6,)
+
+
+def _attempts(ledger, lengths, blocks_of_attempt, abort_last=False):
+    """Runs one request through attempts computing ``lengths[a]`` tokens (rows 10 * a + position),
+    preempting between them; returns the rows each attempt computed."""
+    computed = []
+    for a, n in enumerate(lengths):
+        if a == 0:
+            ledger.add_request("r")
+        else:
+            ledger.resume("r")
+        ledger.append_blocks("r", blocks_of_attempt[a])
+        rows = _ids([10 * a + p for p in range(n)])
+        step = ledger.schedule([("r", n)])
+        ledger.land(step.seq, rows)
+        computed.append(rows)
+        if a + 1 < len(lengths):
+            ledger.preempt("r")
+    if abort_last:
+        ledger.abort("r")
+    else:
+        ledger.finish("r")
+    return computed
+
+
+@pytest.mark.parametrize("policy", ["sampling", "latest"])
+def test_repeated_preemptions_keep_each_positions_first_version(policy):
+    """SGLang's test_repeated_retracts_keep_each_sampling_version: 6, then 8, then 9 tokens."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4, policy)
+    a0, a1, a2 = _attempts(ledger, [6, 8, 9], [[0, 1], [5, 3], [2, 7, 4]])
+    (done,) = ledger.collect()
+    expected = np.concatenate([a0, a1[6:], a2[8:]]) if policy == "sampling" else a2
+    assert np.array_equal(done.routing, expected)
+
+
+@pytest.mark.parametrize("policy", ["sampling", "latest"])
+@pytest.mark.parametrize("abort_during_partial", [False, True])
+def test_preemption_during_a_partial_reprefill_reads_no_uncomputed_row(policy, abort_during_partial):
+    """SGLang's test_retract_during_reprefill_does_not_read_uncomputed_rows: the partial attempt's
+    blocks hold another request's old rows past the 2 tokens it computed; none may come back."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4, policy)
+    ledger.add_request("old")
+    ledger.append_blocks("old", [2, 3])
+    step = ledger.schedule([("old", 8)])
+    ledger.land(step.seq, _const(63, 8))  # poison left in blocks 2, 3
+    ledger.finish("old")
+    ledger.collect()
+    lengths = [6, 2] if abort_during_partial else [6, 2, 7]
+    computed = _attempts(ledger, lengths, [[0, 1], [2, 3], [3, 2]], abort_last=abort_during_partial)
+    (done,) = ledger.collect()
+    assert not (done.routing == 63).any(), "rows the partial attempt never computed came back"
+    a0 = computed[0]
+    if abort_during_partial:  # the 2-token attempt is shorter: both policies keep the first
+        expected = a0
+    else:
+        expected = np.concatenate([a0, computed[2][6:]]) if policy == "sampling" else computed[2]
+    assert np.array_equal(done.routing, expected)
+
+
+def test_sampling_keeps_the_rows_of_a_first_attempt_that_only_prefilled():
+    """The rule is per position, not per sampled token: a first attempt cut off during its chunked
+    prefill keeps its 2 rows (SGLang drops them; docs/transfer.md says why the ledger does not)."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    a0, a1 = _attempts(ledger, [2, 6], [[0], [1, 2]])
+    (done,) = ledger.collect()
+    assert np.array_equal(done.routing, np.concatenate([a0, a1[2:]]))
+
+
+def test_policy_must_be_known():
+    with pytest.raises(ValueError, match=r"policy must be one of \('sampling', 'latest'\), got 'first'"):
+        RoutingLedger(SlotStore(16, SMALL), 4, policy="first")
+
+
+# ------------------------------------------------------------------------------------- start offsets
+
+
+@pytest.mark.parametrize("start", [0, 3, 4, 5, 10])
+def test_start_cuts_the_sampling_rows(start):
+    """SGLang's test_sampling_routes_survive_reprefill: cat(original, recomputed[len(original):])[start:]."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("r", start=start)
+    ledger.append_blocks("r", [0, 1])
+    s = ledger.schedule([("r", 5)])
+    original = _ids(range(5))
+    ledger.land(s.seq, original)
+    ledger.preempt("r")
+    ledger.resume("r")
+    ledger.append_blocks("r", [4, 2])
+    s = ledger.schedule([("r", 6)])
+    recomputed = _ids(range(20, 26))
+    ledger.land(s.seq, recomputed)
+    ledger.finish("r")
+    (done,) = ledger.collect()
+    assert done.start == start
+    assert np.array_equal(done.routing, np.concatenate([original, recomputed[5:]])[start:])
+    assert done.missing.shape == (done.routing.shape[0],)
+
+
+@pytest.mark.parametrize("start", [0, 5, 8, 9, 11, 30])
+def test_start_copies_no_row_before_it(start):
+    """A second turn on a prefix hit of the first turn's 8 tokens: the rows from ``start`` on are
+    returned in an array of exactly that many rows (not a slice of a longer copy)."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("turn1")
+    ledger.append_blocks("turn1", [6, 2])
+    s = ledger.schedule([("turn1", 8)])
+    first = _ids(range(30, 38))
+    ledger.land(s.seq, first)
+    ledger.add_request("turn2", cached_blocks=[6, 2], num_cached_tokens=8, start=start)
+    ledger.append_blocks("turn2", [5])
+    s = ledger.schedule([("turn2", 3)])
+    new = _ids([1, 2, 3])
+    ledger.land(s.seq, new)
+    ledger.finish("turn2")
+    (done,) = ledger.collect()
+    expected = np.concatenate([first, new])[start:]
+    assert np.array_equal(done.routing, expected) and done.start == start
+    assert done.routing.base is None and done.missing.base is None, "a view of a longer private copy"
+
+
+def test_start_cuts_missing_like_the_rows():
+    """A dropped step covering tokens 0..5 of a request with start 3: missing covers [3, 8) only."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("r", start=3)
+    ledger.append_blocks("r", [0, 1])
+    s0 = ledger.schedule([("r", 6)])
+    s1 = ledger.schedule([("r", 2)])
+    ledger.land(s1.seq, _ids([40, 41]))
+    ledger.drop(s0.seq)
+    ledger.finish("r")
+    (done,) = ledger.collect()
+    assert done.missing.tolist() == [True, True, True, False, False]
+    assert done.routing[:, 0, 0].tolist() == [255, 255, 255, 40, 41]
+
+
+# ----------------------------------------------------------------------------- dropped steps (drop)
+
+
+@pytest.mark.parametrize("drop_first", [False, True])
+def test_a_prefix_hit_on_a_dropped_step_reads_fill_not_old_rows(drop_first):
+    """The block held another request's rows before; the step that recomputed it never arrived:
+    the prefix-hit request gets fill rows marked missing (the step in flight, or dropped already)."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("old")
+    ledger.append_blocks("old", [2])
+    s = ledger.schedule([("old", 4)])
+    ledger.land(s.seq, _const(63, 4))
+    ledger.finish("old")
+    ledger.collect()
+    ledger.add_request("a")
+    ledger.append_blocks("a", [2])
+    s_a = ledger.schedule([("a", 4)])
+    if drop_first:
+        ledger.drop(s_a.seq)
+    ledger.add_request("b", cached_blocks=[2], num_cached_tokens=4)
+    ledger.append_blocks("b", [3])
+    s_b = ledger.schedule([("b", 1)])
+    ledger.land(s_b.seq, _ids([7]))
+    ledger.finish("b")
+    if not drop_first:
+        assert ledger.collect() == [], "b must wait for a's step"
+        ledger.drop(s_a.seq)
+    (done,) = ledger.collect()
+    assert done.req_id == "b"
+    assert done.routing[:, 0, 0].tolist() == [255, 255, 255, 255, 7]
+    assert done.missing.tolist() == [True] * 4 + [False]
+
+
+# ------------------------------------------------------------------------------- smaller contracts
+
+
+def test_slot_mapping_is_read_only():
+    """An engine that reverses the slot mapping in place must not corrupt the ledger's routing."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("r")
+    ledger.append_blocks("r", [3, 1])
+    step = ledger.schedule([("r", 6)])
+    with pytest.raises(ValueError, match="read-only"):
+        step.slot_mapping[:] = step.slot_mapping[::-1]
+    with pytest.raises(ValueError, match="WRITEABLE"):
+        step.slot_mapping.flags.writeable = True
+    ledger.land(step.seq, _ids(range(6)))
+    ledger.finish("r")
+    (done,) = ledger.collect()
+    assert done.routing[:, 0, 0].tolist() == list(range(6))
+    assert ledger.store.read([3, 1], 6, 4)[:, 0, 0].tolist() == list(range(6))
+
+
+def test_slot_mapping_of_long_and_short_entries_in_one_step():
+    """Entries up to 32 tokens and longer ones take different paths; the mapping is one sequence."""
+    rng = np.random.default_rng(5)
+    ledger = RoutingLedger(SlotStore(64 * 4, SMALL), 4)
+    lengths = [1, 40, 3, 33, 32, 0, 2, 70]
+    free = rng.permutation(64).tolist()
+    tables = {}
+    for rid, n in enumerate(lengths):
+        ledger.add_request(rid)
+        tables[rid] = [free.pop() for _ in range(-(-(n + 5) // 4))]
+        ledger.append_blocks(rid, tables[rid])
+    ledger.schedule([(rid, 5) for rid in range(len(lengths))])  # every entry starts mid-block
+    step = ledger.schedule(list(enumerate(lengths)))
+    expected = [tables[rid][p // 4] * 4 + p % 4 for rid, n in enumerate(lengths) for p in range(5, 5 + n)]
+    assert step.slot_mapping.tolist() == expected and step.slot_mapping.dtype == np.int64
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (np.array([300, 7.9]).reshape(2, 1, 1), "must hold integers, got dtype float64"),
+        (np.array([300, 7]).reshape(2, 1, 1), r"hold values in \[7, 300\] that the store's dtype uint8"),
+        (np.array([-1, 7]).reshape(2, 1, 1), r"hold values in \[-1, 7\]"),
+    ],
+)
+def test_land_checks_rows_that_only_go_to_a_private_copy(bad, match):
+    """The aborted request's block is reused before its step lands, so its rows go to its private
+    copy only: they are checked like the store's rows, and a refused landing changes nothing."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("a")
+    ledger.append_blocks("a", [1])
+    s0 = ledger.schedule([("a", 2)])
+    ledger.abort("a")
+    ledger.add_request("b")
+    ledger.append_blocks("b", [1])
+    with pytest.raises(ValueError, match=f"rows of step {s0.seq} {match}"):
+        ledger.land(s0.seq, bad)
+    assert ledger.in_flight == [s0.seq] and ledger.collect() == []
+    ledger.land(s0.seq, _ids([5, 6]))
+    (done,) = ledger.collect()
+    assert done.aborted and done.routing[:, 0, 0].tolist() == [5, 6]
+
+
+# ------------------------------------------------------------------ speculative decoding (reject)
+
+
+@pytest.mark.parametrize("policy", ["sampling", "latest"])
+@pytest.mark.parametrize("order", ["reject, land", "land, reject", "reject, recompute lands, land"])
+def test_reject_takes_back_draft_rows(policy, order):
+    """Decode step: the sampled token at position 4 and drafts at 5, 6; the verify rejects both
+    drafts. Their rows never reach the request, whenever their step lands; the recompute's do."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4, policy)
+    ledger.add_request("r")
+    ledger.append_blocks("r", [2, 0])
+    s0 = ledger.schedule([("r", 4)])
+    ledger.land(s0.seq, _ids([0, 1, 2, 3]))
+    s1 = ledger.schedule([("r", 3)])
+    if order == "land, reject":
+        ledger.land(s1.seq, _ids([4, 50, 51]))
+    ledger.reject("r", 2)
+    if order == "reject, land":
+        ledger.land(s1.seq, _ids([4, 50, 51]))
+    s2 = ledger.schedule([("r", 2)])  # positions 5, 6 again (the next sampled token and a draft)
+    assert s2.slot_mapping.tolist() == [1, 2]
+    ledger.land(s2.seq, _ids([5, 6]))
+    if order == "reject, recompute lands, land":
+        ledger.land(s1.seq, _ids([4, 50, 51]))
+    ledger.finish("r")
+    (done,) = ledger.collect()
+    assert done.routing[:, 0, 0].tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert not done.missing.any()
+
+
+def test_reject_keeps_a_late_step_out_of_the_store():
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("r")
+    ledger.append_blocks("r", [1])
+    s = ledger.schedule([("r", 3)])
+    assert ledger.pending_slots() == 3
+    ledger.reject("r", 2)
+    assert ledger.pending_slots() == 1
+    ledger.land(s.seq, _ids([0, 50, 51]))
+    assert ledger.store.read_slots([4, 5, 6])[:, 0, 0].tolist() == [0, 255, 255]
+
+
+@pytest.mark.parametrize("policy", ["sampling", "latest"])
+def test_rejected_positions_are_filled_by_the_attempt_that_computes_them(policy):
+    """Attempt 0 computes 5 tokens and 2 drafts, rejects both, is preempted; attempt 1 recomputes
+    7 tokens: under either policy positions 5, 6 come from attempt 1 (attempt 0 never kept them)."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4, policy)
+    ledger.add_request("r")
+    ledger.append_blocks("r", [0, 1])
+    s = ledger.schedule([("r", 7)])
+    ledger.reject("r", 2)
+    ledger.preempt("r")
+    ledger.resume("r")
+    ledger.append_blocks("r", [3, 2])
+    s1 = ledger.schedule([("r", 7)])
+    ledger.land(s1.seq, _ids(range(20, 27)))
+    ledger.land(s.seq, _ids(range(7)))  # attempt 0's step lands last
+    ledger.finish("r")
+    (done,) = ledger.collect()
+    expected = [0, 1, 2, 3, 4, 25, 26] if policy == "sampling" else list(range(20, 27))
+    assert done.routing[:, 0, 0].tolist() == expected
+
+
+def test_reject_cannot_take_back_prefix_hit_tokens():
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("a")
+    ledger.append_blocks("a", [0])
+    ledger.schedule([("a", 4)])
+    ledger.add_request("b", cached_blocks=[0], num_cached_tokens=4)
+    ledger.append_blocks("b", [1])
+    ledger.schedule([("b", 2)])
+    with pytest.raises(ValueError, match=r"num_tokens must be in \[0, 2\] \(positions of request 'b'"):
+        ledger.reject("b", 3)
+    ledger.reject("b", 2)
+    assert ledger.schedule([("b", 1)]).slot_mapping.tolist() == [4]
+
+
+# ----------------------------------------------------------------------------------- engine mistakes
+
+
 @pytest.mark.parametrize(
     "call, exc, match",
     [
@@ -125,44 +471,76 @@ def test_prefix_hit_on_a_block_whose_step_is_in_flight():
         (lambda led: led.add_request("a"), ValueError, "already exists"),
         (lambda led: led.add_request("c", [1], 3), ValueError, "num_cached_tokens must be"),
         (lambda led: led.resume("a"), ValueError, "only a preempted request can resume"),
+        (lambda led: led.land(0, np.full((2, 3, 2), 1.0)), ValueError, "rows of step 0 must hold integers"),
+        (lambda led: led.drop(7), KeyError, "step 7 is not in flight"),
+        (lambda led: led.reject("a", 3), ValueError, r"num_tokens must be in \[0, 2\]"),
+        (lambda led: led.reject("a", -1), ValueError, r"num_tokens must be in \[0, 2\]"),
+        (lambda led: led.reject("a", True), ValueError, "num_tokens must be an int, got True"),
+        (lambda led: led.reject("zz", 1), KeyError, "unknown request"),
+        (lambda led: led.add_request("c", start=-1), ValueError, "start must be an int >= 0, got -1"),
+        (lambda led: led.add_request("c", start=2.0), ValueError, "start must be an int >= 0, got 2.0"),
     ],
 )
-def test_engine_mistakes_raise(call, exc, match):
+def test_engine_mistakes_raise_and_change_nothing(call, exc, match):
     ledger = RoutingLedger(SlotStore(16, SHAPE), block_size=2)
     ledger.add_request("a")
     ledger.append_blocks("a", [0, 1])
     ledger.schedule([("a", 2)])
     with pytest.raises(exc, match=match):
         call(ledger)
+    # the ledger goes on as if the call never happened
+    assert ledger.held_requests() == ["a"] and ledger.in_flight == [0] and ledger.pending_slots() == 2
+    rows = _rows(8, 3)
+    ledger.land(0, rows[:2])
+    ledger.land(ledger.schedule([("a", 1)]).seq, rows[2:])
+    ledger.finish("a")
+    (done,) = ledger.collect()
+    assert np.array_equal(done.routing, rows) and not done.missing.any()
+
+
+def test_reject_needs_a_running_request():
+    ledger = RoutingLedger(SlotStore(16, SHAPE), block_size=2)
+    ledger.add_request("a")
+    ledger.append_blocks("a", [0])
+    ledger.schedule([("a", 2)])
+    ledger.preempt("a")
+    with pytest.raises(ValueError, match="request 'a' is preempted; expected running"):
+        ledger.reject("a", 1)
 
 
 # ----------------------------------------------------------------------------------- state machine
 
 
 class EngineMachine(RuleBasedStateMachine):
-    """A small paged-KV engine with async scheduling, driving the real capture -> store path."""
+    """A small paged-KV engine with async scheduling and speculative decoding, driving the real
+    capture -> store path; some steps' rows never arrive (dropped)."""
 
     DEVICE = "cpu"
+    POLICY = "sampling"
     BLOCK_SIZE = 2
     NUM_BLOCKS = 6  # few blocks: freed blocks are reallocated (and cached ones evicted) soon
     MAX_STEP_TOKENS = 8
+    MAX_DRAFT = 2  # draft tokens per decode step of a request
     VOCAB = 3  # few token values: prompts share prefixes, so the prefix cache hits
 
     @initialize(depth=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
     def setup(self, depth, seed):
         self.depth = depth
         self.rng = np.random.default_rng(seed)
-        self.capturer = RoutingCapturer(SHAPE, self.MAX_STEP_TOKENS + 3, self.DEVICE, ring_depth=depth)
+        max_rows = self.MAX_STEP_TOKENS + 3
+        self.capturer = RoutingCapturer(SHAPE, max_rows, self.DEVICE, ring_depth=depth)
         self.store = SlotStore(self.NUM_BLOCKS * self.BLOCK_SIZE, SHAPE)
-        self.ledger = RoutingLedger(self.store, self.BLOCK_SIZE)
+        self.ledger = RoutingLedger(self.store, self.BLOCK_SIZE, policy=self.POLICY)
         # engine side
         self.refs = [0] * self.NUM_BLOCKS  # running requests holding each block
         self.block_key = [None] * self.NUM_BLOCKS  # prefix key of a cached full block
         self.cached: dict[tuple, int] = {}  # prefix key -> block
-        self.world = {}  # slot -> row of the last forward that wrote it (synchronous truth)
+        # slot -> (seq, row) of the last forward that wrote it (synchronous truth)
+        self.world: dict[int, tuple[int, np.ndarray]] = {}
         self.reqs: dict[int, dict] = {}  # request id -> engine state and truth per attempt
         self.in_flight: list[tuple[int, object]] = []  # (ledger seq, snapshot handle)
-        self.expected_done: dict[int, tuple[np.ndarray, bool]] = {}
+        self.dropped: set[int] = set()  # seqs whose rows never arrived
+        self.ended: set[int] = set()  # finished/aborted, not collected yet
 
     # -- engine helpers ------------------------------------------------------------------------
 
@@ -175,21 +553,32 @@ class EngineMachine(RuleBasedStateMachine):
         req["table"] = []
 
     def _close_attempt(self, req):
-        """Records the attempt's rows: (length, truth rows of tokens [0, length))."""
-        truth = req["truth"]
-        rows = np.stack([truth[p] for p in range(req["computed"])]) if req["computed"] else None
-        req["attempts"].append((req["computed"], rows))
+        """Records the attempt's truth: position -> (seq, row) of tokens [0, computed)."""
+        assert sorted(req["truth"]) == list(range(req["computed"]))
+        req["attempts"].append(dict(req["truth"]))
         req["computed"] = 0
         req["truth"] = {}
 
     def _expected(self, req):
-        best_len, best_rows = -1, None
-        for length, rows in req["attempts"]:  # the most rows; the later attempt on a tie
-            if length >= best_len:
-                best_len, best_rows = length, rows
-        if best_rows is None:
-            return np.empty((0, SHAPE.num_layers, SHAPE.top_k), SHAPE.id_dtype)
-        return best_rows
+        """(rows, missing) the ledger must return, from the attempts' truth and the dropped steps."""
+        if self.POLICY == "sampling":  # each position from the first attempt that computed it
+            merged = {}
+            for truth in req["attempts"]:
+                for p, entry in truth.items():
+                    merged.setdefault(p, entry)
+        else:  # the attempt with the most positions; the later one on a tie
+            merged = {}
+            for truth in req["attempts"]:
+                if len(truth) >= len(merged):
+                    merged = truth
+        positions = range(req["start"], len(merged))
+        rows = np.empty((len(positions), SHAPE.num_layers, SHAPE.top_k), SHAPE.id_dtype)
+        missing = np.zeros(len(positions), dtype=bool)
+        for i, p in enumerate(positions):
+            seq, row = merged[p]
+            missing[i] = seq in self.dropped
+            rows[i] = self.store.fill if missing[i] else row
+        return rows, missing
 
     def _start(self, rid):
         """Schedules a request (new, or preempted: resume) on the longest cached prefix."""
@@ -207,38 +596,66 @@ class EngineMachine(RuleBasedStateMachine):
         req["computed"] = len(hit) * bs
         for p in range(req["computed"]):  # prefix-hit rows: what the computing forward routed
             req["truth"][p] = self.world[hit[p // bs] * bs + p % bs]
-        if req["attempts"] or req["state"] == "preempted":
+        if req["state"] == "preempted":
             self.ledger.resume(rid, hit, len(hit) * bs)
         else:
-            self.ledger.add_request(rid, hit, len(hit) * bs)
+            self.ledger.add_request(rid, hit, len(hit) * bs, start=req["start"])
         req["state"] = "running"
+
+    def _verify(self, rid, k):
+        """The verify step's outcome: the last ``k`` of the request's draft tokens are rejected."""
+        req = self.reqs[rid]
+        self.ledger.reject(rid, k)
+        for p in range(req["computed"] - k, req["computed"]):
+            del req["truth"][p]
+        req["computed"] -= k
+        del req["tokens"][len(req["tokens"]) - k :]
+        req["draft"] = 0
+
+    def _settle(self, rid, data):
+        """The engine learns a request's verify outcome before it schedules, preempts or ends it."""
+        if self.reqs[rid]["draft"]:
+            self._verify(rid, data.draw(st.integers(0, self.reqs[rid]["draft"]), label="rejected"))
 
     def _collect(self):
         for done in self.ledger.collect():
-            expected, aborted = self.expected_done.pop(done.req_id)
-            assert done.aborted == aborted
+            req = self.reqs[done.req_id]
+            expected, missing = self._expected(req)
+            assert done.aborted == (req["state"] == "aborted")
+            assert done.start == req["start"]
             assert done.routing.shape == expected.shape, (
                 f"request {done.req_id}: {done.routing.shape[0]} rows, expected {expected.shape[0]}"
             )
+            assert np.array_equal(done.missing, missing), f"request {done.req_id}: missing flags"
             bad = np.flatnonzero((done.routing != expected).any(axis=(1, 2)))
             assert bad.size == 0, f"request {done.req_id}: rows {bad.tolist()} differ from its routing"
-            self.reqs[done.req_id]["state"] = "collected"
+            self.ended.remove(done.req_id)
+            req["state"] = "collected"
 
     # -- rules ---------------------------------------------------------------------------------
 
-    @rule(prefix=st.integers(0, 1), length=st.integers(1, 8))
-    def arrive(self, prefix, length):
+    @rule(prefix=st.integers(0, 1), length=st.integers(1, 8), start=st.sampled_from([0, 0, 1, 3, 6, 20]))
+    def arrive(self, prefix, length, start):
         """A new request arrives and is scheduled at once (prefix hit included)."""
         common = [[0, 1, 2, 0, 1, 2], [2, 2, 1, 1, 0, 0]][prefix]
         tokens = common[: max(length, 3)] + self.rng.integers(0, self.VOCAB, size=length).tolist()
         rid = len(self.reqs)
-        self.reqs[rid] = dict(tokens=tokens, state="waiting", table=[], computed=0, truth={}, attempts=[])
+        self.reqs[rid] = dict(
+            tokens=tokens, state="waiting", table=[], computed=0, draft=0, truth={}, attempts=[], start=start
+        )
         self._start(rid)
 
     @precondition(lambda self: self._ids("preempted"))
     @rule(data=st.data())
     def resume(self, data):
         self._start(data.draw(st.sampled_from(self._ids("preempted"))))
+
+    @precondition(lambda self: any(self.reqs[r]["draft"] for r in self._ids("running")))
+    @rule(data=st.data())
+    def verify(self, data):
+        """The verify outcome of a request's draft tokens arrives (before or after its step lands)."""
+        rid = data.draw(st.sampled_from([r for r in self._ids("running") if self.reqs[r]["draft"]]))
+        self._settle(rid, data)
 
     @precondition(lambda self: self._ids("running"))
     @rule(data=st.data())
@@ -253,13 +670,19 @@ class EngineMachine(RuleBasedStateMachine):
             req = self.reqs[rid]
             if budget == 0:
                 break
-            if req["computed"] == len(req["tokens"]):  # decode: the sampled token joins the sequence
-                req["tokens"].append(int(self.rng.integers(0, self.VOCAB)))
-            n = data.draw(st.integers(1, min(len(req["tokens"]) - req["computed"], budget)))
+            self._settle(rid, data)
+            if req["computed"] == len(req["tokens"]):  # decode: the sampled token and drafts after it
+                draft = data.draw(st.integers(0, min(self.MAX_DRAFT, budget - 1)))
+                n = 1 + draft
+            else:  # (chunked) prefill
+                draft = 0
+                n = data.draw(st.integers(1, min(len(req["tokens"]) - req["computed"], budget)))
             need = -(-(req["computed"] + n) // bs) - len(req["table"])
             free = [b for b in range(self.NUM_BLOCKS) if self.refs[b] == 0]
             if need > len(free):
                 continue  # no KV space for this request this step
+            if req["computed"] == len(req["tokens"]):
+                req["tokens"] += self.rng.integers(0, self.VOCAB, size=n).tolist()
             fresh = data.draw(st.permutations(free))[:need]  # any free block, cached ones evicted
             for b in fresh:
                 if self.block_key[b] is not None:
@@ -268,26 +691,28 @@ class EngineMachine(RuleBasedStateMachine):
                 self.refs[b] = 1
             req["table"] += fresh
             self.ledger.append_blocks(rid, fresh)
-            step_rows = routing_rows(self.rng, n, SHAPE)
-            for i in range(n):
-                p = req["computed"] + i
-                req["truth"][p] = step_rows[i]
-                self.world[req["table"][p // bs] * bs + p % bs] = step_rows[i]
             req["computed"] += n
-            for j, b in enumerate(req["table"]):  # full blocks join the prefix cache when scheduled
+            req["draft"] = draft
+            verified = req["computed"] - draft
+            for j, b in enumerate(req["table"]):  # full verified blocks join the prefix cache
                 key = tuple(req["tokens"][: (j + 1) * bs])
-                if (j + 1) * bs <= req["computed"] and self.block_key[b] is None and key not in self.cached:
+                if (j + 1) * bs <= verified and self.block_key[b] is None and key not in self.cached:
                     self.cached[key] = b
                     self.block_key[b] = key
             entries.append((rid, n))
-            rows.append(step_rows)
+            rows.append(routing_rows(self.rng, n, SHAPE))
             budget -= n
         if not entries:
             return
         step = self.ledger.schedule(entries)
-        expected_slots = np.concatenate(
-            [slots_for(self.reqs[r]["table"], bs, self.reqs[r]["computed"] - n, n) for r, n in entries]
-        )
+        expected_slots = []
+        for (rid, n), step_rows in zip(entries, rows):
+            req = self.reqs[rid]
+            for i in range(n):
+                p = req["computed"] - n + i
+                slot = req["table"][p // bs] * bs + p % bs
+                req["truth"][p] = self.world[slot] = (step.seq, step_rows[i])
+                expected_slots.append(slot)
         assert np.array_equal(step.slot_mapping, expected_slots)
         # the forward: every MoE layer's topk_ids, LOCAL layout with CUDA-graph-style padding rows
         batch = np.concatenate(rows)
@@ -302,11 +727,15 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.in_flight)
     @rule(data=st.data())
     def land(self, data):
-        """The oldest or any later step's rows reach the host (any order), then finished requests
-        are collected and checked."""
+        """The oldest or any later step's rows reach the host (any order), or never arrive (its
+        snapshot is lost: dropped); then finished requests are collected and checked."""
         idx = data.draw(st.integers(0, len(self.in_flight) - 1))
         seq, handle = self.in_flight.pop(idx)
-        self.ledger.land(seq, handle.result(copy=False))
+        if data.draw(st.integers(0, 5), label="drop if 0") == 0:
+            self.dropped.add(seq)
+            self.ledger.drop(seq)
+        else:
+            self.ledger.land(seq, handle.result(copy=False))
         handle.release()
         self._collect()
 
@@ -314,6 +743,7 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def preempt(self, data):
         rid = data.draw(st.sampled_from(self._ids("running")))
+        self._settle(rid, data)
         req = self.reqs[rid]
         self.ledger.preempt(rid)
         self._release(req)
@@ -328,6 +758,8 @@ class EngineMachine(RuleBasedStateMachine):
             st.sampled_from(self._ids("running", "preempted") if aborted else self._ids("running") or [None])
         )
         if rid is not None:
+            if self.reqs[rid]["state"] == "running":
+                self._settle(rid, data)
             self._end(rid, aborted)
 
     def _end(self, rid, aborted):
@@ -340,7 +772,7 @@ class EngineMachine(RuleBasedStateMachine):
             self._release(req)
             self._close_attempt(req)
         req["state"] = "aborted" if aborted else "finished"
-        self.expected_done[rid] = (self._expected(req), aborted)
+        self.ended.add(rid)
         self._collect()
 
     @invariant()
@@ -349,6 +781,7 @@ class EngineMachine(RuleBasedStateMachine):
             for b in range(self.NUM_BLOCKS):
                 assert self.ledger.block_refs(b) == self.refs[b], f"block {b} refcount"
             assert self.capturer.pipeline.in_flight == len(self.in_flight)
+            assert self.ledger.in_flight == sorted(seq for seq, _ in self.in_flight)
 
     def teardown(self):
         if not hasattr(self, "ledger"):
@@ -360,13 +793,24 @@ class EngineMachine(RuleBasedStateMachine):
             self.ledger.land(seq, handle.result(copy=False))
             handle.release()
         self._collect()
-        assert not self.expected_done, f"finished requests never returned: {sorted(self.expected_done)}"
+        assert not self.ended, f"finished requests never returned: {sorted(self.ended)}"
+        assert self.ledger.held_requests() == [] and self.ledger.pending_slots() == 0
 
 
 EngineMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestEngineCPU = EngineMachine.TestCase
+
+
+class EngineMachineLatest(EngineMachine):
+    POLICY = "latest"
+
+
+EngineMachineLatest.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestEngineLatestCPU = EngineMachineLatest.TestCase
 
 
 class EngineMachineGPU(EngineMachine):

@@ -1,27 +1,33 @@
 """``RoutingLedger``: request-lifecycle bookkeeping on top of a :class:`SlotStore`.
 
 The engine tells the ledger what its scheduler does (start/resume with a prefix hit, append KV
-blocks, schedule tokens, preempt, finish, abort) and hands it each step's rows when they land from
-the async pipeline, in any order. The ledger guarantees, for every request, that the routing it
-returns equals what that request's tokens were routed to, row for row:
+blocks, schedule tokens, reject draft tokens, preempt, finish, abort) and hands it each step's rows
+when they land from the async pipeline, in any order, or tells it that a step's rows will never
+come (``drop``). The ledger guarantees, for every request, that the routing it returns equals what
+that request's tokens were routed to, row for row, and marks the rows that never arrived:
 
 - Pre-free capture: before a request's blocks go back to the engine (finish, abort, preemption),
-  its rows are copied out of the store into a private copy. Rows of steps still in flight are
-  delivered into that copy when they land (the ledger remembers which step writes which slot).
+  its rows are copied out of the store into the request's private rows. Rows of steps still in
+  flight are delivered there when they land (the ledger remembers which step writes which slot).
 - Block reuse: each block carries the sequence number of the first step scheduled after its last
   fresh allocation; a landing step older than that is never written into the block (its rows only
-  go to the private copies of the requests that computed them). So an aborted request's late rows
+  go to the private rows of the requests that computed them). So an aborted request's late rows
   cannot leak into the next owner of its blocks, whatever order steps land in.
-- Preemption and resume: every attempt of a request ends in a private copy; the returned routing is
-  the most complete copy (the most tokens; the latest attempt on a tie), rows in token order.
+- Preemption and resume (``policy``): ``"sampling"`` (default) keeps, for every position, the row of
+  the earliest attempt that computed it, the forward whose logits were sampled; ``"latest"`` returns
+  the most complete attempt (the latest on a tie).
 - Prefix hits: a request that starts on cached blocks reads the rows the computing request wrote
   (or will write, if that step is still in flight) at those slots.
+- Speculative decoding: ``reject`` takes back the last positions of a request; their rows never
+  reach it, and the step that computes them again writes them.
 
 Everything here is host-side numpy; nothing touches a device.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,16 +35,22 @@ import numpy as np
 
 from .slot_store import SlotStore, slots_for
 
-__all__ = ["FinishedRouting", "RoutingLedger", "ScheduledStep"]
+__all__ = ["POLICIES", "FinishedRouting", "RoutingLedger", "ScheduledStep"]
+
+# "sampling": each position's row from the earliest attempt that computed it; "latest": the most
+# complete attempt's rows (the latest on a tie)
+POLICIES = ("sampling", "latest")
+_ENDED = ("finished", "aborted")
 
 
 @dataclass(frozen=True)
 class ScheduledStep:
     """What :meth:`RoutingLedger.schedule` hands back for one step."""
 
-    # sequence number of the step; pass it to land() with the step's rows
+    # sequence number of the step; pass it to land() (or drop()) with the step's rows
     seq: int
-    # (num_tokens,) int64 KV slot of each row of the step, rows in the order of the entries
+    # (num_tokens,) int64 KV slot of each row of the step, rows in the order of the entries;
+    # read-only (a view of the ledger's own array)
     slot_mapping: np.ndarray
 
     @property
@@ -51,48 +63,74 @@ class FinishedRouting:
     """A finished (or aborted) request's routing, from :meth:`RoutingLedger.collect`."""
 
     req_id: Hashable
-    # (num_tokens, num_layers, top_k) rows of the request's tokens, token order
+    # (num_tokens, num_layers, top_k) rows of the request's tokens [start, start + num_tokens),
+    # token order; rows where missing is True hold the store's fill value
     routing: np.ndarray
     # True when the request was aborted (the routing covers the tokens computed until then)
     aborted: bool
+    # (num_tokens,) bool - True where a row never arrived (its step was dropped)
+    missing: np.ndarray
+    # token position of routing[0]: the start given to add_request
+    start: int = 0
 
 
 @dataclass(eq=False)
-class _Copy:
-    # (length, num_layers, top_k) rows of one attempt; pending rows arrive when their step lands
+class _Rows:
+    # (n, num_layers, top_k) private rows of tokens [start, start + n) of one request; rows of
+    # steps in flight hold the fill value until the step lands
     rows: np.ndarray
-    # tokens [0, length) of the request were computed (or prefix-hit) in this attempt
-    length: int
-    # which attempt of the request (0 = first run, +1 per resume)
-    attempt: int
+    # (n,) bool - True where the row's step was dropped (the row holds the fill value)
+    missing: np.ndarray
+    # redirects of steps in flight that still deliver into these rows; ready at 0
+    pending: int = 0
 
 
 @dataclass(eq=False)
 class _Request:
     # the engine's id of the request
     req_id: Hashable
+    # rows of tokens [0, start) are never copied out nor returned
+    start: int = 0
     # KV block table of the current attempt (empty while preempted)
     blocks: list[int] = field(default_factory=list)
+    # tokens [0, cached) of the current attempt came from its prefix hit (cannot be rejected)
+    cached: int = 0
     # tokens [0, computed) of the current attempt are scheduled or prefix-hit
     computed: int = 0
-    # attempts started so far minus one (0 = first run, +1 per resume)
-    attempt: int = 0
     # "running", "preempted", "finished" or "aborted"
     state: str = "running"
-    # most complete private copy so far (None: none taken yet)
-    best: _Copy | None = None
-    # finished/aborted: the last step sequence number scheduled before it; ready once all landed
-    done_seq: int = -1
+    # sampling: the longest ended attempt (tokens [0, covered) have their rows in result);
+    # latest: the length of the attempt whose rows are in result
+    covered: int = 0
+    # the rows to return, tokens [start, start + len); None while no attempt has ended
+    result: _Rows | None = None
 
 
 @dataclass(eq=False)
 class _Step:
     # the step's sequence number (its key in the ledger's in-flight steps)
     seq: int
-    # (n,) slot of each row
+    # (n,) read-only slot of each row
     slots: np.ndarray
-    # rows of this step to deliver into private copies: (row indices, copy, positions in the copy)
-    redirects: list[tuple[np.ndarray, _Copy, np.ndarray]] = field(default_factory=list)
+    # rows of this step to deliver into private rows: (row indices, request, rows, positions in them)
+    redirects: list[tuple[np.ndarray, _Request, _Rows, np.ndarray]] = field(default_factory=list)
+
+
+def _locked(method):
+    """Runs the method under the ledger's lock (each call is atomic against every other)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
 
 
 class RoutingLedger:
@@ -101,11 +139,26 @@ class RoutingLedger:
     Args:
         store: the :class:`SlotStore` of the KV cache's slots.
         block_size: tokens per KV block; ``store.num_slots`` must be a multiple of it.
+        policy: which rows a preempted and resumed request returns. ``"sampling"`` (default): for
+            every position, the rows of the earliest attempt that computed it (the forward whose
+            logits were sampled, which an RL trainer corrects against); later attempts only fill
+            positions no earlier attempt computed. ``"latest"``: the most complete attempt (the
+            most tokens; the latest on a tie).
 
     Host-side only. Calls mirror an engine scheduler; see docs/transfer.md for the mapping to one.
+
+    Thread safety: every public method and property may be called from any thread, concurrently
+    (e.g. ``land``/``drop`` on an engine's output thread while its scheduler thread calls
+    ``schedule``, ``finish``, ``preempt``, ``abort``, ``reject`` and ``collect``). One lock
+    serialises them: each call is atomic, and a call's checks and effects see the state left by
+    the calls that finished before it. What stays the caller's job is the order the engine
+    defines: ``land(seq)`` after the ``schedule`` that returned ``seq``, ``finish`` after the last
+    ``schedule`` of that request. Arrays the ledger hands out (``slot_mapping``, the routing and
+    ``missing`` of a collected request) are never written by it again. ``store`` itself is not
+    locked: while other threads call the ledger, read it only through the ledger.
     """
 
-    def __init__(self, store: SlotStore, block_size: int):
+    def __init__(self, store: SlotStore, block_size: int, policy: str = "sampling"):
         if not isinstance(store, SlotStore):
             raise TypeError(f"store must be a SlotStore, got {type(store).__name__}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -114,9 +167,14 @@ class RoutingLedger:
             raise ValueError(
                 f"store.num_slots={store.num_slots} must be a multiple of block_size={block_size}"
             )
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.store = store
         self.block_size = block_size
+        self.policy = policy
         self.num_blocks = store.num_slots // block_size
+        # a plain Lock: no public method calls another one, so nothing re-enters
+        self._lock = threading.Lock()
         # refs[b]: running requests holding block b (prefix hits share a block)
         self._refs = np.zeros(self.num_blocks, dtype=np.int64)
         # epoch[b]: first step seq scheduled after b's last fresh allocation; older steps' rows are
@@ -126,14 +184,24 @@ class RoutingLedger:
         self._pending_seq = np.full(store.num_slots, -1, dtype=np.int64)
         # pending_row[slot]: row of that write within its step
         self._pending_row = np.zeros(store.num_slots, dtype=np.int64)
+        # no_row[slot]: the slot holds no row of its latest write (not landed since the block's fresh
+        # allocation or the slot's latest schedule: in flight, dropped, or its position rejected)
+        self._no_row = np.ones(store.num_slots, dtype=bool)
         self._requests: dict[Hashable, _Request] = {}
         self._steps: dict[int, _Step] = {}
+        # ended requests whose rows have all arrived (or were dropped), in the order they got ready
+        self._ready: dict[Hashable, _Request] = {}
         self._next_seq = 0
 
     # ----------------------------------------------------------------------------------- requests
 
+    @_locked
     def add_request(
-        self, req_id: Hashable, cached_blocks: Sequence[int] = (), num_cached_tokens: int = 0
+        self,
+        req_id: Hashable,
+        cached_blocks: Sequence[int] = (),
+        num_cached_tokens: int = 0,
+        start: int = 0,
     ) -> None:
         """Starts a request, optionally on a prefix-cache hit.
 
@@ -141,22 +209,28 @@ class RoutingLedger:
             req_id: any hashable id, unused so far.
             cached_blocks: blocks of the prefix hit, shared with whoever computed them.
             num_cached_tokens: tokens covered by the hit, ``len(cached_blocks) * block_size``.
+            start: first token position whose row is returned (multi-turn clients ask for the rows
+                after the previous turn's; SGLang's ``routed_experts_start_len``). Rows of tokens
+                before it are never copied out of the store. Fixed for the request's life: every
+                attempt is cut at the same position, and prefix hits do not move it.
         """
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} already exists (state {self._requests[req_id].state})")
-        req = _Request(req_id)
+        start = _check_int("start", start, 0)
+        req = _Request(req_id, start=start)
         self._start_attempt(req, cached_blocks, num_cached_tokens)
         self._requests[req_id] = req
 
+    @_locked
     def resume(self, req_id: Hashable, cached_blocks: Sequence[int] = (), num_cached_tokens: int = 0) -> None:
         """Starts a new attempt of a preempted request (recompute from token 0, or from a prefix hit)."""
         req = self._get(req_id, "running", "preempted")
         if req.state != "preempted":
             raise ValueError(f"request {req_id!r} is {req.state}, only a preempted request can resume")
-        self._start_attempt(req, cached_blocks, num_cached_tokens, attempt=req.attempt + 1)
+        self._start_attempt(req, cached_blocks, num_cached_tokens)
         req.state = "running"
 
-    def _start_attempt(self, req: _Request, cached_blocks, num_cached_tokens: int, attempt: int = 0) -> None:
+    def _start_attempt(self, req: _Request, cached_blocks, num_cached_tokens: int) -> None:
         blocks = self._block_list("cached_blocks", cached_blocks)
         if isinstance(num_cached_tokens, bool) or not isinstance(num_cached_tokens, (int, np.integer)):
             raise TypeError(f"num_cached_tokens must be an int, got {type(num_cached_tokens).__name__}")
@@ -169,15 +243,15 @@ class RoutingLedger:
             raise ValueError(f"cached_blocks has duplicates: {blocks}")
         self._refs[blocks] += 1
         req.blocks = list(blocks)
-        req.computed = int(num_cached_tokens)
-        req.attempt = attempt
+        req.cached = req.computed = int(num_cached_tokens)
 
+    @_locked
     def append_blocks(self, req_id: Hashable, block_ids: Sequence[int]) -> None:
         """Appends freshly allocated blocks to a running request's block table.
 
         A fresh block may hold another request's old rows (or have old steps in flight): from now
-        on no step scheduled before this call writes into it. ValueError if a block is held by a
-        running request.
+        on no step scheduled before this call writes into it, and its old rows are never read.
+        ValueError if a block is held by a running request.
         """
         req = self._get(req_id, "running")
         blocks = self._block_list("block_ids", block_ids)
@@ -191,16 +265,23 @@ class RoutingLedger:
             )
         self._refs[blocks] = 1
         self._epoch[blocks] = self._next_seq
+        bs = self.block_size
+        self._no_row[(np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)] = True
         req.blocks.extend(blocks)
 
+    @_locked
     def schedule(self, entries: Sequence[tuple[Hashable, int]]) -> ScheduledStep:
         """Schedules one step: ``entries`` are ``(req_id, num_new_tokens)`` in batch-row order.
 
         Each request's next ``num_new_tokens`` tokens (after those already computed) must be
-        covered by its blocks. Returns the step's sequence number and slot mapping; the rows the
-        step produces must be passed to :meth:`land` in this order.
+        covered by its blocks. Draft tokens of speculative decoding are scheduled like any other
+        (take back the rejected ones with :meth:`reject`). Returns the step's sequence number and
+        a read-only slot mapping; the rows the step produces must be passed to :meth:`land` in this
+        order (or the step given up with :meth:`drop`).
         """
+        bs = self.block_size
         parts = []
+        short = []  # slots of consecutive short entries, as Python ints
         plan = []
         seen = set()
         for req_id, n in entries:
@@ -210,59 +291,135 @@ class RoutingLedger:
             seen.add(req_id)
             if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
                 raise ValueError(f"num_new_tokens of {req_id!r} must be an int >= 0, got {n!r}")
-            need = req.computed + int(n)
-            if need > len(req.blocks) * self.block_size:
+            n = int(n)
+            c, need = req.computed, req.computed + n
+            if need > len(req.blocks) * bs:
                 raise IndexError(
-                    f"request {req_id!r}: tokens [{req.computed}, {need}) need "
-                    f"{-(-need // self.block_size)} blocks, it holds {len(req.blocks)}; append blocks first"
+                    f"request {req_id!r}: tokens [{c}, {need}) need "
+                    f"{-(-need // bs)} blocks, it holds {len(req.blocks)}; append blocks first"
                 )
-            parts.append(slots_for(req.blocks, self.block_size, req.computed, int(n)))
-            plan.append((req, int(n)))
-        slots = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+            if n <= 32:
+                # decode-sized: plain arithmetic (blocks were range-checked by append_blocks);
+                # slots_for's array checks cost ~5 us per entry: 340 us for a 64-request decode step
+                # on a 2-core CPU, 51 us this way
+                blocks = req.blocks
+                short.extend(blocks[t // bs] * bs + t % bs for t in range(c, need))
+            else:
+                if short:
+                    parts.append(np.array(short, dtype=np.int64))
+                    short = []
+                parts.append(slots_for(req.blocks, bs, c, n))
+            plan.append((req, n))
+        if short:
+            parts.append(np.array(short, dtype=np.int64))
+        slots = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.empty(0, np.int64)
+        # the engine gets a view: a read-only view of a read-only array cannot be made writable
+        slots.flags.writeable = False
         seq = self._next_seq
         self._next_seq += 1
         for req, n in plan:
             req.computed += n
         self._pending_seq[slots] = seq
         self._pending_row[slots] = np.arange(slots.size, dtype=np.int64)
+        self._no_row[slots] = True  # until this step lands
         self._steps[seq] = _Step(seq, slots)
-        return ScheduledStep(seq, slots)
+        return ScheduledStep(seq, slots.view())
 
+    @_locked
     def land(self, seq: int, rows: np.ndarray) -> None:
         """Delivers step ``seq``'s rows (any order of steps): (num_tokens, num_layers, top_k).
 
-        Rows go into the store at slots whose block was not freshly reallocated after the step was
-        scheduled and that no later step rewrites, and into the private copies that were waiting for
-        them (requests freed while the step was in flight).
+        Every row is checked like :meth:`SlotStore.write` checks them (integer dtype, values the
+        store's dtype holds), also rows that only go to private copies; nothing changes when it
+        raises. Rows go into the store at slots whose block was not freshly reallocated after the
+        step was scheduled and that no later step rewrites (nor :meth:`reject` took back), and
+        into the private rows that were waiting for them (requests freed while the step was in
+        flight).
         """
         step = self._steps.get(seq)
         if step is None:
-            raise KeyError(f"step {seq} is not in flight (landed already, or never scheduled)")
-        rows = np.asarray(rows)
-        expected = (step.slots.size, *self.store.row_shape)
-        if rows.shape != expected:
-            raise ValueError(f"rows of step {seq} must have shape {expected}, got {rows.shape}")
+            raise KeyError(f"step {seq} is not in flight (landed already, dropped, or never scheduled)")
+        rows = self.store._check_rows(rows, step.slots.size, name=f"rows of step {seq}")
         slots = step.slots
         current = self._pending_seq[slots] == seq
-        fresh = self._epoch[slots // self.block_size] <= seq
-        keep = current & fresh
-        self.store.write(slots[keep], rows[keep])
+        keep = current & (self._epoch[slots // self.block_size] <= seq)
+        if keep.all():  # the usual case: no boolean gather of the rows
+            self.store.data[slots] = rows
+            self._no_row[slots] = False
+        else:
+            kept = slots[keep]
+            self.store.data[kept] = rows[keep]
+            self._no_row[kept] = False
         self._pending_seq[slots[current]] = -1
-        for row_idx, copy, positions in step.redirects:
-            copy.rows[positions] = rows[row_idx]
+        for row_idx, req, dst, positions in step.redirects:
+            dst.rows[positions] = rows[row_idx]
+            self._delivered(req, dst)
         del self._steps[seq]
 
+    @_locked
+    def drop(self, seq: int) -> None:
+        """Gives up step ``seq``: its rows will never arrive (its snapshot raised, its handle was lost).
+
+        The step's rows read as the store's fill value, and every request that holds one returns
+        it marked in :attr:`FinishedRouting.missing`; requests waiting only for this step are then
+        delivered by :meth:`collect`, and no other request is affected. The store's slots that
+        the step would have written now hold the fill value. KeyError if the step is not in flight.
+        """
+        step = self._steps.get(seq)
+        if step is None:
+            raise KeyError(f"step {seq} is not in flight (landed already, dropped, or never scheduled)")
+        slots = step.slots
+        current = self._pending_seq[slots] == seq
+        kept = slots[current & (self._epoch[slots // self.block_size] <= seq)]
+        self.store.data[kept] = self.store.fill  # no_row[kept] stays True: set by schedule
+        self._pending_seq[slots[current]] = -1
+        for _, req, dst, positions in step.redirects:
+            dst.rows[positions] = self.store.fill
+            dst.missing[positions] = True
+            self._delivered(req, dst)
+        del self._steps[seq]
+
+    @_locked
+    def reject(self, req_id: Hashable, num_tokens: int) -> None:
+        """Takes back the last ``num_tokens`` scheduled positions of a running request (speculative
+        decoding: the draft tokens the verify step rejected).
+
+        Their rows never reach the request, also when their step lands after this call, under
+        either policy; the request's next scheduled tokens start at the first rejected position,
+        and the step that computes those positions again writes them. ``num_tokens`` may be at
+        most the positions scheduled in the current attempt (prefix-hit tokens are not scheduled).
+        The blocks stay with the request. Positions a prefix hit of another request shares are not
+        to be rejected (engines cache only blocks of verified tokens).
+        """
+        req = self._get(req_id, "running")
+        scheduled = req.computed - req.cached
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise ValueError(f"num_tokens must be an int, got {num_tokens!r}")
+        if not 0 <= num_tokens <= scheduled:
+            raise ValueError(
+                f"num_tokens must be in [0, {scheduled}] (positions of request {req_id!r} scheduled in "
+                f"this attempt), got {num_tokens}"
+            )
+        n = int(num_tokens)
+        slots = slots_for(req.blocks, self.block_size, req.computed - n, n)
+        self._pending_seq[slots] = -1  # a late landing of their step leaves these slots alone
+        self._no_row[slots] = True
+        req.computed -= n
+
+    @_locked
     def preempt(self, req_id: Hashable) -> None:
         """Frees a running request's blocks after copying its rows out; :meth:`resume` restarts it."""
         req = self._get(req_id, "running")
         self._detach(req)
         req.state = "preempted"
 
+    @_locked
     def finish(self, req_id: Hashable) -> None:
         """Frees a request's blocks after copying its rows out; :meth:`collect` returns its routing
-        once every step scheduled so far has landed."""
+        once every row it holds has landed (or its step was dropped)."""
         self._end(req_id, "finished")
 
+    @_locked
     def abort(self, req_id: Hashable) -> None:
         """Like :meth:`finish`, for a request cut short (collected with ``aborted=True``)."""
         self._end(req_id, "aborted")
@@ -272,36 +429,56 @@ class RoutingLedger:
         if req.state == "running":
             self._detach(req)
         req.state = state
-        req.done_seq = self._next_seq - 1
+        if req.result is None or req.result.pending == 0:
+            self._ready[req_id] = req
 
+    @_locked
     def collect(self) -> list[FinishedRouting]:
-        """Routing of the finished and aborted requests whose steps have all landed; forgets them."""
-        oldest = min(self._steps) if self._steps else self._next_seq
+        """Routing of the finished and aborted requests whose rows have all arrived or were
+        dropped, in the order they got ready; forgets them.
+
+        A request does not wait for steps that hold none of its rows. ``routing`` and ``missing``
+        are the request's private arrays (rows from ``start`` on only, no copy made here).
+        """
         out = []
-        for req_id, req in list(self._requests.items()):
-            if req.state in ("finished", "aborted") and req.done_seq < oldest:
-                if req.best is None:
-                    routing = np.empty((0, *self.store.row_shape), dtype=self.store.dtype)
-                else:
-                    routing = req.best.rows
-                out.append(FinishedRouting(req_id, routing, req.state == "aborted"))
-                del self._requests[req_id]
+        for req in self._ready.values():
+            if req.result is None:
+                routing = np.full((0, *self.store.row_shape), self.store.fill, dtype=self.store.dtype)
+                missing = np.zeros(0, dtype=bool)
+            else:
+                routing, missing = req.result.rows, req.result.missing
+            out.append(FinishedRouting(req.req_id, routing, req.state == "aborted", missing, req.start))
+            del self._requests[req.req_id]
+        self._ready.clear()
         return out
 
     # ------------------------------------------------------------------------------------ queries
 
     @property
+    @_locked
     def in_flight(self) -> list[int]:
-        """Sequence numbers of the scheduled steps that have not landed."""
+        """Sequence numbers of the scheduled steps that have not landed nor been dropped."""
         return sorted(self._steps)
 
+    @_locked
     def state(self, req_id: Hashable) -> str:
         """State of a request: running, preempted, finished or aborted (KeyError once collected)."""
         return self._get(req_id).state
 
+    @_locked
     def block_refs(self, block_id: int) -> int:
         """Running requests holding ``block_id``."""
         return int(self._refs[block_id])
+
+    @_locked
+    def held_requests(self) -> list[Hashable]:
+        """Ids of the requests the ledger holds (not collected yet), in the order they were added."""
+        return list(self._requests)
+
+    @_locked
+    def pending_slots(self) -> int:
+        """Slots whose latest scheduled write has not landed (nor been dropped or rejected)."""
+        return int(np.count_nonzero(self._pending_seq >= 0))
 
     # ----------------------------------------------------------------------------------- internals
 
@@ -320,16 +497,63 @@ class RoutingLedger:
             raise IndexError(f"{name} must be in [0, {self.num_blocks}), got {bad[:8]}")
         return blocks
 
+    def _delivered(self, req: _Request, dst: _Rows) -> None:
+        """One redirect into ``dst`` was delivered; an ended request whose rows these are is ready
+        once none is left."""
+        dst.pending -= 1
+        if dst.pending == 0 and dst is req.result and req.state in _ENDED:
+            self._ready[req.req_id] = req
+
+    def _rows(self, n: int) -> _Rows:
+        row_shape = self.store.row_shape
+        return _Rows(np.empty((n, *row_shape), dtype=self.store.dtype), np.zeros(n, dtype=bool))
+
     def _detach(self, req: _Request) -> None:
-        """Pre-free capture: copies the current attempt's rows out, then releases its blocks."""
-        slots = slots_for(req.blocks, self.block_size, 0, req.computed)
-        copy = _Copy(self.store.read_slots(slots), req.computed, req.attempt)
-        pending = self._pending_seq[slots]
-        for seq in np.unique(pending[pending >= 0]).tolist():
-            positions = np.flatnonzero(pending == seq)
-            self._steps[seq].redirects.append((self._pending_row[slots[positions]], copy, positions))
-        if req.best is None or copy.length >= req.best.length:
-            req.best = copy
+        """Pre-free capture: copies the attempt's rows that the policy keeps, then frees its blocks."""
+        end = req.computed
+        if self.policy == "sampling":
+            # earlier attempts own tokens [0, covered): only the tokens after them are copied
+            lo = max(req.covered, req.start)
+            if end > lo:
+                n = end - req.start
+                if req.result is None:
+                    req.result = self._rows(n)
+                else:  # grow in place: redirects into the same _Rows keep their positions
+                    old = req.result
+                    new = self._rows(n)
+                    new.rows[: old.rows.shape[0]] = old.rows
+                    new.missing[: old.missing.shape[0]] = old.missing
+                    old.rows, old.missing = new.rows, new.missing
+                self._capture(req, req.result, lo, end)
+            req.covered = max(req.covered, end)
+        elif req.result is None or end >= req.covered:
+            # a shorter attempt than the kept one is never returned: it is not even copied
+            req.result = self._rows(max(end - req.start, 0))
+            if end > req.start:
+                self._capture(req, req.result, req.start, end)
+            req.covered = end
         self._refs[req.blocks] -= 1
         req.blocks = []
-        req.computed = 0
+        req.computed = req.cached = 0
+
+    def _capture(self, req: _Request, dst: _Rows, lo: int, end: int) -> None:
+        """Copies the current attempt's rows of tokens [lo, end) into ``dst`` (which holds tokens
+        from ``req.start`` on); rows of steps in flight are redirected to it."""
+        slots = slots_for(req.blocks, self.block_size, lo, end - lo)
+        first = lo - req.start
+        out = dst.rows[first : first + slots.size]
+        # mode="clip" writes straight into out (mode="raise" buffers a second copy); slots_for only
+        # yields slots of valid blocks
+        np.take(self.store.data, slots, axis=0, out=out, mode="clip")
+        pending = self._pending_seq[slots]
+        waiting = pending >= 0
+        no_row = self._no_row[slots] & ~waiting
+        dst.missing[first : first + slots.size] = no_row
+        blank = no_row | waiting
+        if blank.any():
+            out[blank] = self.store.fill
+        if waiting.any():
+            for seq in np.unique(pending[waiting]).tolist():
+                idx = np.flatnonzero(pending == seq)
+                self._steps[seq].redirects.append((self._pending_row[slots[idx]], req, dst, idx + first))
+                dst.pending += 1

@@ -140,21 +140,28 @@ class SlotStore:
         dtype or a value the store's dtype cannot hold; the store is unchanged when it raises.
         """
         slots = _index_array("slot_mapping", slot_mapping)
-        rows = np.asarray(rows)
-        expected = (slots.size, *self.row_shape)
-        if rows.shape != expected:
-            raise ValueError(f"rows must have shape {expected} (one row per slot), got {rows.shape}")
-        if rows.size and rows.dtype.kind not in "iu":
-            raise ValueError(f"rows must hold integers, got dtype {rows.dtype}")
+        rows = self._check_rows(rows, slots.size)
         self._check_slots(slots)
+        self.data[slots] = rows
+
+    def _check_rows(self, rows: np.ndarray, num_rows: int, name: str = "rows") -> np.ndarray:
+        """``rows`` as an array after the checks of :meth:`write`: shape ``(num_rows, L, K)``, an
+        integer dtype, values the store's dtype can hold (ValueError naming ``name`` otherwise).
+        The value range is only scanned when the dtype does not cast safely."""
+        rows = np.asarray(rows)
+        expected = (num_rows, *self.row_shape)
+        if rows.shape != expected:
+            raise ValueError(f"{name} must have shape {expected} (one row per slot), got {rows.shape}")
+        if rows.size and rows.dtype.kind not in "iu":
+            raise ValueError(f"{name} must hold integers, got dtype {rows.dtype}")
         if rows.size and not np.can_cast(rows.dtype, self.dtype, casting="safe"):
             info = np.iinfo(self.dtype)
             lo, hi = int(rows.min()), int(rows.max())
             if lo < info.min or hi > info.max:
                 raise ValueError(
-                    f"rows hold values in [{lo}, {hi}] that the store's dtype {self.dtype} cannot hold"
+                    f"{name} hold values in [{lo}, {hi}] that the store's dtype {self.dtype} cannot hold"
                 )
-        self.data[slots] = rows
+        return rows
 
     def read_slots(self, slots: Sequence[int] | np.ndarray) -> np.ndarray:
         """A copy of the rows at ``slots``: (len(slots), num_layers, top_k). IndexError out of range."""
