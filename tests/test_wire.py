@@ -401,31 +401,31 @@ def test_sglang_size_is_checked_before_decoding():
 FUZZ = settings(max_examples=1000)
 
 
-@pytest.fixture(scope="module")
-def frozen_heap():
-    """A full collection of this process's heap (torch, transformers: ~350k objects) takes ~190 ms
-    here and would land on a random fuzz case and blow its 10 ms; gc.freeze() keeps the objects
-    that exist now out of the collector's scans for these tests (new ones are still collected)."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
-
 def _quietly(decode, *args, **kwargs):
     """``decode(*args, **kwargs)``, or None for a ValueError; it must not emit a warning and must
-    take under 10 ms of this thread's CPU time (CPU time, not wall time: other processes on a shared
-    2-core machine stretched 0.2 ms cases to 16 ms of wall time, which hypothesis' deadline counts)."""
+    take under 10 ms of this thread's CPU time.
+
+    CPU time, not wall time: other processes on a shared 2-core machine stretched 0.2 ms cases to
+    16 ms of wall time. The collector is off while it is timed (a full collection of this process's
+    heap takes ~190 ms here), and a case over 10 ms is timed twice more, the best of three counting:
+    once in a full-suite run one 0.2 ms case still read 40 ms; a slow input is slow every time."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        start = time.thread_time()
-        try:
-            out = decode(*args, **kwargs)
-        except ValueError:
-            out = None
-        spent = time.thread_time() - start
+        best = math.inf
+        for _ in range(3):
+            gc.disable()
+            start = time.thread_time()
+            try:
+                out = decode(*args, **kwargs)
+            except ValueError:
+                out = None
+            finally:
+                best = min(best, time.thread_time() - start)
+                gc.enable()
+            if best < 0.010:
+                break
     assert not caught, f"decoding warned: {caught[0].message}"
-    assert spent < 0.010, f"one decode took {spent * 1e3:.1f} ms of CPU time"
+    assert best < 0.010, f"one decode took {best * 1e3:.1f} ms of CPU time (best of 3)"
     return out
 
 
@@ -439,14 +439,12 @@ def _agrees_with_np_load(payload: bytes) -> None:
     assert np.array_equal(ours, theirs)
 
 
-@pytest.mark.usefixtures("frozen_heap")
 @FUZZ
 @given(payload=npy_payloads())
 def test_fuzz_npy_generated_headers(payload):
     _agrees_with_np_load(payload)
 
 
-@pytest.mark.usefixtures("frozen_heap")
 @FUZZ
 @given(data=st.data(), array=routing_arrays())
 def test_fuzz_npy_mutated_payloads(data, array):
@@ -455,7 +453,6 @@ def test_fuzz_npy_mutated_payloads(data, array):
     _agrees_with_np_load(data.draw(mutated(f.getvalue(), keep=10)))
 
 
-@pytest.mark.usefixtures("frozen_heap")
 @FUZZ
 @given(
     payload=st.one_of(
@@ -471,7 +468,6 @@ def test_fuzz_raw_bytes(payload):
     assert encode_routing_bytes(out) == payload and out.flags.writeable
 
 
-@pytest.mark.usefixtures("frozen_heap")
 @FUZZ
 @given(
     data=st.data(),
@@ -495,7 +491,6 @@ def test_fuzz_sglang_text(data, num_layers, top_k, dtype):
     assert out.dtype == dtype and np.array_equal(out, theirs)
 
 
-@pytest.mark.usefixtures("frozen_heap")
 @FUZZ
 @given(text=st.one_of(st.text(max_size=64), st.binary(max_size=64)))
 def test_fuzz_any_text_npy(text):
