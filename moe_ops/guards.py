@@ -11,15 +11,52 @@ instead of returning wrong rows later:
   those tokens never passed through this engine's routers, so their slots hold no routing of them
   (or a previous request's, if the blocks were reused).
 - non-MoE models: there is nothing to capture.
+- speculative decoding whose draft routes through MoE layers: multi-token-prediction (MTP) layers
+  and draft models are not part of the target model's routing layer axis (it holds the target's
+  MoE layers, model layers ``0 .. num_hidden_layers - 1``), so their routing has no column, and an
+  engine that captures every MoE layer it runs would write the draft pass's ids into the step's
+  buffer. Draft-free proposers (n-gram, suffix) are served: the target model computes every row and
+  ``RoutingLedger.reject`` drops the rejected ones.
+
+Every argument is checked too: a value of the wrong type or range is one more reason, never a
+TypeError or a silently different setting.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from .shapes import RoutingShape, resolve_routing_shape
+from .shapes import (
+    DENSE_MLP_TYPES,
+    EXPERT_FIELDS,
+    MTP_LAYER_FIELDS,
+    TOP_K_FIELDS,
+    RoutingShape,
+    _get,
+    _is_int,
+    _lookup,
+    _text_config,
+    resolve_routing_shape,
+)
 
-__all__ = ["UnsupportedConfigError", "validate_serving_config"]
+__all__ = ["SPECULATIVE_METHODS", "UnsupportedConfigError", "validate_serving_config"]
+
+# Speculative-decoding methods by what proposes the draft tokens (vLLM's speculative_config.method,
+# SGLang's --speculative-algorithm; names compared lower-case). A method ending in "_mtp" (vLLM's
+# deepseek_mtp, qwen3_next_mtp, ...) counts as "mtp".
+SPECULATIVE_METHODS = {
+    # token lookups, no network: every row comes from the target model
+    "draft_free": frozenset({"ngram", "suffix", "lookahead"}),
+    # MLP heads on the target's hidden state: no router
+    "dense_heads": frozenset({"medusa", "mlp_speculator"}),
+    # the checkpoint's own multi-token-prediction layers
+    "mtp": frozenset({"mtp", "nextn"}),
+    # a separate draft model (EAGLE heads are decoder layers of their own)
+    "draft_model": frozenset({"eagle", "eagle3", "draft_model", "standalone"}),
+}
+# MTP layer-kind fields: Nemotron-H's mtp_layers_block_type, Step3p7 / Mellum's mtp_mlp_layer_types
+_MTP_KIND_FIELDS = ("mtp_layers_block_type", "mtp_mlp_layer_types")
 
 
 class UnsupportedConfigError(ValueError):
@@ -38,6 +75,8 @@ def validate_serving_config(
     cpu_offload_gb: float = 0,
     kv_connector: str | None = None,
     disaggregated_prefill: bool = False,
+    speculative_method: str | None = None,
+    draft_model_config: Any = None,
 ) -> RoutingShape | None:
     """Checks a serving setup and returns the model's :class:`RoutingShape` (None without a model).
 
@@ -50,6 +89,14 @@ def validate_serving_config(
             (e.g. vLLM's ``kv_transfer_config.kv_connector``); must be None.
         disaggregated_prefill: True when prefill runs on another instance and the KV cache arrives
             by transfer; must be False.
+        speculative_method: the engine's speculative-decoding method (vLLM's
+            ``speculative_config.method``, SGLang's ``--speculative-algorithm``), None without
+            speculative decoding. Draft-free methods (``ngram``, ``suffix``, ``lookahead``) and MLP
+            heads (``medusa``, ``mlp_speculator``) are served. MTP methods (``mtp``, ``nextn``,
+            ``*_mtp``) are refused unless the config says its MTP layers are dense; draft models
+            (``eagle``, ``eagle3``, ``draft_model``, ``standalone``) need ``draft_model_config``
+            and are refused when it has a router.
+        draft_model_config: the draft model's config, for the draft-model methods only.
 
     Raises:
         UnsupportedConfigError (a ValueError): every problem found, one line each.
@@ -62,19 +109,28 @@ def validate_serving_config(
             f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism > 1 is not supported "
             "(each stage holds only its own layers' routing); use pipeline_parallel_size=1"
         )
-    if cpu_offload_gb is None or not isinstance(cpu_offload_gb, (int, float)) or cpu_offload_gb < 0:
-        reasons.append(f"cpu_offload_gb must be a number >= 0, got {cpu_offload_gb!r}")
+    if (
+        isinstance(cpu_offload_gb, bool)
+        or not isinstance(cpu_offload_gb, (int, float))
+        or not math.isfinite(cpu_offload_gb)
+        or cpu_offload_gb < 0
+    ):
+        reasons.append(f"cpu_offload_gb must be a finite number >= 0, got {cpu_offload_gb!r}")
     elif cpu_offload_gb > 0:
         reasons.append(
             f"cpu_offload_gb={cpu_offload_gb}: CPU weight offloading is not supported (offloaded layers "
             "run outside the verified capture path); use cpu_offload_gb=0"
         )
-    if kv_connector is not None:
+    if kv_connector is not None and not isinstance(kv_connector, str):
+        reasons.append(f"kv_connector must be None or the connector's name (a str), got {kv_connector!r}")
+    elif kv_connector is not None:
         reasons.append(
             f"kv_connector={kv_connector!r}: KV caches filled from outside the engine are not supported "
             "(transferred tokens never ran through this engine's routers, so their routing is unknown)"
         )
-    if disaggregated_prefill:
+    if not isinstance(disaggregated_prefill, bool):
+        reasons.append(f"disaggregated_prefill must be True or False, got {disaggregated_prefill!r}")
+    elif disaggregated_prefill:
         reasons.append(
             "disaggregated_prefill=True: prefill on another instance is not supported (the prompt's "
             "routing is computed there and never reaches this engine's capture buffer)"
@@ -85,6 +141,107 @@ def validate_serving_config(
             shape = resolve_routing_shape(model_config)
         except ValueError as e:
             reasons.append(f"not a mixture-of-experts model the capture understands: {e}")
+    reasons += _speculative_reasons(speculative_method, draft_model_config, model_config, shape)
     if reasons:
         raise UnsupportedConfigError(reasons)
     return shape
+
+
+def _method_kind(method: str) -> str | None:
+    name = method.strip().lower()
+    if name.endswith("_mtp"):
+        return "mtp"
+    return next((kind for kind, names in SPECULATIVE_METHODS.items() if name in names), None)
+
+
+def _speculative_reasons(
+    method: Any, draft_config: Any, model_config: Any, shape: RoutingShape | None
+) -> list[str]:
+    if method is None:
+        if draft_config is not None:
+            return ["draft_model_config is set but speculative_method is None: name the method that uses it"]
+        return []
+    if not isinstance(method, str):
+        return [f"speculative_method must be None or the method's name (a str), got {method!r}"]
+    kind = _method_kind(method)
+    if kind is None:
+        known = sorted(set().union(*SPECULATIVE_METHODS.values()))
+        return [
+            f"speculative_method={method!r} is not a method the guard knows ({', '.join(known)}, or a "
+            "name ending in '_mtp'), so it cannot tell whether the draft routes through MoE layers"
+        ]
+    if kind != "draft_model" and draft_config is not None:
+        return [f"draft_model_config is set but speculative_method={method!r} runs no separate draft model"]
+    if kind in ("draft_free", "dense_heads"):
+        return []
+    if kind == "mtp":
+        return _mtp_reasons(method, model_config, shape)
+    if draft_config is None:
+        return [
+            f"speculative_method={method!r} runs a separate draft model: pass draft_model_config so the "
+            "guard can check that the draft has no router (a draft's routing is not part of the target "
+            "model's layer axis)"
+        ]
+    return _draft_model_reasons(method, draft_config)
+
+
+def _mtp_reasons(method: str, model_config: Any, shape: RoutingShape | None) -> list[str]:
+    if model_config is None:
+        return [f"speculative_method={method!r}: pass model_config so the guard can check its MTP layers"]
+    try:
+        text = _text_config(model_config)
+    except ValueError:
+        return []  # the model check above already reported the config
+    announced = [(name, _get(text, name)) for name in MTP_LAYER_FIELDS if _get(text, name) is not None]
+    bad = [(name, value) for name, value in announced if not _is_int(value) or value < 0]
+    if bad:
+        return [f"{name} must be an int >= 0 (MTP layers), got {value!r}" for name, value in bad]
+    layers = next((value for _, value in announced if value > 0), 0)
+    if layers == 0:
+        fields = ", ".join(MTP_LAYER_FIELDS)
+        return [
+            f"speculative_method={method!r} runs multi-token-prediction layers, but the config announces "
+            f"none ({fields} unset or 0): the guard cannot tell which layers they are"
+        ]
+    kinds = {name: _get(text, name) for name in _MTP_KIND_FIELDS if _get(text, name) is not None}
+    if kinds and all(
+        isinstance(v, (list, tuple)) and v and all(isinstance(t, str) and _is_dense_kind(t) for t in v)
+        for v in kinds.values()
+    ):
+        return []  # every MTP layer is declared dense: it has no router to capture
+    field = next(name for name, value in announced if value > 0)
+    n = shape.num_model_layers if shape is not None else _get(text, "num_hidden_layers")
+    axis = f"model layers 0..{n - 1}" if _is_int(n) and n > 0 else "the model's decoder layers"
+    return [
+        f"speculative_method={method!r}: the multi-token-prediction layers ({field}={layers}) run after "
+        f"the model's decoder layers with MoE routers of their own; they are not part of the routing "
+        f"layer axis ({axis}), so their draft routing has no column and an engine capturing every MoE "
+        "layer it runs would write the draft pass's ids into the step's buffer. Serve without "
+        "speculative decoding or with a draft-free method (ngram, suffix)"
+    ]
+
+
+def _is_dense_kind(kind: str) -> bool:
+    return kind in DENSE_MLP_TYPES or kind in ("attention", "full_attention", "mamba", "sliding_attention")
+
+
+def _draft_model_reasons(method: str, draft_config: Any) -> list[str]:
+    try:
+        text = _text_config(draft_config)
+    except ValueError as e:
+        return [f"draft_model_config cannot be read: {e}"]
+    if _lookup(text, TOP_K_FIELDS)[0] is None and _lookup(text, EXPERT_FIELDS)[0] is None:
+        return []  # no router fields: a dense draft, nothing of it is captured
+    try:
+        draft = resolve_routing_shape(draft_config)
+    except ValueError as e:
+        return [
+            f"draft_model_config has router fields but cannot be resolved ({e}); a draft's MoE layers "
+            "are not part of the target model's routing layer axis"
+        ]
+    return [
+        f"speculative_method={method!r}: the draft model has {draft.num_layers} MoE layers with routers "
+        "of their own; they are not part of the target model's routing layer axis, so the draft's "
+        "routing has no column and an engine capturing every MoE layer it runs would write it into the "
+        "step's buffer. Use a dense draft model or a draft-free method (ngram, suffix)"
+    ]

@@ -938,3 +938,211 @@ def limit_id_cases(draw, buffer_dtypes=(torch.int16, torch.int32, torch.int64), 
     case.rows = rows
     case.ids_dtype = ids_dtype
     return case
+# Hostile input for the wire decoders and the config guards
+# ---------------------------------------------------------------------------------------------------
+
+import math  # noqa: E402 - this section is appended; the imports above are the capture ones
+import re  # noqa: E402
+import struct  # noqa: E402
+
+# .npy descr values: what np.save writes for integer arrays, then near misses and other kinds
+NPY_DESCRS = (
+    "|u1", "<u1", "<u2", ">u2", "<i4", ">i4", "<i8", "|i1", "<u4", ">u8", "=i2", "i4",
+    "<f4", "|b1", "|O", "O", "<U3", "|S2", "<u3", "uint8", "", "<i4 ", "<M8[s]", "|V4",
+)  # fmt: skip
+# text spliced into a header: the issue's " } (" (numpy's reader retried it through Python 2 token
+# filtering and raised tokenize.TokenError), unbalanced brackets, quotes, NULs, Python 2 longs
+NPY_HEADER_JUNK = ("", " } (", "(", ")", "[", "'", '"', "\\", "\x00", "#", " **", "\n\n", "L", ",", "{")
+
+
+def _npy_dims():
+    return st.one_of(
+        st.integers(0, 4),
+        st.integers(-3, 2**65),
+        st.booleans(),
+        st.sampled_from([1.0, None, "2", (1,)]),
+    )
+
+
+@st.composite
+def npy_header_texts(draw) -> str:
+    """The text of a .npy header dict: a third valid, the rest hostile (wrong types, bools, negative
+    or huge dims, too many dims, extra or missing keys, junk spliced in anywhere)."""
+    valid_descr = st.sampled_from([d for d in NPY_DESCRS if re.fullmatch(r"[<>|=]?[iu][1248]", d)])
+    small_shape = st.lists(st.integers(0, 4), max_size=4).map(tuple)
+    if draw(st.integers(0, 2)) == 0:
+        entries = {
+            "descr": draw(valid_descr),
+            "fortran_order": draw(st.booleans()),
+            "shape": draw(small_shape),
+        }
+        return repr(entries) + "\n"
+    descr = draw(
+        st.one_of(
+            valid_descr, st.sampled_from(NPY_DESCRS), st.sampled_from([5, None, [("a", "<i4")], ["|u1"]])
+        )
+    )
+    fortran = draw(st.sampled_from([False, True, False, True, 0, 1, None, "False"]))
+    shape = draw(
+        st.one_of(
+            small_shape,
+            st.lists(_npy_dims(), max_size=4).map(tuple),
+            st.lists(st.integers(0, 2), min_size=33, max_size=36).map(tuple),
+            st.integers(0, 5),
+            st.lists(st.integers(0, 3), max_size=3),
+        )
+    )
+    entries = {"descr": descr, "fortran_order": fortran, "shape": shape}
+    if draw(st.integers(0, 5)) == 0:
+        del entries[draw(st.sampled_from(sorted(entries)))]
+    if draw(st.integers(0, 5)) == 0:
+        entries[draw(st.sampled_from(["extra", "Shape", "descr "]))] = 0
+    text = repr(entries)
+    for _ in range(draw(st.sampled_from([0, 0, 1, 2]))):
+        at = draw(st.integers(0, len(text)))
+        text = text[:at] + draw(st.sampled_from(NPY_HEADER_JUNK)) + text[at:]
+    return text + draw(st.sampled_from(["\n", "\n", "", " \n", "\n\x00"]))
+
+
+def _npy_data_size(text: str) -> int | None:
+    """Bytes of data a header text announces, when it parses (None otherwise or when large)."""
+    import ast
+
+    if re.search(r"\\|[0-9][A-Za-z_]", text):
+        return None  # text the tokenizer warns about: no header announces a size with it
+    try:
+        header = ast.literal_eval(text)
+        shape = header["shape"]
+        if not isinstance(shape, tuple) or not all(type(d) is int and d >= 0 for d in shape):
+            return None
+        size = math.prod(shape) * np.dtype(header["descr"]).itemsize
+    except Exception:  # any failure only means "no exact size": the payload gets random data
+        return None
+    return size if 0 <= size <= 4096 else None
+
+
+@st.composite
+def npy_payloads(draw) -> bytes:
+    """.npy bytes around a generated header: magic and version (1.0, 2.0 or unknown), a length
+    field right or wrong, the padding numpy writes or none, data of the announced size or not."""
+    text = draw(npy_header_texts())
+    if draw(st.booleans()):
+        text = text.rstrip("\n") + " " * (-(len(text) + 10) % 64) + "\n"
+    header = text.encode("latin-1")
+    version = draw(st.sampled_from([(1, 0)] * 6 + [(2, 0)] * 2 + [(3, 0), (0, 9)]))
+    length_field = "<H" if version[0] == 1 else "<I"
+    length = len(header) if draw(st.integers(0, 4)) else draw(st.integers(0, 2**16 - 1))
+    prefix = b"\x93NUMPY" + bytes(version) + struct.pack(length_field, min(length, 2**16 - 1))
+    size = _npy_data_size(text)
+    if size is not None and draw(st.integers(0, 3)):
+        data = draw(st.binary(min_size=size, max_size=size))
+    else:
+        data = draw(st.binary(max_size=64))
+    return prefix + header + data
+
+
+@st.composite
+def mutated(draw, data: bytes, keep: int = 0, max_ops: int = 4) -> bytes:
+    """``data`` with a few byte-level edits: flips, overwrites, cuts, insertions, truncation. Edits
+    mostly land past the first ``keep`` bytes (a magic number), so most cases reach the checks
+    behind it."""
+    out = bytearray(data)
+    for _ in range(draw(st.integers(1, max_ops))):
+        op = draw(st.sampled_from(["flip", "set", "cut", "insert", "truncate"]))
+        low = 0 if draw(st.integers(0, 7)) == 0 else min(keep, len(out))
+        at = draw(st.integers(low, len(out)))
+        if op == "flip" and at < len(out):
+            out[at] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set" and at < len(out):
+            out[at] = draw(st.sampled_from([0, 1, 0x7F, 0x80, 0xFF, ord("("), ord("'"), ord("}")]))
+        elif op == "cut":
+            del out[at : at + draw(st.integers(1, 8))]
+        elif op == "insert":
+            out[at:at] = draw(st.binary(min_size=1, max_size=8))
+        elif op == "truncate":
+            del out[at:]
+    return bytes(out)
+
+
+WIRE_DTYPES = (np.uint8, np.uint16, np.int32, np.int16, np.int64, np.int8, np.uint32, np.uint64)
+
+
+@st.composite
+def routing_arrays(draw, dtypes=WIRE_DTYPES, max_rows: int = 6) -> np.ndarray:
+    """A small integer array in any of ``dtypes``, byte order and memory order, values over the
+    dtype's whole range; mostly 3-D (n, layers, top_k), sometimes another number of dims."""
+    dtype = np.dtype(draw(st.sampled_from(dtypes)))
+    if draw(st.integers(0, 4)):
+        shape = (draw(st.integers(0, max_rows)), draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+    else:
+        shape = tuple(draw(st.lists(st.integers(0, 3), max_size=4)))
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    array = rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    if draw(st.booleans()):
+        array = array.astype(dtype.newbyteorder(">"))
+    if draw(st.booleans()):
+        array = np.asfortranarray(array)
+    return array
+
+
+@st.composite
+def raw_routing_payloads(draw) -> bytes:
+    """Raw MOER bytes with every header field drawn (magic, version, dtype code, ndim, reserved
+    byte, dims up to 2**64 - 1) and data of the announced size or not."""
+    magic = draw(st.sampled_from([b"MOER"] * 6 + [b"MOEr", b"NOPE"]))
+    version = draw(st.sampled_from([1] * 6 + [0, 2, 255]))
+    code = draw(st.one_of(st.integers(1, 8), st.integers(1, 8), st.sampled_from([0, 9, 255])))
+    ndim = draw(st.sampled_from([0, 1, 2, 3, 3, 3, 8, 9, 255]))
+    reserved = draw(st.sampled_from([0] * 6 + [1, 0x80, 0xFF]))
+    dims = draw(
+        st.lists(
+            st.one_of(st.integers(0, 4), st.integers(0, 4), st.integers(0, 2**64 - 1)),
+            min_size=min(ndim, 9),
+            max_size=min(ndim, 9),
+        )
+    )
+    head = struct.pack("<4sBBBB", magic, version, code, ndim, reserved)
+    head += b"".join(struct.pack("<Q", d) for d in dims)
+    itemsize = {1: 1, 2: 2, 3: 4, 4: 2, 5: 8, 6: 1, 7: 4, 8: 8}.get(code, 1)
+    size = int(np.prod(dims, dtype=object)) * itemsize if dims else itemsize
+    if size <= 4096 and draw(st.integers(0, 3)):
+        return head + draw(st.binary(min_size=size, max_size=size))
+    return head + draw(st.binary(max_size=64))
+
+
+# a value of every kind a config field may hold by mistake
+HOSTILE_CONFIG_VALUES = (
+    0, -1, 1, 2, 3, 10**12, True, False, None, 1.7, float("nan"), "1", "false", "moe", [], [None],
+    [1.7], [8, "a"], [0, 1], [True], {}, (2,), ["moe", "dense"], ["sparse"], [[1]],
+)  # fmt: skip
+# every field resolve_routing_shape reads (docs/shapes.md), plus the MTP fields the guard reads
+CONFIG_FIELDS = (
+    "num_hidden_layers", "num_layers", "num_experts_per_tok", "num_experts_per_token", "top_k_experts",
+    "moe_topk", "moe_top_k", "moe_k", "num_experts", "num_local_experts", "n_routed_experts",
+    "moe_num_experts", "zero_expert_num", "model_type", "mlp_layer_types", "layers_block_type",
+    "moe_layers", "enable_moe_block", "first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step",
+    "mlp_only_layers", "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval",
+    "expert_layer_period", "expert_layer_offset", "num_dense_layers", "interleave_moe_layer_step",
+    "num_nextn_predict_layers", "mtp_num_hidden_layers", "mtp_layers_block_type", "mtp_mlp_layer_types",
+)  # fmt: skip
+
+
+@st.composite
+def hostile_model_configs(draw) -> dict:
+    """A dict config: a valid MoE base with a few fields overwritten by hostile values, sometimes
+    nested under text_config / ffn_config, sometimes with a text_config cycle."""
+    config = dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2)
+    for name in draw(st.lists(st.sampled_from(CONFIG_FIELDS), max_size=4, unique=True)):
+        value = draw(st.sampled_from(HOSTILE_CONFIG_VALUES))
+        config[name] = list(value) if isinstance(value, list) else value
+    shape = draw(st.sampled_from(["flat", "nested", "ffn", "cycle"]))
+    if shape == "nested":
+        return {"text_config": config}
+    if shape == "ffn":
+        return {**config, "ffn_config": {"moe_top_k": draw(st.sampled_from(HOSTILE_CONFIG_VALUES))}}
+    if shape == "cycle":
+        outer = {"text_config": config}
+        config["text_config"] = outer
+        return outer
+    return config

@@ -93,7 +93,8 @@ def test_layouts_read_the_capturer_counts(layout, counts, pad, rank, seed):
     for layer, t in zip(SHAPE.moe_layers, ids):
         cap.capture(layer, t, layout)
     c = counts[rank]
-    rows = cap.snapshot().result()
+    with cap.snapshot() as handle:
+        rows = handle.result()
     expected = np.stack([t[start : start + c].numpy() for t in ids], axis=1)
     assert np.array_equal(rows, expected.astype(np.uint8))
 

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from strategies import routing_shapes
+from strategies import hostile_model_configs, routing_shapes
 
 from moe_ops import RoutingShape, narrow_dtype, resolve_routing_shape
+from moe_ops.shapes import MAX_MODEL_LAYERS
 
 try:
     import transformers
@@ -560,3 +561,147 @@ def test_routing_shape_defaults_and_bytes():
     assert shape.moe_layers == tuple(range(61)) and shape.num_model_layers == 61 and shape.dense_layers == ()
     assert shape.row_bytes() == 61 * 8 and shape.row_bytes(np.int32) == 61 * 8 * 4
     assert shape == RoutingShape(61, 256, 8, moe_layers=range(61), num_model_layers=61)
+
+
+# ------------------------------------------------------------------- the layouts clients expect
+
+
+@settings(max_examples=150)
+@given(shape=routing_shapes(), n=st.integers(0, 6), seed=st.integers(0, 2**32 - 1))
+def test_vllm_and_sglang_layouts_put_moe_columns_back_and_zero_the_dense_ones(shape, n, seed):
+    from strategies import routing_rows
+
+    rows = routing_rows(np.random.default_rng(seed), n, shape)
+    layouts = {"sglang int32": shape.sglang_layout(rows)}
+    if shape.num_experts <= 1 << 16:
+        layouts["vllm"] = shape.vllm_layout(rows)
+        assert layouts["vllm"].dtype == (np.uint8 if shape.num_experts <= 256 else np.uint16)
+        # the one call equals the two-step recipe with an explicit fill=0
+        assert np.array_equal(layouts["vllm"], shape.to_model_layers(rows, fill=0).astype(shape.id_dtype))
+    else:
+        with pytest.raises(ValueError, match="uint8 / uint16 ids; num_experts=70000 does not fit"):
+            shape.vllm_layout(rows)
+    assert layouts["sglang int32"].dtype == np.int32
+    for name, wide in layouts.items():
+        assert wide.shape == (n, shape.num_model_layers, shape.top_k), name
+        assert np.array_equal(wide[:, list(shape.moe_layers)], rows), name
+        assert (wide[:, list(shape.dense_layers)] == 0).all(), name
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda s, r: s.vllm_layout(r[:, :1]), r"shape \(n, 2, 2\), got \(3, 1, 2\)"),
+        (lambda s, r: s.vllm_layout(r.astype(np.float32)), "integer array, got dtype float32"),
+        (lambda s, r: s.vllm_layout(r + 300), r"ids in \[300, .*outside \[0, num_experts=300\)"),
+        (lambda s, r: s.sglang_layout(r - 1), r"ids in \[-1, "),
+        (lambda s, r: s.sglang_layout(r, dtype=np.uint8), "uint8 holds ids up to 255.*num_experts=300"),
+        (lambda s, r: s.sglang_layout(r, dtype=np.int64), "int32, uint16 or uint8"),
+        (lambda s, r: s.sglang_layout(r, dtype="bogus"), "int32, uint16 or uint8"),
+    ],
+)
+def test_layouts_refuse_what_the_clients_could_not_read(call, match):
+    shape = RoutingShape(2, 300, 2, moe_layers=(0, 2), num_model_layers=3)
+    rows = np.arange(12, dtype=np.int32).reshape(3, 2, 2)
+    with pytest.raises(ValueError, match=match):
+        call(shape, rows)
+
+
+def test_sglang_layout_narrow_dtypes_when_the_ids_fit():
+    shape = RoutingShape(1, 256, 1, moe_layers=(1,), num_model_layers=2)
+    rows = np.array([[[255]]], dtype=np.int32)
+    for dtype in (np.uint8, np.uint16, np.int32):
+        out = shape.sglang_layout(rows, dtype=dtype)
+        assert out.dtype == dtype and out.tolist() == [[[0], [255]]]
+
+
+# --------------------------------------------------------- bad values: ValueError naming the field
+
+
+def _moe(**fields):
+    return dict(num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, **fields)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        # each used to escape as ZeroDivisionError
+        (_moe(expert_layer_period=0), "expert_layer_period must be an int >= 1, got 0"),
+        (_moe(interleave_moe_layer_step=0), "interleave_moe_layer_step must be an int >= 1, got 0"),
+        (_moe(decoder_sparse_step=0), "decoder_sparse_step must be an int >= 1, got 0"),
+        # ... as TypeError
+        (_moe(first_k_dense_replace="1"), "first_k_dense_replace must be an int >= 0, got '1'"),
+        (dict(num_hidden_layers=4, num_experts=[8, "a"], num_experts_per_tok=2), r"num_experts=\[8, 'a'\]"),
+        (_moe(moe_layers=[None]), r"moe_layers must hold int layer indices, got \[None\]"),
+        (_moe(mlp_only_layers=[1.5]), r"mlp_only_layers must hold int layer indices, got \[1.5\]"),
+        (_moe(mlp_layer_types=[["sparse"]] * 4), "mlp_layer_types must be a list of str"),
+        (_moe(layers_block_type="moe"), "layers_block_type must be a list of str"),
+        (dict(num_hidden_layers=4, num_experts=8, moe_topk=[2, [2]]), "entries .* not positive ints"),
+        # ... accepted silently
+        (_moe(enable_moe_block="false"), "enable_moe_block must be True or False, got 'false'"),
+        (_moe(moe_layers=[1.7]), r"moe_layers must hold int layer indices, got \[1.7\]"),
+        (_moe(first_k_dense_replace=1, moe_layer_freq=0), "moe_layer_freq must be an int >= 1, got 0"),
+        (_moe(moe_layer_start_index=0, moe_layer_interval=0), "moe_layer_interval must be an int >= 1"),
+        (_moe(expert_layer_period=2, expert_layer_offset=-1), "expert_layer_offset must be an int >= 0"),
+        (_moe(num_dense_layers=1.0), "num_dense_layers must be an int >= 0, got 1.0"),
+        (_moe(zero_expert_num=-2), "zero_expert_num must be an int >= 0, got -2"),
+        (_moe(zero_expert_num="2"), "zero_expert_num must be an int >= 0, got '2'"),
+        (_moe(first_k_dense_replace=0, moe_layer_freq=[1, 0]), "moe_layer_freq as a list must hold"),
+        (_moe(moe_layers=[4]), r"moe_layers has indices \[4\] outside \[0, num_hidden_layers=4\)"),
+        # layer counts are bounded before anything per layer is built
+        (
+            dict(num_hidden_layers=10**12, num_experts=8, num_experts_per_tok=2),
+            "exceeds MAX_MODEL_LAYERS=4096",
+        ),
+        (dict(layers_block_type=["moe"] * 5000, num_experts=8, num_experts_per_tok=2), "MAX_MODEL_LAYERS"),
+        # an MTP layer appended to a per-layer list says so
+        (
+            _moe(
+                num_nextn_predict_layers=1, mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"]
+            ),
+            "last 1 entries look like the num_nextn_predict_layers=1 multi-token-prediction layers",
+        ),
+    ],
+)
+def test_bad_field_values_raise_value_error_naming_the_field(config, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_routing_shape(config)
+
+
+def test_text_config_cycles_and_deep_nesting_raise_value_error():
+    a: dict = {"model_type": "a"}
+    b = {"text_config": a}
+    a["text_config"] = b
+    with pytest.raises(ValueError, match="text_config forms a cycle"):
+        resolve_routing_shape(a)
+    deep: dict = _moe()
+    for _ in range(20):
+        deep = {"text_config": deep}
+    with pytest.raises(ValueError, match="nests more than 8 levels"):
+        resolve_routing_shape(deep)
+    assert resolve_routing_shape({"text_config": {"text_config": _moe()}}).num_layers == 4
+
+
+def test_the_layer_bound_and_the_per_layer_freq_list():
+    assert RoutingShape(4096, 8, 2).num_model_layers == 4096
+    with pytest.raises(ValueError, match="num_model_layers=4097 exceeds MAX_MODEL_LAYERS"):
+        RoutingShape(1, 8, 2, num_model_layers=4097)
+    with pytest.raises(ValueError, match="num_layers=5000 exceeds"):
+        RoutingShape(5000, 8, 2)
+    with pytest.raises(ValueError, match=r"moe_layers must be ints .*1.5"):
+        RoutingShape(2, 8, 2, moe_layers=(0, 1.5))
+    # per-layer 0/1 flags, as dots.llm3-style configs write moe_layer_freq
+    shape = resolve_routing_shape(_moe(first_k_dense_replace=1, moe_layer_freq=[1, 1, 0, 1]))
+    assert shape.moe_layers == (1, 3)
+
+
+@settings(max_examples=600)
+@given(config=hostile_model_configs())
+def test_hostile_configs_raise_value_error_or_resolve_to_a_valid_shape(config):
+    try:
+        shape = resolve_routing_shape(config)
+    except ValueError:
+        return
+    assert 1 <= shape.num_layers <= shape.num_model_layers <= MAX_MODEL_LAYERS
+    assert all(0 <= i < shape.num_model_layers for i in shape.moe_layers)
+    assert 1 <= shape.top_k <= shape.num_experts

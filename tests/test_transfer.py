@@ -6,8 +6,11 @@ real copy stream and check that the forward stream is never waited on by the hos
 
 from __future__ import annotations
 
+import gc
+import math
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from hypothesis import strategies as st
 from strategies import routing_shapes
 
 from moe_ops import RingFullError, RoutingShape, TransferPipeline
+from moe_ops.transfer.pipeline import DroppedSnapshotWarning
 
 POISON = -7
 
@@ -44,7 +48,8 @@ def test_snapshot_narrows_exactly_and_copies_only_the_leading_rows(shape, max_ro
 def test_uint16_travels_as_int16_bits_and_reads_back_unsigned():
     source = torch.tensor([0, 1, 32767, 32768, 40000, 65535], dtype=torch.int32).view(6, 1, 1)
     pipe = TransferPipeline(source, np.uint16)
-    out = pipe.snapshot(6).result()
+    with pipe.snapshot(6) as handle:
+        out = handle.result()
     assert out.dtype == np.uint16
     assert out.reshape(-1).tolist() == [0, 1, 32767, 32768, 40000, 65535]
 
@@ -104,6 +109,142 @@ def test_wait_for_a_slot_released_by_another_thread():
     with pytest.raises(RingFullError):
         pipe.snapshot(1, timeout=0.02)  # bounded wait, then the error
     held2.release()
+
+
+def _collected_warnings(action) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        action()
+        gc.collect()
+    return [w for w in caught if issubclass(w.category, DroppedSnapshotWarning)]
+
+
+def test_lost_handles_give_their_slots_back_and_warn_once():
+    """Two handles dropped unreleased with depth=2 used to make every later snapshot() raise
+    RingFullError; now their slots return (after their copy, done at once on CPU)."""
+    shape = RoutingShape(2, 16, 2)
+    source = _source(shape, 8, "cpu", 3)
+    pipe = TransferPipeline(source, np.uint8, depth=2)
+
+    def drop_two():
+        for n in (3, 5):
+            assert pipe.snapshot(n).result().shape == (n, 2, 2)  # handle dropped right here
+
+    caught = _collected_warnings(drop_two)
+    assert len(caught) == 1 and "snapshot 0 was garbage collected" in str(caught[0].message)
+    assert pipe.in_flight == 0
+    source.fill_(11)
+    with pipe.snapshot(8) as a, pipe.snapshot(2) as b:  # both slots are free again
+        assert (a.result() == 11).all() and (b.result() == 11).all()
+        assert (a.seq, b.seq) == (2, 3)
+        with pytest.raises(RingFullError, match=r"seq \[2, 3\]"):
+            pipe.snapshot(1)
+    assert _collected_warnings(lambda: pipe.snapshot(1)) == [], "the warning repeats"
+    assert pipe.in_flight == 0
+
+
+def test_released_or_context_managed_handles_never_warn():
+    pipe = TransferPipeline(torch.zeros(4, 1, 1, dtype=torch.int32), np.uint8, depth=1)
+
+    def use():
+        h = pipe.snapshot(4)
+        h.result()
+        h.release()
+        with pipe.snapshot(2) as h2:
+            h2.result()
+
+    assert _collected_warnings(use) == []
+
+
+def test_a_copy_false_view_keeps_its_handle_and_slot_alive():
+    source = torch.arange(8, dtype=torch.int32).view(8, 1, 1)
+    pipe = TransferPipeline(source, np.uint8, depth=1)
+    views = []
+    # a view of the view, the handle not kept: collecting must not drop the handle
+    assert _collected_warnings(lambda: views.append(pipe.snapshot(8).result(copy=False)[2:])) == []
+    with pytest.raises(RingFullError):
+        pipe.snapshot(1)  # the slot still backs the view
+    source.fill_(99)
+    assert views[0].reshape(-1).tolist() == [2, 3, 4, 5, 6, 7] and not views[0].flags.writeable
+    assert len(_collected_warnings(views.clear)) == 1  # the last view gone: now the handle is lost
+    with pipe.snapshot(3) as h:
+        assert (h.result() == 99).all()
+
+
+def test_handles_dropped_and_released_from_many_threads_share_the_ring_safely():
+    """Four threads take snapshots through a depth-2 ring, each dropping about half of its handles
+    unreleased: every snapshot gets a slot no live handle holds, its rows are right, and every slot
+    comes back."""
+    shape = RoutingShape(2, 64, 2)
+    source = _source(shape, 16, "cpu", 4)
+    expected = source.numpy().astype(np.uint8)
+    pipe = TransferPipeline(source, np.uint8, depth=2)
+    live: set[int] = set()  # slot indices held by live handles
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(40):
+            n = int(rng.integers(0, 17))
+            h = pipe.snapshot(n, timeout=10.0)
+            with lock:
+                if h._slot.index in live:
+                    errors.append(f"slot {h._slot.index} handed out twice")
+                live.add(h._slot.index)
+            if not np.array_equal(h.result(), expected[:n]):
+                errors.append(f"snapshot {h.seq} returned wrong rows")
+            with lock:
+                live.discard(h._slot.index)
+            if rng.integers(0, 2):
+                h.release()
+            del h  # dropped: reclaimed by a later snapshot()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DroppedSnapshotWarning)
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        gc.collect()
+    assert not any(t.is_alive() for t in threads), "a snapshot() never got a slot back"
+    assert errors == []
+    assert pipe.in_flight == 0
+
+
+def test_wait_and_result_timeouts():
+    pipe = TransferPipeline(torch.ones(4, 1, 1, dtype=torch.int32), np.uint8, depth=1)
+    with pipe.snapshot(4) as h:
+        for timeout in (None, math.inf, 0, 0.0, 2.5, np.float32(1)):
+            h.wait(timeout)  # CPU copies are done when snapshot() returns
+            assert h.result(timeout=timeout).shape == (4, 1, 1)
+        for bad, error, match in [
+            (-1, ValueError, r"timeout must be None or seconds >= 0.*got -1"),
+            (math.nan, ValueError, "timeout must be None or seconds >= 0"),
+            (-math.inf, ValueError, "timeout must be None or seconds >= 0"),
+            ("1", TypeError, "timeout must be None or a number of seconds, got str"),
+            (True, TypeError, "got bool"),
+        ]:
+            with pytest.raises(error, match=match):
+                h.wait(bad)
+            with pytest.raises(error, match=match):
+                h.result(timeout=bad)
+
+
+def test_snapshot_timeout_none_and_inf_wait_for_a_release_and_bad_ones_take_no_slot():
+    pipe = TransferPipeline(torch.zeros(4, 1, 1, dtype=torch.int32), np.uint8, depth=1)
+    for forever in (None, math.inf):
+        held = pipe.snapshot(1)
+        threading.Timer(0.05, held.release).start()
+        with pipe.snapshot(2, timeout=forever) as h:
+            assert held.released and h.num_rows == 2
+    for bad, error in [(-0.5, ValueError), (math.nan, ValueError), ("inf", TypeError)]:
+        with pytest.raises(error, match="timeout must be None"):
+            pipe.snapshot(1, timeout=bad)
+        assert pipe.in_flight == 0
+    with pipe.snapshot(1):  # the refused calls left the ring as it was
+        assert pipe.in_flight == 1
 
 
 @pytest.mark.parametrize(
@@ -200,6 +341,50 @@ def test_snapshot_does_not_synchronise_the_forward_stream(cuda_device):
     assert elapsed < 0.1, f"snapshot took {elapsed * 1e3:.1f} ms: it waited for the forward stream"
     assert np.array_equal(handle.result(), rows.cpu().numpy().astype(np.uint8))
     handle.release()
+
+
+@pytest.mark.gpu
+def test_a_lost_handle_slot_is_reused_only_after_its_copy_gpu(cuda_device):
+    """A handle dropped while its copy waits behind a busy copy stream: its slot stays out of the
+    ring (no host sync in __del__ or in snapshot) until copy_done, then the next snapshot gets it."""
+    source = torch.full((64, 2, 2), 5, dtype=torch.int32, device=cuda_device)
+    pipe = TransferPipeline(source, np.uint8, depth=1)
+    with pipe.snapshot(64) as warm:  # load every kernel first: lazy module loading may synchronise
+        warm.result()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(pipe.copy_stream):
+        sleep_ms(300)  # the copy stream is busy with an earlier transfer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DroppedSnapshotWarning)
+        pipe.snapshot(64)  # dropped at once, its copy queued behind the sleep
+        gc.collect()
+        start = time.perf_counter()
+        with pytest.raises(RingFullError, match=r"lost handles seq \[1\] still copying"):
+            pipe.snapshot(8)
+        assert time.perf_counter() - start < 0.1, "snapshot(timeout=0) waited on the device"
+        source.fill_(7)
+        with pipe.snapshot(8, timeout=10.0) as h:  # waits for the lost copy, then takes its slot
+            assert (h.result() == 7).all()
+    assert pipe.in_flight == 0
+
+
+@pytest.mark.gpu
+def test_wait_with_a_finite_timeout_raises_while_the_copy_is_in_flight_gpu(cuda_device):
+    source = torch.full((32, 2, 2), 3, dtype=torch.int32, device=cuda_device)
+    pipe = TransferPipeline(source, np.uint8, depth=1)
+    with pipe.snapshot(32) as warm:
+        warm.result()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(pipe.copy_stream):
+        sleep_ms(300)
+    with pipe.snapshot(32) as h:
+        start = time.perf_counter()
+        with pytest.raises(TimeoutError, match=r"snapshot 1 \(32 rows\).*timeout=0.02 s"):
+            h.wait(timeout=0.02)
+        assert time.perf_counter() - start < 0.2
+        with pytest.raises(TimeoutError, match="snapshot 1"):
+            h.result(timeout=0)
+        assert (h.result(timeout=math.inf) == 3).all()  # the handle stays usable
 
 
 @pytest.mark.gpu

@@ -18,6 +18,11 @@ One snapshot of the leading ``num_rows`` rows of a persistent ``(max_rows, L, K)
   from ``snapshot`` until its handle's ``release``; when all are busy, ``snapshot`` raises
   :class:`RingFullError` (or waits up to ``timeout`` seconds for another thread to release one).
   A slot is never reused silently.
+- A handle garbage collected without ``release`` (a lost handle) gives its slot back too, so it
+  cannot wedge the ring: ``__del__`` only queues the slot (it may run on any thread, even inside a
+  pipeline call that holds the lock), and the next ``snapshot`` reclaims it once the slot's
+  ``copy_done`` event has completed (a non-blocking query: no host sync). The first such drop warns
+  with :class:`DroppedSnapshotWarning`. A ``result(copy=False)`` view keeps its handle alive.
 - Buffers are allocated once and never move. The caching allocator is told the copy stream uses
   them (``record_stream``), so even freeing the pipeline with copies in flight cannot hand their
   memory to another stream early.
@@ -27,8 +32,13 @@ One snapshot of the leading ``num_rows`` rows of a persistent ``(max_rows, L, K)
 
 from __future__ import annotations
 
+import itertools
+import math
+import sys
 import threading
 import time
+import warnings
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,7 +46,14 @@ import torch
 
 from .narrow import narrow_rows
 
-__all__ = ["RingFullError", "SnapshotHandle", "TransferPipeline", "staging_dtype"]
+__all__ = ["DroppedSnapshotWarning", "RingFullError", "SnapshotHandle", "TransferPipeline", "staging_dtype"]
+
+# Sleep between event queries of a wait with a finite timeout (CUDA events have no timed wait):
+# 50 us bounds the added latency well under a step's 1-10 ms.
+_EVENT_POLL_S = 5e-5
+# Sleep between looks at the ring of a snapshot() that waits for a slot: lost handles are queued
+# without the lock (no notify), and an orphaned slot's copy finishes without one.
+_RING_POLL_S = 1e-3
 
 # Host dtype -> device staging dtype of the same width. uint16 is staged as int16 (same bits; the host
 # reads it back through a uint16 view): int16 casts and copies are supported by every torch build,
@@ -65,6 +82,26 @@ class RingFullError(RuntimeError):
     """Every ring slot holds an unreleased snapshot: release handles (or deepen the ring)."""
 
 
+class DroppedSnapshotWarning(RuntimeWarning):
+    """A :class:`SnapshotHandle` was garbage collected without ``release()``; its slot returns to the
+    ring once its copy has finished. Warned once per pipeline: release handles (or use them as
+    context managers) so the ring never waits on the collector."""
+
+
+def _check_timeout(name: str, value: object) -> float:
+    """Seconds to wait: None or ``float("inf")`` wait as long as it takes (returns inf)."""
+    if value is None:
+        return math.inf
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be None or a number of seconds, got {type(value).__name__}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(
+            f"{name} must be None or seconds >= 0 (inf: wait as long as it takes), got {value!r}"
+        )
+    return seconds
+
+
 @dataclass(eq=False)
 class _Slot:
     # position in the ring, 0 <= index < depth
@@ -81,8 +118,18 @@ class _Slot:
     read_done: torch.cuda.Event | None = None
     # recorded on the copy stream once the host buffer holds the rows
     copy_done: torch.cuda.Event | None = None
-    # the unreleased handle holding this slot (None: free)
-    holder: SnapshotHandle | None = None
+    # seq of the unreleased handle holding this slot (None: free); no reference to the handle, so a
+    # lost handle can be garbage collected and its slot reclaimed
+    holder_seq: int | None = None
+
+
+class _ViewOwner:
+    """Base object of a ``result(copy=False)`` view: keeps the handle (so its slot) alive as long as
+    the view or any view of it exists."""
+
+    def __init__(self, handle: SnapshotHandle, view: np.ndarray):
+        self.handle = handle
+        self.__array_interface__ = view.__array_interface__
 
 
 @dataclass(eq=False)
@@ -92,7 +139,13 @@ class SnapshotHandle:
     Ownership: the rows live in the handle's ring slot until :meth:`release`. ``result()`` returns
     an owned copy (safe forever); ``result(copy=False)`` returns a read-only view into the pinned
     slot that is valid only until ``release()`` (after that the slot is refilled by a later snapshot).
-    Use it as a context manager to release on exit.
+    Use it as a context manager to release on exit. A handle garbage collected unreleased gives its
+    slot back once its copy finished (see the module docstring); a ``copy=False`` view keeps the
+    handle alive.
+
+    Threads: a handle is used by one thread at a time (``release`` of a handle another thread is
+    waiting on is not supported); different handles may be used, released and dropped on different
+    threads.
     """
 
     # the pipeline that owns the slot
@@ -111,25 +164,47 @@ class SnapshotHandle:
         event = self._slot.copy_done
         return event is None or event.query()
 
-    def wait(self) -> None:
-        """Blocks until this snapshot's copy is done; waits on its own event only (no device sync)."""
-        self._check_live()
-        if self._slot.copy_done is not None:
-            self._slot.copy_done.synchronize()
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until this snapshot's copy is done; waits on its own event only (no device sync).
 
-    def result(self, *, copy: bool = True) -> np.ndarray:
-        """The (num_rows, L, K) rows in the pipeline's output dtype, after :meth:`wait`.
+        Args:
+            timeout: seconds to wait; None or ``float("inf")`` wait as long as it takes, 0 only looks.
+
+        Raises TimeoutError (naming the snapshot) when a finite ``timeout`` passes first; the handle
+        stays usable and a later ``wait`` can succeed.
+        """
+        seconds = _check_timeout("timeout", timeout)
+        self._check_live()
+        event = self._slot.copy_done
+        if event is None or event.query():
+            return
+        if math.isinf(seconds):
+            event.synchronize()
+            return
+        deadline = time.monotonic() + seconds
+        while not event.query():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"snapshot {self.seq} ({self.num_rows} rows): its copy to the host did not finish "
+                    f"within timeout={timeout} s"
+                )
+            time.sleep(min(remaining, _EVENT_POLL_S))
+
+    def result(self, *, copy: bool = True, timeout: float | None = None) -> np.ndarray:
+        """The (num_rows, L, K) rows in the pipeline's output dtype, after :meth:`wait` (``timeout``
+        as there).
 
         ``copy=True`` returns an owned array. ``copy=False`` returns a read-only view into the pinned
-        slot, valid until :meth:`release` (cheaper: no host copy).
+        slot, valid until :meth:`release` (cheaper: no host copy); the view keeps this handle alive.
         """
-        self.wait()
+        self.wait(timeout)
         view = self._slot.host_np[: self.num_rows]
         if copy:
             return view.copy()
         view = view.view()
         view.flags.writeable = False
-        return view
+        return np.asarray(_ViewOwner(self, view))
 
     def release(self) -> None:
         """Returns the slot to the ring. Idempotent; never waits. Views from ``result(copy=False)``
@@ -146,6 +221,13 @@ class SnapshotHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+    def __del__(self) -> None:
+        # The collector runs this on whatever thread allocates, possibly inside a pipeline call that
+        # holds the ring lock: so no lock here, only a queue append; snapshot() reclaims the slot.
+        if getattr(self, "released", True) or sys.is_finalizing():
+            return
+        self.pipeline._orphan(self)
 
     def _check_live(self) -> None:
         if self.released:
@@ -169,6 +251,11 @@ class TransferPipeline:
             (``RoutingCapturer``'s): a snapshot reads the rows of layer ``l`` as the fill value
             (-1 cast to ``out_dtype``) unless ``layer_stamps[l] == step_tensor[0]`` when the copy
             runs - a layer not captured in the current step never delivers stale ids.
+
+    Threads: ``snapshot``, ``in_flight``, ``guard_source``, ``synchronize``, handle ``release`` and the
+    garbage collection of lost handles may run on different threads at once (one lock guards the
+    ring; lost handles are queued without it). Snapshots are numbered in the order ``snapshot``
+    takes slots.
     """
 
     def __init__(
@@ -222,6 +309,12 @@ class TransferPipeline:
             source.record_stream(self.copy_stream)
         self._slots = [self._make_slot(i) for i in range(depth)]
         self._free = list(range(depth))
+        # (slot, seq) of handles collected unreleased: appended by __del__ without the lock (a deque
+        # append is atomic), drained into _orphans under it
+        self._dropped: deque[tuple[_Slot, int]] = deque()
+        # slots of collected handles whose copy may still be in flight (under the lock)
+        self._orphans: list[tuple[_Slot, int]] = []
+        self._drops = itertools.count()  # next() is atomic: exactly one drop sees 0 and warns
 
     def _make_slot(self, index: int) -> _Slot:
         shape = tuple(self.source.shape)
@@ -241,8 +334,10 @@ class TransferPipeline:
 
     @property
     def in_flight(self) -> int:
-        """Snapshots taken and not yet released."""
+        """Slots not free: snapshots taken and not yet released, plus those of lost handles whose
+        copy has not finished yet."""
         with self._lock:
+            self._reclaim()
             return self.depth - len(self._free)
 
     def snapshot(
@@ -254,7 +349,8 @@ class TransferPipeline:
             num_rows: rows to copy, in ``[0, max_rows]`` (a host int: the step's real token count).
             stream: the stream whose queued work wrote the rows (default: the current stream).
             timeout: seconds to wait for a free ring slot when all are held (another thread must
-                release one); 0 raises :class:`RingFullError` at once.
+                release one, or a lost handle's copy finish); 0 raises :class:`RingFullError` at
+                once, None or ``float("inf")`` wait as long as it takes.
 
         On CUDA this records an event on ``stream``, makes the copy stream wait on it, and enqueues
         the narrowing and the non-blocking copy there; the host does not wait for the device. On CPU
@@ -285,7 +381,7 @@ class TransferPipeline:
         with self._lock:
             handle = SnapshotHandle(pipeline=self, _slot=slot, seq=self._seq, num_rows=num_rows)
             self._seq += 1
-            slot.holder = handle
+            slot.holder_seq = handle.seq
         return handle
 
     def _enqueue_cuda(self, slot: _Slot, num_rows: int, stream: torch.cuda.Stream | None) -> None:
@@ -315,29 +411,64 @@ class TransferPipeline:
             # Copy-stream work is in order, so the last snapshot's event covers every earlier one.
             target.wait_event(self._last_read_done)
 
-    def _acquire(self, timeout: float) -> _Slot:
-        deadline = time.monotonic() + max(0.0, float(timeout))
+    def _acquire(self, timeout: float | None) -> _Slot:
+        seconds = _check_timeout("timeout", timeout)
+        deadline = time.monotonic() + seconds
         with self._lock:
+            self._reclaim()
             while not self._free:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    held = sorted(s.holder.seq for s in self._slots if s.holder is not None)
+                    lost = sorted(seq for _, seq in self._orphans)
+                    held = sorted(s.holder_seq for s in self._slots if s.holder_seq is not None)
+                    held = [seq for seq in held if seq not in lost]
+                    detail = f"seq {held}" + (f"; lost handles seq {lost} still copying" if lost else "")
                     raise RingFullError(
-                        f"all {self.depth} ring slots hold unreleased snapshots (seq {held}); release "
+                        f"all {self.depth} ring slots hold unreleased snapshots ({detail}); release "
                         "a handle (SnapshotHandle.release) or create the pipeline with a larger depth"
                     )
-                self._lock.wait(remaining)
+                # bounded waits: a lost handle's slot frees itself without a notify
+                self._lock.wait(min(remaining, _RING_POLL_S))
+                self._reclaim()
             return self._slots[self._free.pop(0)]
+
+    def _orphan(self, handle: SnapshotHandle) -> None:
+        """Queues the slot of a handle collected unreleased (called from ``__del__``: no lock)."""
+        self._dropped.append((handle._slot, handle.seq))
+        if next(self._drops) == 0:
+            warnings.warn(
+                f"snapshot {handle.seq} was garbage collected without release(): its ring slot returns "
+                "once its copy finished; release handles (or use them as context managers) so the ring "
+                "never waits on the garbage collector (warned once per pipeline)",
+                DroppedSnapshotWarning,
+                stacklevel=2,
+            )
+
+    def _reclaim(self) -> None:
+        """Frees the slots of lost handles whose copy has finished (lock held; never blocks)."""
+        while self._dropped:
+            self._orphans.append(self._dropped.popleft())
+        waiting = []
+        for slot, seq in self._orphans:
+            if slot.holder_seq != seq:
+                continue
+            if slot.copy_done is None or slot.copy_done.query():
+                slot.holder_seq = None
+                self._free.append(slot.index)
+                self._lock.notify()
+            else:
+                waiting.append((slot, seq))
+        self._orphans = waiting
 
     def _release(self, handle: SnapshotHandle) -> None:
         with self._lock:
             if handle.released:
                 return
             slot = handle._slot
-            if slot.holder is not handle:
+            if slot.holder_seq != handle.seq:
                 raise RuntimeError(f"snapshot {handle.seq} does not hold its ring slot any more")
             handle.released = True
-            slot.holder = None
+            slot.holder_seq = None
             self._free.append(slot.index)
             self._lock.notify()
 
