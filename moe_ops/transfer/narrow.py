@@ -26,14 +26,14 @@ import torch
 
 from .._triton import HAS_TRITON, triton_runs_on
 
-__all__ = ["narrow_rows", "narrow_rows_torch", "narrow_rows_triton"]
+__all__ = ["check_narrow", "launch_narrow", "narrow_rows", "narrow_rows_torch", "narrow_rows_triton"]
 
 # ids per program and warps (H200 sweep above)
 _BLOCK = 2048
 _WARPS = 8
 
 
-def _check(dst: torch.Tensor, src: torch.Tensor, num_rows: int, stamps=None, step=None) -> int:
+def check_narrow(dst: torch.Tensor, src: torch.Tensor, num_rows: int, stamps=None, step=None) -> int:
     """Validates the contract; returns the element count to cast."""
     if (stamps is None) != (step is None):
         raise ValueError("stamps and step go together: pass both or neither")
@@ -101,10 +101,18 @@ def narrow_rows_triton(
 ) -> None:
     """Casts rows ``[0, num_rows)`` of ``src`` into ``dst`` on the current stream (one launch, no
     allocation, no host read of device values); with ``stamps``/``step``, stale layers read -1."""
-    n = _check(dst, src, num_rows, stamps, step)
-    if n == 0:
+    check_narrow(dst, src, num_rows, stamps, step)
+    launch_narrow(dst, src, num_rows, stamps, step)
+
+
+def launch_narrow(dst, src, num_rows: int, stamps=None, step=None) -> None:
+    """:func:`narrow_rows_triton` without the checks, for a caller that validated its fixed tensors
+    once (the snapshot pipeline: ``check_narrow`` cost about 10 us of host time per snapshot on the H200
+    machine, a quarter of a small step's whole snapshot)."""
+    if num_rows == 0:
         return
-    row = src[0].numel()
+    row = src.shape[1] * src.shape[2] if src.dim() == 3 else src[0].numel()
+    n = num_rows * row
     stamped = stamps is not None
     _narrow_kernel[(triton.cdiv(n, _BLOCK),)](
         src,
@@ -130,7 +138,7 @@ def narrow_rows_torch(
 ) -> None:
     """PyTorch twin of :func:`narrow_rows_triton`: ``dst[:num_rows].copy_(src[:num_rows])``, stale
     layers masked to -1 on the device (no host reads)."""
-    _check(dst, src, num_rows, stamps, step)
+    check_narrow(dst, src, num_rows, stamps, step)
     if not num_rows:
         return
     rows = src[:num_rows]

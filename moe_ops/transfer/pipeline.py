@@ -44,7 +44,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .narrow import narrow_rows
+from .._triton import triton_runs_on
+from .narrow import check_narrow as narrow_check
+from .narrow import launch_narrow, narrow_rows
 
 __all__ = ["DroppedSnapshotWarning", "RingFullError", "SnapshotHandle", "TransferPipeline", "staging_dtype"]
 
@@ -300,6 +302,7 @@ class TransferPipeline:
         self.depth = depth
         self.max_rows = source.shape[0]
         self._cuda = source.device.type == "cuda"
+        self._triton_narrow = self._cuda and triton_runs_on(source.device)
         self._lock = threading.Condition()
         self._seq = 0
         self._last_read_done: torch.cuda.Event | None = None
@@ -327,6 +330,8 @@ class TransferPipeline:
         if self._cuda:
             slot.staging = torch.empty(shape, dtype=self._staging_dtype, device=self.device)
             slot.staging.record_stream(self.copy_stream)
+            # the narrowing's contract, checked once for every row count (see launch_narrow)
+            narrow_check(slot.staging, self.source, 0, self.layer_stamps, self.step_tensor)
             slot.ready = torch.cuda.Event()
             slot.read_done = torch.cuda.Event()
             slot.copy_done = torch.cuda.Event()
@@ -392,7 +397,10 @@ class TransferPipeline:
         with torch.cuda.stream(copy):
             if num_rows:
                 # Narrowing on the device: one cast kernel, no allocation (moe_ops.transfer.narrow).
-                narrow_rows(slot.staging, self.source, num_rows, self.layer_stamps, self.step_tensor)
+                if self._triton_narrow:  # staging and source were checked once, in _make_slot
+                    launch_narrow(slot.staging, self.source, num_rows, self.layer_stamps, self.step_tensor)
+                else:
+                    narrow_rows(slot.staging, self.source, num_rows, self.layer_stamps, self.step_tensor)
             slot.read_done.record(copy)
             if num_rows:
                 slot.host[:num_rows].copy_(slot.staging[:num_rows], non_blocking=True)
