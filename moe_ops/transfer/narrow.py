@@ -107,8 +107,8 @@ def narrow_rows_triton(
 
 def launch_narrow(dst, src, num_rows: int, stamps=None, step=None) -> None:
     """:func:`narrow_rows_triton` without the checks, for a caller that validated its fixed tensors
-    once (the snapshot pipeline: ``check_narrow`` cost about 10 us of host time per snapshot on the H200
-    machine, a quarter of a small step's whole snapshot)."""
+    once (the snapshot pipeline: under cProfile on the H200 machine, ``check_narrow`` took 20 of the
+    264 us of host time of a 1024-token snapshot)."""
     if num_rows == 0:
         return
     row = src.shape[1] * src.shape[2] if src.dim() == 3 else src[0].numel()
