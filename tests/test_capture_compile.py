@@ -36,6 +36,9 @@ def test_compiled_capture_equals_eager_without_graph_breaks(device, layout):
             assert torch.equal(model.routing, eager.routing), f"compiled capture differs from eager at {live}"
             assert torch.equal(model.routing[:c], ids[start : start + c].to(torch.int32))
             assert (model.routing[c:] == -7).all(), "rows past the live count were written"
+            # exact although inductor rounds the float32 layers otherwise than eager (outputs up to
+            # 3e-6 apart relative after 3 layers, measured on CPU): this data's 2nd and 3rd
+            # probabilities are >= 7e-3 apart (relative) in every row and layer, 2000x that
             assert torch.equal(ids, ref_ids)
     assert cc.graph_breaks == 0
     assert cc.graphs <= 1, f"recompiled {cc.graphs} times for changing counts"
