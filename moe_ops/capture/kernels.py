@@ -105,7 +105,11 @@ if HAS_TRITON:
     # Counts live on the device, so nothing that changes per step is a specialisation key: the
     # row count n_src, the layer and the rank are runtime ints (no recompile per layer or batch).
     # Strides other than the innermost ones are runtime values too: specialising them (Triton keys
-    # on stride % 16 and stride == 1) multiplied the compiled variants for no speed-up.
+    # on stride % 16 and stride == 1) multiplied the compiled variants for no speed-up. The count
+    # tensors' strides stay specialised: contiguous counts (stride 1, the common case) then load as
+    # before they could be strided, while a strided or expanded view compiles its own variant (as a
+    # runtime stride, GATHERED n=512 in the 61-layer graph took 1.74 us per layer against 1.52 for
+    # a plain copy on the H200).
     @triton.jit(
         do_not_specialize=[
             "n_src",
@@ -117,8 +121,6 @@ if HAS_TRITON:
             "stride_bm",
             "stride_bl",
             "stride_im",
-            "stride_c",
-            "stride_s",
         ]
     )
     def _capture_rows_kernel(

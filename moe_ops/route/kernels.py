@@ -179,8 +179,6 @@ if HAS_TRITON:
             "n_first",
             "stride_bm",
             "stride_bl",
-            "stride_c",
-            "stride_s",
         ]
     )
     def _route_kernel(
