@@ -106,10 +106,8 @@ if HAS_TRITON:
     # row count n_src, the layer and the rank are runtime ints (no recompile per layer or batch).
     # Strides other than the innermost ones are runtime values too: specialising them (Triton keys
     # on stride % 16 and stride == 1) multiplied the compiled variants for no speed-up. The count
-    # tensors' strides stay specialised: contiguous counts (stride 1, the common case) then load as
-    # before they could be strided, while a strided or expanded view compiles its own variant (as a
-    # runtime stride, GATHERED n=512 in the 61-layer graph took 1.74 us per layer against 1.52 for
-    # a plain copy on the H200).
+    # tensors' strides stay specialised, so contiguous counts (the common case) load with a constant
+    # stride of 1; a strided or expanded view compiles a variant of its own.
     @triton.jit(
         do_not_specialize=[
             "n_src",
