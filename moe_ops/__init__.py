@@ -15,7 +15,7 @@ from .capture import (
 from .capture.capturer import RoutingCapturer
 from .flashinfer.backends import backends
 from .guards import UnsupportedConfigError, validate_serving_config
-from .integrations.hf import attach_capture
+from .integrations.hf import attach_capture, attach_replay
 from .layout import BatchLayout, infer_layout
 from .replay import RoutingMismatch, replay_routing, routing_mismatch
 from .replay.replayer import RoutingReplayer, replay_batch
@@ -45,6 +45,7 @@ __all__ = [
     "TransferPipeline",
     "UnsupportedConfigError",
     "attach_capture",
+    "attach_replay",
     "backends",
     "capture_error_counter",
     "capture_routing",
