@@ -15,9 +15,10 @@ from .capture import (
 from .capture.capturer import RoutingCapturer
 from .flashinfer.backends import backends
 from .guards import UnsupportedConfigError, validate_serving_config
-from .integrations.hf import attach_capture
+from .integrations.hf import attach_capture, attach_replay
 from .layout import BatchLayout, infer_layout
 from .replay import RoutingMismatch, replay_routing, routing_mismatch
+from .replay.replayer import RoutingReplayer, replay_batch
 from .route import RoutingMethod, route
 from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
 from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
@@ -36,6 +37,7 @@ __all__ = [
     "RoutingLedger",
     "RoutingMethod",
     "RoutingMismatch",
+    "RoutingReplayer",
     "RoutingShape",
     "ScheduledStep",
     "SlotStore",
@@ -43,6 +45,7 @@ __all__ = [
     "TransferPipeline",
     "UnsupportedConfigError",
     "attach_capture",
+    "attach_replay",
     "backends",
     "capture_error_counter",
     "capture_routing",
@@ -53,6 +56,7 @@ __all__ = [
     "encode_routing_bytes",
     "infer_layout",
     "narrow_dtype",
+    "replay_batch",
     "replay_routing",
     "resolve_routing_shape",
     "route",

@@ -938,6 +938,8 @@ def limit_id_cases(draw, buffer_dtypes=(torch.int16, torch.int32, torch.int64), 
     case.rows = rows
     case.ids_dtype = ids_dtype
     return case
+
+
 # Hostile input for the wire decoders and the config guards
 # ---------------------------------------------------------------------------------------------------
 
@@ -1146,3 +1148,119 @@ def hostile_model_configs(draw) -> dict:
         config["text_config"] = outer
         return outer
     return config
+
+
+# ---------------------------------------------------------------------------------------------------
+# Replay in training: RoutingReplayer.set_batch and replay_batch (moe_ops.replay.replayer)
+# ---------------------------------------------------------------------------------------------------
+
+
+def distinct_rows(rng: np.random.Generator, n: int, shape, live_fraction: float = 0.0) -> np.ndarray:
+    """(n, num_layers, top_k) int64 ids, each (token, layer) row distinct experts; about
+    ``live_fraction`` of the (token, layer) rows are all -1 (no record)."""
+    out = np.empty((n, shape.num_layers, shape.top_k), dtype=np.int64)
+    for t in range(n):
+        for layer in range(shape.num_layers):
+            out[t, layer] = rng.choice(shape.num_experts, size=shape.top_k, replace=False)
+    out[rng.random((n, shape.num_layers)) < live_fraction] = -1
+    return out
+
+
+def _small_shapes():
+    return routing_shapes(max_layers=4, max_top_k=4, experts=(4, 8, 100, 256, 300))
+
+
+@dataclass
+class ReplayBatchSequence:
+    """Batches a trainer sets one after another on one replayer (sizes going up and down)."""
+
+    shape: object
+    # rows of the replayer's buffer
+    max_num_tokens: int
+    # each (n <= max_num_tokens, num_layers, top_k) int64, -1 rows for padding / live tokens
+    batches: list[np.ndarray]
+    # per batch: "numpy", "tensor" (a CPU tensor) and the integer dtype it is passed in
+    kinds: list[tuple[str, np.dtype]]
+
+    def passed(self, i: int):
+        """Batch ``i`` as the trainer hands it to set_batch."""
+        how, dtype = self.kinds[i]
+        array = self.batches[i].astype(dtype)
+        return torch.from_numpy(array) if how == "tensor" else array
+
+
+@st.composite
+def replay_batch_sequences(draw, max_batches: int = 5, max_rows: int = 12):
+    shape = draw(_small_shapes())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    max_num_tokens = draw(st.integers(1, max_rows))
+    sizes = draw(st.lists(st.integers(0, max_num_tokens), min_size=1, max_size=max_batches))
+    dtypes = [np.dtype(np.int32), np.dtype(np.int64)]
+    if shape.num_experts <= 127:
+        dtypes.append(np.dtype(np.int8))
+    if shape.num_experts <= 32767:
+        dtypes.append(np.dtype(np.int16))
+    kinds = [(draw(st.sampled_from(["numpy", "tensor"])), draw(st.sampled_from(dtypes))) for _ in sizes]
+    batches = [distinct_rows(rng, n, shape, live_fraction=0.2) for n in sizes]
+    return ReplayBatchSequence(shape, max_num_tokens, batches, kinds)
+
+
+@dataclass
+class ReplayRequests:
+    """Per-request routing as a client receives it from the rollout, and what it stands for."""
+
+    shape: object
+    # per request: (T - 1, num_layers, top_k) int64 ids on the MoE-only axis, -1 where never recorded
+    truth: list[np.ndarray]
+    # layout of the received arrays: "moe" or "model" (vLLM: a column per decoder layer)
+    layer_axis: str
+    # each request padded to pad_to rows (None: packed)
+    pad_to: int | None
+    # dtype of the received arrays: the narrow unsigned dtype (no record = its maximum) or a signed one
+    dtype: np.dtype
+    seed: int
+
+    def arrays(self) -> list[np.ndarray]:
+        """The received arrays: missing ids as the dtype's fill, dense columns holding garbage."""
+        rng = np.random.default_rng(self.seed)
+        fill = np.iinfo(self.dtype).max if self.dtype.kind == "u" else -1
+        out = []
+        for truth in self.truth:
+            a = np.where(truth == -1, fill, truth).astype(self.dtype)
+            if self.layer_axis == "model":
+                wide = rng.integers(
+                    0, self.shape.num_experts, size=(a.shape[0], self.shape.num_model_layers, a.shape[2])
+                )
+                wide = wide.astype(self.dtype)
+                wide[:, list(self.shape.moe_layers)] = a
+                a = wide
+            out.append(a)
+        return out
+
+    def expected(self) -> np.ndarray:
+        """The training rows, from the definition: per request its T - 1 rows, a -1 row for its
+        last token, then -1 padding rows up to pad_to."""
+        rows = []
+        empty = np.full((self.shape.num_layers, self.shape.top_k), -1, dtype=np.int64)
+        for truth in self.truth:
+            tokens = truth.shape[0] + 1
+            for j in range(self.pad_to if self.pad_to is not None else tokens):
+                rows.append(truth[j] if j < truth.shape[0] else empty)
+        return np.array(rows, dtype=np.int64).reshape(-1, self.shape.num_layers, self.shape.top_k)
+
+
+@st.composite
+def replay_requests(draw, max_requests: int = 4, max_rows: int = 6):
+    shape = draw(_small_shapes())
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    lengths = draw(st.lists(st.integers(0, max_rows), min_size=0, max_size=max_requests))
+    truth = [distinct_rows(rng, n, shape, live_fraction=0.15) for n in lengths]
+    pad_to = draw(st.none() | st.integers(max(lengths, default=0) + 1, max_rows + 3))
+    narrow = shape.id_dtype
+    dtypes = [np.dtype(np.int16), np.dtype(np.int32)]
+    if np.iinfo(narrow).max >= shape.num_experts:  # its maximum can mark a missing id
+        dtypes.append(narrow)
+    dtype = draw(st.sampled_from(dtypes))
+    return ReplayRequests(
+        shape, truth, draw(st.sampled_from(["moe", "model"])), pad_to, dtype, draw(st.integers(0, 2**32 - 1))
+    )

@@ -1,7 +1,8 @@
 """Integrations with model libraries. Each imports its library lazily: ``import moe_ops`` needs none.
 
 ``moe_ops.integrations.hf``: Hugging Face transformers - :func:`attach_capture` records the routing
-of a transformers MoE model without editing its code; tiny real models for tests and the demo.
+of a transformers MoE model without editing its code, :func:`attach_replay` makes its routers
+replay recorded ids; tiny real models for tests and the demo.
 """
 
 from .hf import (
@@ -9,6 +10,7 @@ from .hf import (
     CaptureHandle,
     HFArchitecture,
     attach_capture,
+    attach_replay,
     build_tiny_model,
     find_routers,
     normalize_arch,
@@ -20,6 +22,7 @@ __all__ = [
     "CaptureHandle",
     "HFArchitecture",
     "attach_capture",
+    "attach_replay",
     "build_tiny_model",
     "find_routers",
     "normalize_arch",

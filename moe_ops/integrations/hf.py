@@ -28,13 +28,20 @@ router's ``forward`` attribute instead of registering a forward hook because dyn
 attribute and not on hooks: attaching or removing after a model was compiled recompiles (or reuses
 the graph compiled for that state) instead of silently replaying a stale graph.
 
+``attach_replay(model, replayer)`` is the trainer's mirror: the same routers, wrapped the same way,
+return the ids of ``replayer.layer_ids(layer, n)`` (a ``RoutingReplayer``'s buffer) with weights
+recomputed from the live logits by each architecture's own rule (:data:`REPLAY_RULES`), so the
+experts compute with the rollout's routing and gradients reach the routers (docs/replay.md).
+
 ``transformers`` is imported lazily, by :func:`tiny_config` and :func:`build_tiny_model` only;
 ``import moe_ops`` never imports it.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -44,15 +51,21 @@ import torch
 from torch import nn
 
 from ..layout import BatchLayout, layout_from_value
+from ..replay.op import BACKENDS as REPLAY_BACKENDS
+from ..replay.replayer import REPLAY_MARK, ReplayHandle, ReplayRule, replaying_forward
+from ..route.methods import RoutingMethod, validate_route_args
 
 __all__ = [
+    "REPLAY_RULES",
     "SUPPORTED_ARCHITECTURES",
     "CaptureHandle",
     "HFArchitecture",
     "attach_capture",
+    "attach_replay",
     "build_tiny_model",
     "find_routers",
     "normalize_arch",
+    "replay_rule",
     "tiny_config",
 ]
 
@@ -307,12 +320,14 @@ def _model_type(model: nn.Module) -> str:
     return model_type
 
 
-def find_routers(model: nn.Module) -> tuple[str, list[tuple[int, str, nn.Module]]]:
+def find_routers(
+    model: nn.Module, *, caller: str = "attach_capture"
+) -> tuple[str, list[tuple[int, str, nn.Module]]]:
     """The architecture of ``model`` and its routers as ``(decoder layer, module path, module)``.
 
     Sorted by layer. ValueError for an unsupported ``config.model_type`` (listing the supported
     ones), for a model without routers, for a router outside a ``layers.<i>`` path, and for two
-    routers in one decoder layer.
+    routers in one decoder layer. ``caller`` names the function in the unsupported-model message.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -320,7 +335,7 @@ def find_routers(model: nn.Module) -> tuple[str, list[tuple[int, str, nn.Module]
     arch = SUPPORTED_ARCHITECTURES.get(model_type)
     if arch is None:
         raise ValueError(
-            f"attach_capture does not support model_type {model_type!r} ({type(model).__name__}); "
+            f"{caller} does not support model_type {model_type!r} ({type(model).__name__}); "
             f"supported: {_supported()}"
         )
     routers = [
@@ -399,8 +414,11 @@ def _capturing_forward(original: Callable, capturer: Any, layer: int, layout: Ba
     return forward
 
 
-def _check_against_shape(capturer: Any, routers: list[tuple[int, str, nn.Module]]) -> None:
-    """Checks the routers found against ``capturer.shape`` (a RoutingShape) when it has one."""
+def _check_against_shape(
+    capturer: Any, routers: list[tuple[int, str, nn.Module]], name: str = "capturer"
+) -> None:
+    """Checks the routers found against ``capturer.shape`` (a RoutingShape) when it has one;
+    ``name`` is the argument the messages name."""
     shape = getattr(capturer, "shape", None)
     moe_layers = getattr(shape, "moe_layers", None)
     if moe_layers is None:
@@ -408,20 +426,18 @@ def _check_against_shape(capturer: Any, routers: list[tuple[int, str, nn.Module]
     found = tuple(layer for layer, _, _ in routers)
     if tuple(moe_layers) != found:
         raise ValueError(
-            f"capturer.shape.moe_layers={tuple(moe_layers)} but the model's routers are in decoder "
-            f"layers {found}: build the capturer's shape from this model's config "
+            f"{name}.shape.moe_layers={tuple(moe_layers)} but the model's routers are in decoder "
+            f"layers {found}: build the {name}'s shape from this model's config "
             "(moe_ops.resolve_routing_shape(model.config))"
         )
     top_k = getattr(shape, "top_k", None)
     for _, path, module in routers:
         router_k = getattr(module, "top_k", None)
         if isinstance(router_k, int) and top_k is not None and router_k != top_k:
-            raise ValueError(
-                f"capturer.shape.top_k={top_k} but the router at {path!r} picks top_k={router_k}"
-            )
+            raise ValueError(f"{name}.shape.top_k={top_k} but the router at {path!r} picks top_k={router_k}")
 
 
-def _check_device(capturer: Any, routers: list[tuple[int, str, nn.Module]]) -> None:
+def _check_device(capturer: Any, routers: list[tuple[int, str, nn.Module]], name: str = "capturer") -> None:
     buffer = getattr(capturer, "buffer", None)
     if not isinstance(buffer, torch.Tensor):
         return
@@ -429,8 +445,8 @@ def _check_device(capturer: Any, routers: list[tuple[int, str, nn.Module]]) -> N
         for p in module.parameters(recurse=False):
             if p.device.type != "meta" and p.device != buffer.device:
                 raise ValueError(
-                    f"capturer.buffer is on {buffer.device} but the router at {path!r} has its weights on "
-                    f"{p.device}: create the capturer on the model's device"
+                    f"{name}.buffer is on {buffer.device} but the router at {path!r} has its weights on "
+                    f"{p.device}: create the {name} on the model's device"
                 )
             break
 
@@ -532,6 +548,266 @@ def attach_capture(
         arch=arch,
         layers=tuple(layer for layer, _, _ in routers),
         paths=tuple(path for _, path, _ in routers),
+        _wrapped=wrapped,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Replaying: every router returns the recorded ids, weighted by its own rule
+# ---------------------------------------------------------------------------------------------
+
+
+def _softmax_topk_rule(router: nn.Module) -> ReplayRule:
+    """Qwen3-MoE, Qwen2-MoE, OLMoE, FlexOlmo: softmax over every expert, top-k of it, and with
+    ``norm_topk_prob`` the k values renormalised (equal to a softmax over the k logits)."""
+    if router.norm_topk_prob:
+        return ReplayRule(
+            RoutingMethod.RENORMALIZE, description="softmax(x)[ids] renormalised (norm_topk_prob)"
+        )
+    return ReplayRule(RoutingMethod.DEFAULT, description="softmax(x)[ids], not renormalised")
+
+
+def _renormalize_rule(router: nn.Module) -> ReplayRule:
+    """Mixtral (softmax, top-k, renormalised), GPT-OSS and GraniteMoE (softmax over the top-k
+    logits; GPT-OSS's logits include the router's bias)."""
+    return ReplayRule(RoutingMethod.RENORMALIZE, description="softmax(x[ids])")
+
+
+def _scaled_sigmoid(router_logits: torch.Tensor, ids: torch.Tensor, *, scale: float) -> torch.Tensor:
+    # DeepSeek-V3's rule without norm_topk_prob, as its router computes it
+    return router_logits.sigmoid().gather(1, ids) * scale
+
+
+def _sigmoid_bias_rule(router: nn.Module) -> ReplayRule:
+    """DeepSeek-V3, GLM-4-MoE, dots1: sigmoid scores, chosen with ``e_score_correction_bias`` in
+    groups; weights the unbiased scores, divided by their sum + 1e-20 with ``norm_topk_prob``,
+    times ``routed_scaling_factor``. Without ``norm_topk_prob`` no method scales plain sigmoid
+    weights, so that rule is computed here (``_scaled_sigmoid``)."""
+    scale = float(router.routed_scaling_factor)
+    groups = dict(n_group=router.num_group, topk_group=router.topk_group if router.num_group else None)
+    if router.norm_topk_prob:
+        return ReplayRule(
+            RoutingMethod.DEEPSEEK_V3,
+            **groups,
+            routed_scaling_factor=scale,
+            bias_attr="e_score_correction_bias",
+            description=f"sigmoid(x)[ids] / (sum + 1e-20) * {scale}",
+        )
+    return ReplayRule(
+        RoutingMethod.DEEPSEEK_V3,
+        **groups,
+        routed_scaling_factor=scale,
+        bias_attr="e_score_correction_bias",
+        weights_fn=functools.partial(_scaled_sigmoid, scale=scale),
+        description=f"sigmoid(x)[ids] * {scale} (norm_topk_prob=False)",
+    )
+
+
+def _scaled_softmax(router_logits: torch.Tensor, ids: torch.Tensor, *, scale: float) -> torch.Tensor:
+    # DeepSeek-V2's rule, as its router computes it
+    return router_logits.softmax(dim=-1, dtype=torch.float32).gather(1, ids) * scale
+
+
+def _deepseek_v2_rule(router: nn.Module) -> ReplayRule:
+    """DeepSeek-V2: softmax over every expert; ``greedy`` takes its top-k, ``group_limited_greedy``
+    the top-k inside the best groups (by their best expert); either way the weights are
+    ``softmax(x)[ids] * routed_scaling_factor``. Faulty rows route live with DEFAULT (no groups)."""
+    if router.topk_method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(
+            f"DeepSeek-V2 topk_method must be 'greedy' or 'group_limited_greedy', got {router.topk_method!r}"
+        )
+    scale = float(router.routed_scaling_factor)
+    if scale == 1.0:
+        return ReplayRule(RoutingMethod.DEFAULT, description="softmax(x)[ids]")
+    return ReplayRule(
+        RoutingMethod.DEFAULT,
+        weights_fn=functools.partial(_scaled_softmax, scale=scale),
+        description=f"softmax(x)[ids] * {scale}",
+    )
+
+
+def _sparsemixer_weights(
+    router_logits: torch.Tensor, ids: torch.Tensor, *, router: nn.Module, multiplier_fn: Any
+) -> torch.Tensor:
+    """PhiMoE's sparsemixer multipliers at given ids: transformers' ``sparsemixer`` with its
+    ``selected_experts`` (the argmax in eval mode, a Gumbel sample in training) replaced by ``ids``.
+
+    Expert 1 gets its softmax over the experts within ``2 * router_jitter_noise`` (relative) of the
+    row's best score, expert 2 its softmax over those within that of the best score other than
+    expert 1; an expert outside its window gets weight 0 (as a training sample there would). In
+    training mode (``router.training``) each multiplier goes through the model's own
+    ``PhimoeMultiplier`` (Heun's third-order gradient estimator, its 1 or 1/3 factor drawn with
+    ``torch.rand_like`` as the model draws it; ``multiplier_fn`` is that class); in eval mode
+    autograd differentiates the softmax.
+    """
+    eps = router.router_jitter_noise
+    scores = router_logits
+    selected = (ids[:, :1], ids[:, 1:2])
+    multipliers = []
+    masked_scores = scores
+    for k, chosen in enumerate(selected):
+        if k == 1:
+            masked_scores = torch.scatter(scores, -1, selected[0], float("-inf"))
+        with torch.no_grad():
+            threshold = masked_scores.max(dim=-1, keepdim=True).values
+            factor = scores.abs().clamp(min=threshold)
+            outside = ((threshold - scores) / factor) > (2 * eps)
+        masked_gates = torch.softmax(masked_scores.masked_fill(outside, float("-inf")), dim=-1)
+        multiplier = masked_gates.gather(dim=-1, index=chosen)
+        if router.training:
+            max_ind = masked_gates.max(dim=-1, keepdim=True).indices
+            mask_for_one = torch.logical_or(chosen == max_ind, torch.rand_like(multiplier) > 0.75)
+            mask_for_one = torch.add(0.3333, mask_for_one, alpha=0.6667).type_as(masked_gates)
+            multiplier = multiplier_fn.apply(scores, multiplier, chosen, masked_gates, mask_for_one)
+        multipliers.append(multiplier)
+    return torch.cat(multipliers, dim=-1)
+
+
+def _phimoe_multiplier(router: nn.Module):
+    """transformers' ``PhimoeMultiplier`` (the autograd function of sparsemixer's training branch),
+    from the module that defines the router's class."""
+    cls = getattr(sys.modules.get(type(router).__module__), "PhimoeMultiplier", None)
+    if cls is None:
+        raise ValueError(
+            f"{type(router).__module__} has no PhimoeMultiplier: this transformers version's PhiMoE "
+            "training rule is unknown to attach_replay"
+        )
+    return cls
+
+
+def _phimoe_rule(router: nn.Module) -> ReplayRule:
+    """PhiMoE: sparsemixer, top-2 only; no method has its weights, so they are computed here
+    (``_sparsemixer_weights``). Faulty rows route live with RENORMALIZE, whose top-2 by logit is
+    sparsemixer's own choice in eval mode."""
+    if router.top_k != 2:
+        raise ValueError(f"PhiMoE's sparsemixer routes top-2 only; the router has top_k={router.top_k}")
+    return ReplayRule(
+        RoutingMethod.RENORMALIZE,
+        weights_fn=functools.partial(
+            _sparsemixer_weights, router=router, multiplier_fn=_phimoe_multiplier(router)
+        ),
+        description=f"sparsemixer multipliers (jitter {router.router_jitter_noise})",
+    )
+
+
+# The weight rule of every supported architecture, from its router module's own fields.
+REPLAY_RULES: Mapping[str, Callable[[nn.Module], ReplayRule]] = MappingProxyType(
+    {
+        "qwen3_moe": _softmax_topk_rule,
+        "mixtral": _renormalize_rule,
+        "olmoe": _softmax_topk_rule,
+        "deepseek_v3": _sigmoid_bias_rule,
+        "gpt_oss": _renormalize_rule,
+        "qwen2_moe": _softmax_topk_rule,
+        "deepseek_v2": _deepseek_v2_rule,
+        "glm4_moe": _sigmoid_bias_rule,
+        "dots1": _sigmoid_bias_rule,
+        "flex_olmo": _softmax_topk_rule,
+        "phimoe": _phimoe_rule,
+        "granitemoe": _renormalize_rule,
+    }
+)
+
+
+def replay_rule(arch: str, router: nn.Module) -> ReplayRule:
+    """The :class:`~moe_ops.replay.replayer.ReplayRule` of one router module of ``arch``."""
+    builder = REPLAY_RULES.get(normalize_arch(arch))
+    if builder is None:  # an architecture added to SUPPORTED_ARCHITECTURES without its rule
+        raise ValueError(f"attach_replay has no weight rule for {arch!r}; known: {', '.join(REPLAY_RULES)}")
+    return builder(router)
+
+
+def _check_rule(rule: ReplayRule, module: nn.Module, path: str, top_k: int | None) -> None:
+    """replay_routing's argument checks, once at attach time, on a (0, num_experts) stand-in."""
+    num_experts = getattr(module, "num_experts", None)
+    if not isinstance(num_experts, int) or top_k is None:
+        return
+    bias = None if rule.bias_attr is None else getattr(module, rule.bias_attr)
+    try:
+        validate_route_args(
+            torch.empty(0, num_experts),
+            top_k,
+            rule.method,
+            None if bias is None else bias.detach().to("cpu", torch.float32),
+            rule.n_group,
+            rule.topk_group,
+            rule.routed_scaling_factor,
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the router at {path!r} cannot be replayed with {rule.method.name}: {e}") from None
+
+
+def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> ReplayHandle:
+    """Makes every MoE router of ``model`` return the ids in ``replayer``, weighted by its own rule.
+
+    Args:
+        model: a transformers model of a supported architecture (``SUPPORTED_ARCHITECTURES``, the
+            ``*ForCausalLM`` or its base model, or their ``torch.compile`` wrapper), or a
+            :class:`~moe_ops.models.ReferenceMoEModel` (any model with ``replay_routers()``).
+        replayer: where the ids come from, e.g. :class:`moe_ops.RoutingReplayer`: an object with
+            ``layer_ids(model_layer_index, num_tokens)`` returning ``(num_tokens, top_k)`` ids. With
+            a ``shape`` its ``moe_layers`` must be exactly the decoder layers that have a router,
+            and its ``top_k`` the routers' top_k.
+        backend: ``replay_routing``'s backend ("auto", "triton", "torch").
+
+    Returns a :class:`~moe_ops.replay.replayer.ReplayHandle`; ``handle.remove()`` or ``with
+    attach_replay(...):`` restores the routers. Each wrapped router runs as before, then returns
+    the same tuple (same positions, dtypes, shapes) with its weights and ids replaced by
+    :func:`~moe_ops.replay.replayer.replay_router_output` of ``replayer.layer_ids(layer, n)``: the
+    recorded ids, weighted by the architecture's own rule (``REPLAY_RULES``) from the live logits,
+    so gradients reach the router; rows of -1 keep the router's own output.
+
+    Everything is checked before any router is touched: ValueError for an unsupported
+    architecture, a model without routers, a replayer shape or device that does not fit the model,
+    a router whose rule ``replay_routing`` would refuse, or a router that already has a replay
+    attached; TypeError for a replayer without ``layer_ids``. Attach before or after
+    ``torch.compile`` (dynamo guards on the wrapped attribute, as for ``attach_capture``); no host
+    reads and no graph breaks are added.
+    """
+    if not callable(getattr(replayer, "layer_ids", None)):
+        raise TypeError(
+            "replayer must have a layer_ids(model_layer_index, num_tokens) method (e.g. "
+            f"moe_ops.RoutingReplayer), got {type(replayer).__name__}"
+        )
+    if backend not in REPLAY_BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, REPLAY_BACKENDS))}, got {backend!r}")
+    base = getattr(model, "_orig_mod", model)
+    if callable(getattr(base, "replay_routers", None)):
+        arch = "reference"
+        targets = list(base.replay_routers())
+    else:
+        arch, routers = find_routers(model, caller="attach_replay")
+        targets = [
+            (layer, path, module, "forward", replay_rule(arch, module)) for layer, path, module in routers
+        ]
+    routers = [(layer, path, module) for layer, path, module, _, _ in targets]
+    _check_against_shape(replayer, routers, "replayer")
+    _check_device(replayer, routers, "replayer")
+    shape = getattr(replayer, "shape", None)
+    top_k, num_experts = getattr(shape, "top_k", None), getattr(shape, "num_experts", None)
+    for _, path, module, attr, rule in targets:
+        router_experts = getattr(module, "num_experts", None)
+        if isinstance(router_experts, int) and num_experts is not None and router_experts != num_experts:
+            raise ValueError(
+                f"replayer.shape.num_experts={num_experts} but the router at {path!r} has "
+                f"{router_experts} experts"
+            )
+        _check_rule(rule, module, path, getattr(module, "top_k", top_k))
+        if getattr(module.__dict__.get(attr), REPLAY_MARK, False):
+            raise ValueError(
+                f"the router at {path!r} already has a routing replay attached: remove() that handle first"
+            )
+    wrapped = []
+    for layer, _, module, attr, rule in targets:
+        previous = module.__dict__.get(attr)
+        wrapper = replaying_forward(getattr(module, attr), replayer, layer, rule, module, backend=backend)
+        setattr(module, attr, wrapper)
+        wrapped.append((module, attr, previous, wrapper))
+    return ReplayHandle(
+        arch=arch,
+        layers=tuple(t[0] for t in targets),
+        paths=tuple(t[1] for t in targets),
+        rules=tuple(t[4] for t in targets),
         _wrapped=wrapped,
     )
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..replay.replayer import ReplayRule
 from ..route import RoutingMethod, route
 from ..route.methods import BIAS_METHODS, validate_route_args
 from ..route.op import BACKENDS
@@ -292,6 +293,9 @@ class _DenseMLP(nn.Module):
 class _MoEBlock(nn.Module):
     """Router (``moe_ops.route``, capturing when given a target) and routed experts.
 
+    :meth:`router` is the replay hook: ``attach_replay`` wraps it on the instance, so the experts
+    get the recorded ids, weighted from the live logits by :meth:`replay_rule`.
+
     gate: (hidden, num_experts) router weights, float32 (float64 in float64 models)
     bias: (num_experts,) float32 selection bias, or None
     w_gate_up: (num_experts, hidden, 2 * moe_intermediate_size) dtype
@@ -309,10 +313,24 @@ class _MoEBlock(nn.Module):
         self.w_gate_up = init.normal(e, h, 2 * i, std=h**-0.5)
         self.w_down = init.normal(e, i, h, std=i**-0.5)
 
-    def forward(self, x: torch.Tensor, capture: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def top_k(self) -> int:
+        """Experts per token (the router contract's ``top_k``, checked by ``attach_replay``)."""
+        return self.config.top_k
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    def router(self, x: torch.Tensor, capture: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(router_logits, weights, ids)`` of the normalised hidden states ``x``, the contract of
+        the transformers routers: ``attach_replay`` replaces this method on the instance.
+
+        router_logits: (n, num_experts) float32 (float64 in float64 models)
+        weights: (n, top_k) float32 - ``moe_ops.route``'s weights
+        ids: (n, top_k) int32 - the chosen experts, recorded into ``capture`` when given
+        """
         cfg = self.config
-        scale = 1.0 if cfg.routed_scaling_factor is None else cfg.routed_scaling_factor
-        x = _rms_norm(x, self.norm)
         # Router logits in float32 (DeepSeek-V3 computes its gate in float32 too); moe_ops.route takes
         # float32/bf16/fp16.
         logits = x.to(self.gate.dtype) @ self.gate
@@ -327,6 +345,26 @@ class _MoEBlock(nn.Module):
             capture=capture,
             backend=cfg.router_backend,
         )
+        return logits, weights, ids
+
+    def replay_rule(self) -> ReplayRule:
+        """How ``attach_replay`` weights the recorded ids: this block's own routing method."""
+        cfg = self.config
+        return ReplayRule(
+            RoutingMethod(cfg.routing_method),
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            bias_attr="bias" if cfg.router_bias else None,
+            capture_kwarg="capture",
+            description=f"moe_ops.route's {RoutingMethod(cfg.routing_method).name} weights",
+        )
+
+    def forward(self, x: torch.Tensor, capture: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        scale = 1.0 if cfg.routed_scaling_factor is None else cfg.routed_scaling_factor
+        x = _rms_norm(x, self.norm)
+        logits, weights, ids = self.router(x, capture=capture)
         if logits.dtype == torch.float64:
             # float64 models: the weights of the chosen experts from the float64 logits, so that the
             # residual stream keeps float64 precision (float32 weights would add ~1e-7 noise that
@@ -372,7 +410,9 @@ class ReferenceMoEModel(nn.Module):
         device: where the weights and the KV cache live.
 
     The KV caches are module buffers marked as static addresses (inductor's CUDA-graph trees accept
-    their in-place updates). Inference only: parameters do not require grad.
+    their in-place updates). Parameters do not require grad (a serving model); to train with
+    replayed routing (``attach_replay(model, replayer)``, see :meth:`replay_routers`), call
+    ``requires_grad_()`` on the parameters to train.
     """
 
     def __init__(self, config: ReferenceMoEConfig, device: torch.device | str = "cpu"):
@@ -437,6 +477,16 @@ class ReferenceMoEModel(nn.Module):
         if return_router_ids:
             return logits, torch.stack(all_ids, dim=1)
         return logits
+
+    def replay_routers(self) -> list[tuple[int, str, nn.Module, str, ReplayRule]]:
+        """The MoE blocks ``attach_replay`` wraps: ``(model layer, module path, block, "router",
+        rule)`` per MoE layer, in layer order. The block's ``router`` method is replaced on the
+        instance; the rule is the block's own routing method (and bias, groups, scale)."""
+        return [
+            (i, f"layers.{i}.mlp", layer.mlp, "router", layer.mlp.replay_rule())
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer.mlp, _MoEBlock)
+        ]
 
     def set_router_backend(self, backend: str) -> None:
         """Routes with ``backend`` from now on (steps traced or captured before keep theirs)."""
