@@ -13,9 +13,7 @@ from .capture import (
     check_capture_errors,
 )
 from .capture.capturer import RoutingCapturer
-from .flashinfer.backends import backends
 from .guards import UnsupportedConfigError, validate_serving_config
-from .integrations.hf import attach_capture, attach_replay
 from .layout import BatchLayout, infer_layout
 from .replay import RoutingMismatch, replay_routing, routing_mismatch
 from .replay.replayer import RoutingReplayer, replay_batch
@@ -26,6 +24,29 @@ from .transfer import RingFullError, SnapshotHandle, TransferPipeline
 from .wire import decode_routing, decode_routing_bytes, encode_routing, encode_routing_bytes
 
 __version__ = "0.1.0"
+
+# Optional integrations resolve on first use, so that `import moe_ops` imports neither FlashInfer
+# nor transformers and registers no FlashInfer op.
+_LAZY = {
+    "attach_capture": ("moe_ops.integrations.hf", "attach_capture"),
+    "attach_replay": ("moe_ops.integrations.hf", "attach_replay"),
+    "backends": ("moe_ops.flashinfer.backends", "backends"),
+}
+
+
+def __getattr__(name: str):
+    target = _LAZY.get(name)
+    if target is None:
+        raise AttributeError(f"module 'moe_ops' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(target[0]), target[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "BatchLayout",
