@@ -48,6 +48,7 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
+
 __all__ = [
     "BatchLayout",
     "CaptureFaultError",

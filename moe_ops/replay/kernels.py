@@ -199,6 +199,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from ..route._select import keep_groups, ordered_keys, topk_rounds
+
     # Triton kernels may only read globals that are constexpr.
     _DEFAULT = tl.constexpr(int(RoutingMethod.DEFAULT))
     _RENORMALIZE = tl.constexpr(int(RoutingMethod.RENORMALIZE))
@@ -210,31 +212,11 @@ if HAS_TRITON:
     _SUM_EPSILON = tl.constexpr(SUM_EPSILON)
     _OUT_OF_RANGE = tl.constexpr(REPLAY_FAULT_OUT_OF_RANGE)
     _REPEATED = tl.constexpr(REPLAY_FAULT_REPEATED)
-    _NONE = tl.constexpr(-2147483648)  # INT32_MIN: knocked out / masked (below every valid key)
-    _NO_EXPERT = tl.constexpr(1 << 30)  # above every expert index (min-reduction identity)
 
     # The live-routing helpers below follow moe_ops.route.kernels' _route_kernel operation for
     # operation (same keys, same int32 ordering, same two-step rounds), so a live row's ids equal
     # route(backend="triton")'s bit for bit; the tests compare them exactly. They are copies because
     # the router keeps its helpers inside its kernel module.
-
-    @triton.jit
-    def _ordered(key, valid):
-        """int32 whose signed order is the order of ``key``; ``_NONE`` (below all) where not valid."""
-        bits = key.to(tl.int32, bitcast=True)
-        return tl.where(valid, bits ^ ((bits >> 31) & 0x7FFFFFFF), _NONE)
-
-    @triton.jit
-    def _unordered(ordered):
-        """The float32 key of an ordered int (the mapping of :func:`_ordered` is an involution)."""
-        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-        return bits.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _canonical(key):
-        """NaN -> -inf, -0.0 -> 0.0 (the reference's rule)."""
-        key = tl.where(key != key, float("-inf"), key)
-        return tl.where(key == 0.0, 0.0, key)
 
     @triton.jit
     def _live_topk(
@@ -264,37 +246,10 @@ if HAS_TRITON:
         ok3 = row_ok[:, None, None] & expert_ok[None, :, :]
         x = tl.load(logits_ptr + row_off[:, None, None] + expert3 * stride_le, mask=ok3, other=0.0)
         x = x.to(tl.float32)
-        if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
-            key = tl.sigmoid(x)
-            if HAS_BIAS:
-                b = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0).to(tl.float32)
-                key = key + b[None, :, :]
-        else:
-            key = x  # softmax and sigmoid keep the order of the logits
-        okey = _ordered(_canonical(key), ok3)
+        okey = ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD, HAS_BIAS)
         if GROUPED:
-            col3 = col[None, None, :]
-            top1 = tl.max(okey, axis=2)
-            col1 = tl.min(tl.where(okey == top1[:, :, None], col3, G_PAD), axis=2)
-            top2 = tl.max(tl.where(col3 == col1[:, :, None], _NONE, okey), axis=2)
-            score = tl.where(top2 != _NONE, _unordered(top1) + _unordered(top2), _unordered(top1))
-            grp_ok = row_ok[:, None] & (grp[None, :] < n_group)
-            gkey = _ordered(_canonical(score), grp_ok)
-            kept = tl.zeros([BLOCK_M, NG_PAD], dtype=tl.int32)
-            for _ in range(topk_group):
-                gbest = tl.max(gkey, axis=1)
-                gwin = tl.min(tl.where(gkey == gbest[:, None], grp[None, :], NG_PAD), axis=1)
-                hit = grp[None, :] == gwin[:, None]
-                kept = tl.where(hit, 1, kept)
-                gkey = tl.where(hit, _NONE, gkey)
-            okey = tl.where(kept[:, :, None] != 0, okey, _NONE)
-        kcol = tl.arange(0, K_PAD)
-        ids = tl.zeros([BLOCK_M, K_PAD], dtype=tl.int32)
-        for i in tl.static_range(K_PAD):
-            best = tl.max(tl.max(okey, axis=1), axis=1)
-            win = tl.min(tl.min(tl.where(okey == best[:, None, None], expert3, _NO_EXPERT), axis=1), axis=1)
-            ids = tl.where(kcol[None, :] == i, win[:, None], ids)
-            okey = tl.where(expert3 == win[:, None, None], _NONE, okey)
+            okey = keep_groups(okey, row_ok, n_group, topk_group, BLOCK_M, NG_PAD, G_PAD)
+        ids = topk_rounds(okey, expert3, BLOCK_M, K_PAD)
         return ids
 
     # As in the router: nothing that changes per step or per layer is a specialisation key (the

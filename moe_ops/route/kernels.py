@@ -125,6 +125,7 @@ if HAS_TRITON:
 
     from ..capture.kernels import record_faults, record_stamp
     from ..capture.window import rows_window
+    from ._select import keep_groups, ordered_keys, topk_rounds
 
     # Triton kernels may only read globals that are constexpr.
     _DEFAULT = tl.constexpr(int(RoutingMethod.DEFAULT))
@@ -135,30 +136,6 @@ if HAS_TRITON:
     _SIGMOID_RENORM = tl.constexpr(int(RoutingMethod.SIGMOID_RENORM))
     _MINIMAX2 = tl.constexpr(int(RoutingMethod.MINIMAX2))
     _SUM_EPSILON = tl.constexpr(SUM_EPSILON)
-    _NONE = tl.constexpr(-2147483648)  # INT32_MIN: knocked out / masked (below every valid key)
-    _NO_EXPERT = tl.constexpr(1 << 30)  # above every expert index (min-reduction identity)
-
-    @triton.jit
-    def _ordered(key, valid):
-        """int32 whose signed order is the order of ``key``; ``_NONE`` (below all) where not valid.
-
-        key: canonical float32 (no NaN, no -0.0). Negative floats get their magnitude bits flipped,
-        so the bits compare as signed ints; -inf maps to 0x807FFFFF > ``_NONE`` = INT32_MIN.
-        """
-        bits = key.to(tl.int32, bitcast=True)
-        return tl.where(valid, bits ^ ((bits >> 31) & 0x7FFFFFFF), _NONE)
-
-    @triton.jit
-    def _unordered(ordered):
-        """The float32 key of an ordered int (the mapping of :func:`_ordered` is an involution)."""
-        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-        return bits.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _canonical(key):
-        """NaN -> -inf, -0.0 -> 0.0 (the reference's rule)."""
-        key = tl.where(key != key, float("-inf"), key)
-        return tl.where(key == 0.0, 0.0, key)
 
     # Nothing that changes per step or per layer is a specialisation key: the token count, the
     # capture window's arguments and the row strides are runtime ints, and so are top_k and the
@@ -258,52 +235,12 @@ if HAS_TRITON:
         x = tl.load(logits_ptr + row_off[:, None, None] + expert3 * stride_le, mask=ok3, other=0.0)
         x = x.to(tl.float32)
 
-        if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
-            key = tl.sigmoid(x)
-            if HAS_BIAS:
-                b = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0).to(tl.float32)
-                key = key + b[None, :, :]
-        else:
-            key = x  # softmax and sigmoid keep the order of the logits
-        okey = _ordered(_canonical(key), ok3)
-
+        okey = ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD, HAS_BIAS)
         if GROUPED:
-            # group score = sum of the group's two best keys (one key if the group has one expert);
-            # the best is the lowest column among equal keys, and only that one is knocked out
-            col3 = col[None, None, :]
-            top1 = tl.max(okey, axis=2)
-            col1 = tl.min(tl.where(okey == top1[:, :, None], col3, G_PAD), axis=2)
-            top2 = tl.max(tl.where(col3 == col1[:, :, None], _NONE, okey), axis=2)
-            score = tl.where(top2 != _NONE, _unordered(top1) + _unordered(top2), _unordered(top1))
-            grp_ok = row_ok[:, None] & (grp[None, :] < n_group)
-            gkey = _ordered(_canonical(score), grp_ok)
-            kept = tl.zeros([BLOCK_M, NG_PAD], dtype=tl.int32)
-            for _ in range(topk_group):
-                gbest = tl.max(gkey, axis=1)
-                gwin = tl.min(tl.where(gkey == gbest[:, None], grp[None, :], NG_PAD), axis=1)
-                hit = grp[None, :] == gwin[:, None]
-                kept = tl.where(hit, 1, kept)
-                gkey = tl.where(hit, _NONE, gkey)
-            okey = tl.where(kept[:, :, None] != 0, okey, _NONE)
-
-        # top_k rounds, unrolled to K_PAD (rounds past top_k are masked at the stores). A round is
-        # two dependent 32-bit warp reductions (redux.sync on sm_90): the best key, then the lowest
-        # expert holding it. The int64 (key, -index) packing this replaced took a chain of both
-        # halves plus 64-bit compares in every thread, in a loop the compiler could not unroll
-        # (H200, DeepSeek-V3 256/8 with capture, kernel time: n=1 5.3 us -> 2.8 us, n=4096 17.8 us
-        # -> 9.3 us, with the launch configuration below). Loading each round's chosen logit inside
-        # the round measured slower than one gather after the rounds (DeepSeek-V3 n=4096 with
-        # capture 10.4 vs 9.6 us at 1 row / 1 warp), so the weights re-read them at the end.
+            okey = keep_groups(okey, row_ok, n_group, topk_group, BLOCK_M, NG_PAD, G_PAD)
+        # top_k rounds, unrolled to K_PAD (rounds past top_k are masked at the stores)
+        ids = topk_rounds(okey, expert3, BLOCK_M, K_PAD)
         kcol = tl.arange(0, K_PAD)
-        ids = tl.zeros([BLOCK_M, K_PAD], dtype=tl.int32)
-        for i in tl.static_range(K_PAD):
-            # groups first: with lanes along the experts of a group, that axis is in-thread and
-            # the lane reduction then runs once, not once per group
-            best = tl.max(tl.max(okey, axis=1), axis=1)
-            win = tl.min(tl.min(tl.where(okey == best[:, None, None], expert3, _NO_EXPERT), axis=1), axis=1)
-            ids = tl.where(kcol[None, :] == i, win[:, None], ids)
-            okey = tl.where(expert3 == win[:, None, None], _NONE, okey)
-
         k_ok = kcol[None, :] < top_k
         out_ok = row_ok[:, None] & k_ok
         xs = tl.load(logits_ptr + row_off[:, None] + ids.to(tl.int64) * stride_le, mask=out_ok, other=0.0)

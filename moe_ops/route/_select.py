@@ -1,0 +1,112 @@
+"""Triton helpers the router and the replay kernels share: order-preserving keys, the DeepSeek-V3
+group phase and the unrolled top-k rounds (private: import the launchers, not this module).
+
+One rule for both kernels, so that replay's live rows are exactly what ``route`` chooses: keys
+become order-preserving int32s (float bits with the magnitude of negatives flipped; masked and
+knocked-out entries hold INT32_MIN); each round takes the best key with one integer ``max``, then
+the lowest expert index holding it with one integer ``min`` - among equal scores the lowest index
+wins - and knocks that expert out.
+"""
+
+from __future__ import annotations
+
+from .._triton import HAS_TRITON
+from .methods import RoutingMethod
+
+__all__: list[str] = []
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    # Triton kernels may only read globals that are constexpr.
+    _DEEPSEEK_V3 = tl.constexpr(int(RoutingMethod.DEEPSEEK_V3))
+    _MINIMAX2 = tl.constexpr(int(RoutingMethod.MINIMAX2))
+    NONE = tl.constexpr(-2147483648)  # INT32_MIN: knocked out / masked (below every valid key)
+    NO_EXPERT = tl.constexpr(1 << 30)  # above every expert index (min-reduction identity)
+
+    @triton.jit
+    def ordered(key, valid):
+        """int32 whose signed order is the order of ``key``; ``NONE`` (below all) where not valid.
+
+        key: canonical float32 (no NaN, no -0.0). Negative floats get their magnitude bits flipped,
+        so the bits compare as signed ints; -inf maps to 0x807FFFFF > ``NONE`` = INT32_MIN.
+        """
+        bits = key.to(tl.int32, bitcast=True)
+        return tl.where(valid, bits ^ ((bits >> 31) & 0x7FFFFFFF), NONE)
+
+    @triton.jit
+    def unordered(ordered):
+        """The float32 key of an ordered int (the mapping of :func:`ordered` is an involution)."""
+        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def canonical(key):
+        """NaN -> -inf, -0.0 -> 0.0 (the reference's rule)."""
+        key = tl.where(key != key, float("-inf"), key)
+        return tl.where(key == 0.0, 0.0, key)
+
+    @triton.jit
+    def ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """(BLOCK_M, NG_PAD, G_PAD) ordered int32 selection keys of float32 logits ``x``."""
+        if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
+            key = tl.sigmoid(x)
+            if HAS_BIAS:
+                b = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0).to(tl.float32)
+                key = key + b[None, :, :]
+        else:
+            key = x  # softmax and sigmoid keep the order of the logits
+        return ordered(canonical(key), ok3)
+
+    @triton.jit
+    def keep_groups(
+        okey, row_ok, n_group, topk_group, BLOCK_M: tl.constexpr, NG_PAD: tl.constexpr, G_PAD: tl.constexpr
+    ):
+        """DeepSeek-V3's group phase: the keys of the ``topk_group`` best groups, NONE elsewhere.
+
+        Group score = sum of the group's two best keys (one key if the group has one expert); the
+        best is the lowest column among equal keys, and only that one is knocked out.
+        """
+        grp = tl.arange(0, NG_PAD)
+        col3 = tl.arange(0, G_PAD)[None, None, :]
+        top1 = tl.max(okey, axis=2)
+        col1 = tl.min(tl.where(okey == top1[:, :, None], col3, G_PAD), axis=2)
+        top2 = tl.max(tl.where(col3 == col1[:, :, None], NONE, okey), axis=2)
+        score = tl.where(top2 != NONE, unordered(top1) + unordered(top2), unordered(top1))
+        grp_ok = row_ok[:, None] & (grp[None, :] < n_group)
+        gkey = ordered(canonical(score), grp_ok)
+        kept = tl.zeros([BLOCK_M, NG_PAD], dtype=tl.int32)
+        for _ in range(topk_group):
+            gbest = tl.max(gkey, axis=1)
+            gwin = tl.min(tl.where(gkey == gbest[:, None], grp[None, :], NG_PAD), axis=1)
+            hit = grp[None, :] == gwin[:, None]
+            kept = tl.where(hit, 1, kept)
+            gkey = tl.where(hit, NONE, gkey)
+        return tl.where(kept[:, :, None] != 0, okey, NONE)
+
+    @triton.jit
+    def topk_rounds(okey, expert3, BLOCK_M: tl.constexpr, K_PAD: tl.constexpr):
+        """(BLOCK_M, K_PAD) int32 ids by descending key, ties to the lowest expert index.
+
+        top_k rounds, unrolled to K_PAD (rounds past top_k are masked at the stores). A round is
+        two dependent 32-bit warp reductions (redux.sync on sm_90): the best key, then the lowest
+        expert holding it. The int64 (key, -index) packing this replaced took a chain of both
+        halves plus 64-bit compares in every thread, in a loop the compiler could not unroll
+        (H200, DeepSeek-V3 256/8 with capture, kernel time: n=1 5.3 us -> 2.8 us, n=4096 17.8 us
+        -> 9.3 us, with the router's launch configuration). Loading each round's chosen logit inside
+        the round measured slower than one gather after the rounds (DeepSeek-V3 n=4096 with
+        capture 10.4 vs 9.6 us at 1 row / 1 warp), so the weights re-read them at the end.
+        """
+        kcol = tl.arange(0, K_PAD)
+        ids = tl.zeros([BLOCK_M, K_PAD], dtype=tl.int32)
+        for i in tl.static_range(K_PAD):
+            # groups first: with lanes along the experts of a group, that axis is in-thread and
+            # the lane reduction then runs once, not once per group
+            best = tl.max(tl.max(okey, axis=1), axis=1)
+            win = tl.min(tl.min(tl.where(okey == best[:, None, None], expert3, NO_EXPERT), axis=1), axis=1)
+            ids = tl.where(kcol[None, :] == i, win[:, None], ids)
+            okey = tl.where(expert3 == win[:, None, None], NONE, okey)
+        return ids
+
+    __all__ += ["canonical", "keep_groups", "ordered", "ordered_keys", "topk_rounds", "unordered"]
