@@ -102,8 +102,15 @@ def wire_round_trip(routing: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
     """Each request's routing encoded with :func:`~moe_ops.encode_routing` (base64 ``.npy`` text,
     what vLLM's ``routed_experts`` carries) and decoded with :func:`~moe_ops.decode_routing`.
 
-    routing: req_id -> (num_tokens - 1, num_moe_layers, top_k) integer.
+    routing: req_id -> (num_tokens - 1, num_moe_layers, top_k) integer; ValueError naming the
+        request for an array that is not 3-D.
     """
+    for req_id, r in routing.items():
+        if not isinstance(r, np.ndarray) or r.ndim != 3:
+            raise ValueError(
+                f"routing[{req_id}] must be a 3-D (num_tokens - 1, num_moe_layers, top_k) array, got "
+                f"{getattr(r, 'shape', type(r).__name__)}"
+            )
     return {req_id: decode_routing(encode_routing(r)) for req_id, r in routing.items()}
 
 
