@@ -15,6 +15,11 @@ Each request's routing is then compared with an eager, uncaptured reference run 
 the request's tokens (teacher-forced: the tokens that mode generated). Any mismatched row, wrong
 shape or capture fault makes the demo exit non-zero.
 
+Then, per mode, the training half (``moe_ops.demo_train``; ``--no-train`` skips it): each
+request's routing through the wire format and back, replayed in one float32 training step of the
+same model with perturbed router weights (mismatch without and with replay, logprobs against the
+rollout's), plotted to ``replay_mismatch.png``.
+
 Per-request shape: ``(num_tokens - 1, num_moe_layers, top_k)`` with ``num_tokens`` = prompt +
 generated tokens, as vLLM (``request.num_tokens - 1``) and SGLang (``req.seqlen - 1``) return
 ``routed_experts``: the last generated token is sampled but never run through the model, so it has

@@ -25,6 +25,8 @@ from moe_ops.demo_train import (
     wire_round_trip,
 )
 from moe_ops.models import ReferenceMoEModel, reference_config
+from moe_ops.replay.replayer import replay_batch
+from moe_ops.wire import decode_routing, encode_routing
 
 # the demo's tiny preset (float64 rollout), shorter sequences and fewer slots to stay cheap
 CONFIG = reference_config("tiny", max_seq_len=32, max_requests=4)
@@ -205,6 +207,47 @@ def test_problems_name_each_failed_check():
         "loss is inf",
         "router gradient norm is 0.0",
     ]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang-int32", "sglang-uint8"])
+def test_vllm_and_sglang_output_feed_replay_batch(engine):
+    """docs/replay.md's recipe: an engine's per-request text (a column per decoder layer), decoded,
+    with a dropped prompt prefix put back as -1 rows, gives the batch of the MoE-axis routing."""
+    requests = synthetic_requests(3, vocab_size=CONFIG.vocab_size, max_seq_len=CONFIG.max_seq_len, seed=2)
+    result, _ = rollout(requests)
+    ours = [result.routing[i] for i in sorted(result.routing)]
+    received = []
+    for rows in ours:
+        if engine == "vllm":
+            text = encode_routing(SHAPE.vllm_layout(rows))
+            wide = decode_routing(text)
+        else:
+            dtype = np.int32 if engine == "sglang-int32" else np.uint8
+            text = encode_routing(SHAPE.sglang_layout(rows, dtype=dtype), format="sglang")
+            wide = decode_routing(
+                text,
+                format="sglang",
+                num_layers=SHAPE.num_model_layers,
+                top_k=SHAPE.top_k,
+                dtype=dtype.__name__,
+            )
+        assert wide.shape == (rows.shape[0], SHAPE.num_model_layers, SHAPE.top_k)
+        received.append(wide)
+    want = replay_batch(ours, SHAPE, pad_to=CONFIG.max_seq_len)
+    got = replay_batch(received, SHAPE, layer_axis="model", pad_to=CONFIG.max_seq_len)
+    np.testing.assert_array_equal(got, want)
+    # a server that left out the first `start` prompt rows: -1 rows in front restore the row index
+    start = 2
+    cut = [
+        np.concatenate([np.full((start, *w.shape[1:]), -1, np.int32), w[start:].astype(np.int32)])
+        for w in received
+    ]
+    expected = want.copy()
+    for i in range(len(ours)):
+        expected[i * CONFIG.max_seq_len : i * CONFIG.max_seq_len + start] = -1
+    np.testing.assert_array_equal(
+        replay_batch(cut, SHAPE, layer_axis="model", pad_to=CONFIG.max_seq_len), expected
+    )
 
 
 # ------------------------------------------------------------------------------------ the command
