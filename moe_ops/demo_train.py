@@ -311,7 +311,8 @@ def plot_replay_mismatch(checks: Sequence[TrainCheck], shape: RoutingShape, path
     width = 0.8 / len(bars)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * shape.num_layers + 3), 3.6))
     for i, (label, values) in enumerate(bars):
-        ax.bar(x + (i - (len(bars) - 1) / 2) * width, values, width, label=label)
+        drawn = ax.bar(x + (i - (len(bars) - 1) / 2) * width, values, width, label=label)
+        ax.bar_label(drawn, fmt="%.2f", fontsize=7)  # a replay bar is 0: the label shows it is there
     ax.set_xticks(x)
     ax.set_xticklabels([str(layer) for layer in shape.moe_layers])
     ax.set_xlabel("model layer")
