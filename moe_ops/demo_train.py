@@ -124,6 +124,11 @@ def training_model(model: ReferenceMoEModel) -> ReferenceMoEModel:
     return out
 
 
+def _check_lr(lr: object) -> None:
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+
+
 @torch.no_grad()
 def perturb_routers(model: ReferenceMoEModel, lr: float, seed: int) -> None:
     """Adds ``lr * randn`` to every MoE router's gate weights in place, like one optimizer step.
@@ -131,8 +136,7 @@ def perturb_routers(model: ReferenceMoEModel, lr: float, seed: int) -> None:
     The noise is drawn on the CPU from a generator seeded with ``seed`` (the same numbers on every
     device and machine), one draw per MoE layer in layer order. ``lr`` must be a finite float >= 0.
     """
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    _check_lr(lr)
     generator = torch.Generator().manual_seed(seed)
     for layer in model.layers:
         if isinstance(layer.mlp, _MoEBlock):
@@ -193,6 +197,7 @@ def train_check(
     """
     cfg = model.config
     shape: RoutingShape = cfg.routing_shape()
+    _check_lr(lr)  # before any work: checked again where it is used
     limit = cfg.max_requests if max_requests is None else max_requests
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= cfg.max_requests:
         raise ValueError(
