@@ -42,6 +42,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and the requests")
     p.add_argument("--out", default="moe-ops-demo", help="output folder (default ./moe-ops-demo)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--no-train",
+        action="store_true",
+        help="skip the training half (replay of the captured routing in a float32 training step)",
+    )
     p = sub.add_parser("inspect", help="summarise saved routing files (routing.npz, .npy, wire formats)")
     p.add_argument("files", nargs="+", metavar="FILE")
     return parser

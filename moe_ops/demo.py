@@ -15,6 +15,11 @@ Each request's routing is then compared with an eager, uncaptured reference run 
 the request's tokens (teacher-forced: the tokens that mode generated). Any mismatched row, wrong
 shape or capture fault makes the demo exit non-zero.
 
+Then, per mode, the training half (``moe_ops.demo_train``; ``--no-train`` skips it): each
+request's routing through the wire format and back, replayed in one float32 training step of the
+same model with perturbed router weights (mismatch without and with replay, logprobs against the
+rollout's), plotted to ``replay_mismatch.png``.
+
 Per-request shape: ``(num_tokens - 1, num_moe_layers, top_k)`` with ``num_tokens`` = prompt +
 generated tokens, as vLLM (``request.num_tokens - 1``) and SGLang (``req.seqlen - 1``) return
 ``routed_experts``: the last generated token is sampled but never run through the model, so it has
@@ -636,6 +641,19 @@ def _run_demo(args: Any, device: torch.device, modes: list[str]) -> int:
         "routing vs an eager uncaptured reference run, per request (num_tokens - 1) rows)"
     )
 
+    checks = []
+    if not getattr(args, "no_train", False):
+        from .demo_train import format_checks, train_check
+
+        prompt_lens = {r.req_id: len(r.prompt) for r in requests}
+        for mode, captured, _, _ in rows:
+            checks.append(
+                train_check(model, mode, captured.sequences, captured.routing, prompt_lens, seed=args.seed)
+            )
+        failed_train = sum(bool(c.problems) for c in checks)
+        print(format_checks(checks, shape))
+        failed += failed_train
+
     os.makedirs(args.out, exist_ok=True)
     written = write_routing(args.out, last, shape, requests)
     load = expert_load(list(last.routing.values()), shape)
@@ -651,6 +669,11 @@ def _run_demo(args: Any, device: torch.device, modes: list[str]) -> int:
     )
     if note:
         print(note)
+    if checks:
+        from .demo_train import plot_replay_mismatch
+
+        note = plot_replay_mismatch(checks, shape, os.path.join(args.out, "replay_mismatch.png"))
+        print(note or f"wrote replay_mismatch.png (mismatch per layer with and without replay) to {args.out}")
     print(
         f"total {time.perf_counter() - t_start:.1f} s: "
         + ("all verified" if not failed else f"{failed} mode(s) FAILED")
