@@ -7,37 +7,129 @@ import sys
 
 __all__ = ["main"]
 
+_MODES = ("eager", "compiled", "cuda-graph", "compiled+cuda-graph", "reduce-overhead")
+
+
+def _device(value: str) -> str:
+    """A device this machine has: cpu, cuda or cuda:N (argparse turns the ValueError into a usage
+    error, exit 2)."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device; use cpu or cuda") from None
+    if device.type == "cpu":
+        return value
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{value!r}: only cpu and cuda are supported")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{value!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    return value
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _sizes(value: str) -> str:
+    parts = [p.strip() for p in value.split(",")]
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a comma-separated list of integers") from None
+    if any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"capture sizes must be >= 1, got {value!r}")
+    return ",".join(str(n) for n in sizes)
+
+
+def _modes(value: str) -> str:
+    bad = [m for m in value.split(",") if m not in _MODES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(bad)}; modes: {', '.join(_MODES)}")
+    return value
+
+
+def _preset(value: str) -> str:
+    from .models.reference import PRESETS
+
+    if value not in PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown preset {value!r}; presets: {', '.join(sorted(PRESETS))}")
+    return value
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"moe-ops {__version__}"
+
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-ops", description="Rollout routing replay for MoE models.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("selftest", help="check the capture op in every layout and mode on this machine")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p = sub.add_parser(
-        "backends", help="which backend each routing method and FlashInfer kernel uses here, and why"
+        "selftest",
+        help="check the capture op in every layout and mode on this machine",
+        description="Checks the capture op in every batch layout, eagerly, compiled and (on CUDA) in "
+        "CUDA graphs, against the layout definitions.",
     )
-    p.add_argument("--device", default=None, help="the device to describe (default: the current CUDA device)")
+    p.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda when available)")
+    p = sub.add_parser(
+        "backends",
+        help="which backend each routing method and FlashInfer kernel uses here, and why",
+        description="Prints which backend (Triton, FlashInfer, PyTorch) each routing method and "
+        "FlashInfer MoE kernel uses on this machine, and why the others are not used.",
+    )
+    p.add_argument(
+        "--device",
+        type=_device,
+        default=None,
+        help="the device to describe (default: the current CUDA device)",
+    )
     p = sub.add_parser(
         "demo",
         help="serve synthetic requests with the reference MoE model, capture routing in each mode, verify it",
+        description="Serves synthetic requests with the reference MoE model in each runner mode, captures "
+        "their routing, verifies every row against an uncaptured reference, then replays it in a "
+        "training step (see docs/demo.md).",
     )
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument(
         "--modes",
+        type=_modes,
         default=None,
         help="comma-separated runner modes: eager, compiled, cuda-graph, compiled+cuda-graph, "
         "reduce-overhead (default: eager,compiled and on CUDA cuda-graph)",
     )
     p.add_argument(
-        "--preset", default="tiny", help="reference model preset: tiny (default) or deepseek_small"
+        "--preset",
+        type=_preset,
+        default="tiny",
+        help="reference model preset: tiny (default) or deepseek_small",
     )
     p.add_argument(
         "--hf", default=None, metavar="ARCH", help="serve a tiny transformers model of ARCH instead"
     )
-    p.add_argument("--requests", type=int, default=12, help="synthetic requests to serve (default 12)")
-    p.add_argument("--max-batch-tokens", type=int, default=48, help="rows per step at most (default 48)")
+    p.add_argument("--requests", type=_positive, default=12, help="synthetic requests to serve (default 12)")
     p.add_argument(
-        "--capture-sizes", default=None, help="comma-separated padded batch sizes (default 1,2,4,8,16,32)"
+        "--max-batch-tokens", type=_positive, default=48, help="rows per step at most (default 48)"
+    )
+    p.add_argument(
+        "--capture-sizes",
+        type=_sizes,
+        default=None,
+        help="comma-separated padded batch sizes (default 1,2,4,8,16,32)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and the requests")
     p.add_argument("--out", default="moe-ops-demo", help="output folder (default ./moe-ops-demo)")
@@ -47,8 +139,12 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip the training half (replay of the captured routing in a float32 training step)",
     )
-    p = sub.add_parser("inspect", help="summarise saved routing files (routing.npz, .npy, wire formats)")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p = sub.add_parser(
+        "inspect",
+        help="summarise saved routing files (routing.npz, .npy, wire formats)",
+        description="Summarises saved routing files: shapes, dtypes, expert load per layer.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="routing.npz, .npy or wire-format text files")
     return parser
 
 
