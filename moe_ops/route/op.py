@@ -209,13 +209,16 @@ def route(
             itself; SEQUENCE_PARALLEL routes, then calls ``capture_routing`` (it needs its TP
             all-gather first).
         backend: "auto" (Triton on CUDA, the PyTorch reference on CPU or for rows wider than the
-            kernel's tile; DEEPSEEK_V3 without ``capture`` on CUDA goes to FlashInfer's
-            ``fused_topk_deepseek`` where it is installed and runs, measured faster there; its
-            column order is the kernel's), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
-            reference), "flashinfer" (``moe_ops.flashinfer.routing.route_flashinfer``).
+            kernel's tile; FlashInfer's ``fused_topk_deepseek`` only where
+            ``moe_ops.flashinfer.backends.PREFER_FLASHINFER_ROUTING`` says it is faster, which the
+            H200 measurements say it is not), "triton" (CUDA, or CPU under TRITON_INTERPRET=1),
+            "torch" (the reference), "flashinfer" (``moe_ops.flashinfer.routing.route_flashinfer``;
+            its column order is the kernel's).
 
     Returns:
-        weights: (n, top_k) float32 - routing weights, in the order of ``ids``.
+        weights: (n, top_k) float32 - routing weights, in the order of ``ids``. They carry no
+            gradient: ``route`` is the inference router. A training step that must send each token
+            through recorded experts while the gate still learns uses :func:`moe_ops.replay_routing`.
         ids: (n, top_k) int32 - chosen experts by descending selection score; among equal scores
             the lowest expert index wins (and comes first).
 
