@@ -25,7 +25,7 @@ static buffers, ``set_step``, replay; plus the snapshot for ``on+snapshot``), ti
 around 30 consecutive steps (median over trials). Ratios divide by ``off`` of the same batch size
 measured in the same run; ``delta_us`` is the absolute difference.
 
-Target (issue 6): ``on`` and ``on+snapshot`` within **1.01x** of ``off`` (a serving engine reported
+Target: ``on`` and ``on+snapshot`` within **1.01x** of ``off`` (a serving engine reported
 about 2% throughput cost for its capture).
 
     python benchmarks/bench_e2e.py [--csv out.csv] [--batches 1,16,128] [--mode cuda-graph] [--peers ...]

@@ -25,7 +25,7 @@ replayed, peers interleaved trial by trial) and ``device_us`` (the kernels' own 
 profiler, no launch gaps). ``graph_vs_flashinfer`` divides by the bare ``flashinfer`` kernel
 measured in the same run.
 
-Targets, from the issue: ``triton+capture`` within 1.02x of ``triton`` (the capture nearly free),
+Targets: ``triton+capture`` within 1.02x of ``triton`` (the capture nearly free),
 and for DeepSeek-V3 within 1.2x of FlashInfer's ``fused_topk_deepseek`` - quoted there for an H200
 as 5.5 us at 1 and 128 tokens and 16.6 us at 4096; the summary also divides by the FlashInfer
 kernel measured in the same run, graph and device time.
@@ -51,7 +51,7 @@ from moe_ops.route.reference import route_reference
 
 LAYERS = 61  # DeepSeek-V3's MoE-bearing depth: the capture buffer's layer axis
 MAX_TOKENS = 4096  # capture buffer rows (more when a benchmarked batch is larger)
-# FlashInfer fused_topk_deepseek on an H200 (issue 3), with or without its replay output, in us.
+# FlashInfer fused_topk_deepseek on an H200, with or without its replay output, in us.
 FLASHINFER_QUOTED_US = {1: 5.5, 128: 5.5, 4096: 16.6}
 
 

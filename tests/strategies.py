@@ -245,7 +245,7 @@ GPU_CASES = dict(
 
 
 # ---------------------------------------------------------------------------------------------------
-# FlashInfer monolithic capture contract (issue 4): the batch a monolithic kernel sees and the
+# FlashInfer monolithic capture contract: the batch a monolithic kernel sees and the
 # dispatch config that sized its routing-replay scratch.
 # ---------------------------------------------------------------------------------------------------
 
@@ -485,7 +485,7 @@ GPU_CAPTURE_ROUTERS = dict(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Issue 5: routing shapes and routing arrays (capturer, transfer, store, wire)
+# Routing shapes and routing arrays (capturer, transfer, store, wire)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -515,7 +515,7 @@ def routing_rows(rng: np.random.Generator, n: int, shape, dtype=None) -> np.ndar
 
 
 # ---------------------------------------------------------------------------------------------------
-# Issue 6 (a): batches a transformers model runs with attach_capture (moe_ops.integrations.hf)
+# Batches a transformers model runs with attach_capture (moe_ops.integrations.hf)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -565,7 +565,7 @@ def hf_batches(draw, max_batch: int = 3, max_seq: int = 6) -> HFBatch:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Issue 6: serving workloads for the runner and the end-to-end tests
+# Serving workloads for the runner and the end-to-end tests
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -593,7 +593,7 @@ step_row_counts = st.lists(st.integers(1, 40), min_size=1, max_size=8)
 
 
 # ---------------------------------------------------------------------------------------------------
-# Issue 5: the snapshot's narrowing cast
+# The snapshot's narrowing cast
 # ---------------------------------------------------------------------------------------------------
 
 NARROW_SOURCES = (torch.int16, torch.int32, torch.int64)
@@ -782,7 +782,7 @@ def layout_batches(draw, max_dp: int = 5, max_count: int = 10, max_pad: int = 4)
     return replace(probe, truth=draw(st.sampled_from(probe.hypotheses())))
 
 
-# Issue 13: replayed routing (moe_ops.replay_routing) and routing-mismatch metrics
+# Replayed routing (moe_ops.replay_routing) and routing-mismatch metrics
 # ---------------------------------------------------------------------------------------------------
 
 # Row kinds of a recorded routing: the live top-k with shuffled columns, other distinct experts, a
@@ -952,7 +952,7 @@ NPY_DESCRS = (
     "|u1", "<u1", "<u2", ">u2", "<i4", ">i4", "<i8", "|i1", "<u4", ">u8", "=i2", "i4",
     "<f4", "|b1", "|O", "O", "<U3", "|S2", "<u3", "uint8", "", "<i4 ", "<M8[s]", "|V4",
 )  # fmt: skip
-# text spliced into a header: the issue's " } (" (numpy's reader retried it through Python 2 token
+# text spliced into a header: a hostile " } (" (numpy's reader retried it through Python 2 token
 # filtering and raised tokenize.TokenError), unbalanced brackets, quotes, NULs, Python 2 longs
 NPY_HEADER_JUNK = ("", " } (", "(", ")", "[", "'", '"', "\\", "\x00", "#", " **", "\n\n", "L", ",", "{")
 

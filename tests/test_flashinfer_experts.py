@@ -36,7 +36,7 @@ E, H, INTER = 16, 256, 128  # experts, hidden size, intermediate size of the tin
 
 @dataclass
 class Capturer:
-    """A RoutingCapturerLike: the four fields issue 5's RoutingCapturer exposes."""
+    """A RoutingCapturerLike: the four fields moe_ops.RoutingCapturer exposes."""
 
     buffer: torch.Tensor
     token_counts: torch.Tensor

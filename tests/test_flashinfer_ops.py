@@ -21,7 +21,7 @@ flashinfer = pytest.importorskip(
 from moe_ops.flashinfer import ops  # noqa: E402 - after the importorskip above
 from moe_ops.flashinfer.backends import DEEPSEEK_V3  # noqa: E402
 
-# What the issue names as taking routing_replay_out (checked against FlashInfer 0.7.2.post1).
+# The FlashInfer functions that take routing_replay_out (checked against FlashInfer 0.7.2.post1).
 REPLAY_FUNCTIONS = (
     "trtllm_bf16_moe",
     "trtllm_bf16_routed_moe",

@@ -54,7 +54,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 ARCHS = list(SUPPORTED_ARCHITECTURES)
-REQUIRED = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]  # named by the issue
+REQUIRED = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]  # most served by RL stacks
 POISON = -7  # buffer cells that must not be written
 VOCAB = 128  # the tiny models' vocabulary
 

@@ -237,7 +237,7 @@ def _assert_drained(ledger: RoutingLedger, num_blocks: int) -> None:
 
 
 def test_a_lost_step_holds_only_its_own_request():
-    """The issue's stall: a step whose rows never come held every later request (1,000 finished
+    """The lost-step stall: a step whose rows never come held every later request (1,000 finished
     requests, collect() returned []). Now only its own request waits, until the step is dropped."""
     ledger = RoutingLedger(SlotStore(64 * BLOCK_SIZE, SHAPE), BLOCK_SIZE)
     rows = np.random.default_rng(0).integers(0, 250, size=(1001, *ROW), dtype=np.uint8)

@@ -32,7 +32,7 @@ __all__ = [
     "trtllm_moe_support",
 ]
 
-# RoutingMethod.DEEPSEEK_V3 of moe_ops.route (issue 3); FlashInfer's RoutingMethodType.DeepSeekV3 is
+# RoutingMethod.DEEPSEEK_V3 of moe_ops.route; FlashInfer's RoutingMethodType.DeepSeekV3 is
 # 2 as well (checked in tests/test_flashinfer_ops.py).
 DEEPSEEK_V3 = 2
 
@@ -246,7 +246,7 @@ def routing_backend(
 
 
 def _routing_methods() -> list:
-    """Members of ``moe_ops.RoutingMethod`` when it exists (issue 3), else DEEPSEEK_V3 alone."""
+    """Members of ``moe_ops.RoutingMethod`` when it exists, else DEEPSEEK_V3 alone."""
     import moe_ops
 
     methods = getattr(moe_ops, "RoutingMethod", None)

@@ -1,6 +1,6 @@
 """DeepSeek-V3 routing with FlashInfer's ``fused_topk_deepseek``; fused capture through its replay output.
 
-``route(..., backend="flashinfer")`` (``moe_ops.route``, issue 3) calls :func:`route_flashinfer`.
+``route(..., backend="flashinfer")`` (``moe_ops.route``) calls :func:`route_flashinfer`.
 With a capture target, the kernel also writes the chosen ids into an int16 ``routing_replay_out``
 scratch and one ``capture_routing`` op copies this rank's rows of it into the capture buffer::
 
