@@ -374,6 +374,35 @@ def test_a_count_above_its_rows_is_clamped_and_counted_gloo(parallel):
             assert (got["buffer"][c:, col] == POISON).all(), f"rank {rank} layer {layer}"
 
 
+def test_clamped_counts_are_counted_losslessly_under_concurrent_checks():
+    """The exchange's clamp op adds to the capturer's fault counter while another thread reads and
+    resets it (``check_errors``): every clamped call is reported exactly once."""
+    import threading
+
+    from moe_ops.capture.errors import FaultCounter
+
+    counter = FaultCounter("cpu")
+    rows = torch.tensor([4, 6], dtype=torch.int32)
+    over, fine = torch.tensor([2, 9], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32)
+    out = torch.empty(2, dtype=torch.int32)
+    calls, seen, done = 400, [], threading.Event()
+
+    def checker():
+        while not done.is_set():
+            seen.append(counter.check(raise_error=False))
+        seen.append(counter.check(raise_error=False))
+
+    thread = threading.Thread(target=checker)
+    thread.start()
+    for i in range(calls):
+        # rank 1 is over its rows on odd calls only; rank 0's count is never over
+        torch.ops.moe_ops.clamp_counts_(over if i % 2 else fine, rows, out, counter.tensor, 1)
+    done.set()
+    thread.join()
+    assert sum(seen) == calls // 2, f"{sum(seen)} faults reported for {calls // 2} clamped calls"
+    assert out.tolist() == [2, 6]
+
+
 # ------------------------------------------------------------------ torch.compile traces the step
 
 
