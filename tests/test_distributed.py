@@ -240,6 +240,54 @@ def check_rollout(case: DistCase, results: list[list[dict]]) -> None:
                     )
 
 
+# ------------------------------------------------------------------ item 2: the launcher itself
+
+
+def _misbehave(kind: str, culprit: int) -> str:
+    """Rank ``culprit`` raises, dies or waits in a collective nobody else enters; the others return."""
+    if dist.get_rank() == culprit:
+        if kind == "raise":
+            raise ValueError(f"rank {culprit} raised on purpose")
+        if kind == "die":
+            os._exit(3)
+        dist.barrier()  # hang: the other ranks never join this barrier
+    return "fine"
+
+
+@needs_gloo
+def test_launcher_reports_errors_deaths_and_hangs():
+    """A rank's exception comes back with its traceback; a dead rank and a hung rank fail the task
+    at once or at its deadline (the ranks are killed), never block the test process."""
+    from dist_launch import RankPool
+
+    pool = RankPool(2, collective_timeout=5)
+    try:
+        results = pool.run(_misbehave, "raise", 1, allow_errors=True)
+        assert results[0] == "fine"
+        assert isinstance(results[1], RankFailure) and results[1].type_name == "ValueError"
+        assert "raised on purpose" in results[1].message and "_misbehave" in results[1].traceback
+        assert pool.run(_misbehave, "none", -1) == ["fine", "fine"], "the pool serves on after an error"
+        with pytest.raises(AssertionError, match=r"1 of 2 ranks raised:\n--- rank 0: ValueError"):
+            pool.run(_misbehave, "raise", 0)
+        assert pool.broken, "an unexpected error leaves the ranks out of step: the pool is dropped"
+    finally:
+        pool.close()
+    for kind, pattern in [
+        ("die", r"_misbehave: ranks \[1\] of 2 died"),
+        ("hang", r"_misbehave: ranks \[1\] of 2 did not answer within 3 s .*were killed"),
+    ]:
+        pool = RankPool(2, collective_timeout=30)
+        try:
+            pool.run(_misbehave, "none", -1)  # the ranks import this module: not part of the deadline
+            start = time.monotonic()
+            with pytest.raises(AssertionError, match=pattern):
+                pool.run(_misbehave, kind, 1, timeout=3)
+            assert time.monotonic() - start < 10, f"{kind}: the launcher waited too long"
+            assert pool.broken and not any(p.is_alive() for p in pool._procs), f"{kind}: a rank survived"
+        finally:
+            pool.close()
+
+
 # ------------------------------------------------------------------ item 3: every layout
 
 
@@ -324,6 +372,35 @@ def test_a_count_above_its_rows_is_clamped_and_counted_gloo(parallel):
             want = route(dist_logits(case, 0, d, layer)[:c], DIST_TOP_K, backend="torch")[1].numpy()
             assert np.array_equal(got["buffer"][:c, col], want), f"rank {rank} layer {layer}"
             assert (got["buffer"][c:, col] == POISON).all(), f"rank {rank} layer {layer}"
+
+
+def test_clamped_counts_are_counted_losslessly_under_concurrent_checks():
+    """The exchange's clamp op adds to the capturer's fault counter while another thread reads and
+    resets it (``check_errors``): every clamped call is reported exactly once."""
+    import threading
+
+    from moe_ops.capture.errors import FaultCounter
+
+    counter = FaultCounter("cpu")
+    rows = torch.tensor([4, 6], dtype=torch.int32)
+    over, fine = torch.tensor([2, 9], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32)
+    out = torch.empty(2, dtype=torch.int32)
+    calls, seen, done = 400, [], threading.Event()
+
+    def checker():
+        while not done.is_set():
+            seen.append(counter.check(raise_error=False))
+        seen.append(counter.check(raise_error=False))
+
+    thread = threading.Thread(target=checker)
+    thread.start()
+    for i in range(calls):
+        # rank 1 is over its rows on odd calls only; rank 0's count is never over
+        torch.ops.moe_ops.clamp_counts_(over if i % 2 else fine, rows, out, counter.tensor, 1)
+    done.set()
+    thread.join()
+    assert sum(seen) == calls // 2, f"{sum(seen)} faults reported for {calls // 2} clamped calls"
+    assert out.tolist() == [2, 6]
 
 
 # ------------------------------------------------------------------ torch.compile traces the step
@@ -817,20 +894,35 @@ def _rollout_then_train(case: DistCase, order_seed: int, cuts: tuple[float, ...]
     }
 
 
+def _replay_case(data, world: int) -> tuple[DistCase, int, tuple[float, ...]]:
+    case = data.draw(dist_cases(world, data.draw(st.sampled_from(LAYOUTS)), max_steps=1))
+    order_seed = data.draw(st.integers(0, 2**16))
+    cuts = data.draw(st.lists(st.floats(0, 1), min_size=world - 1, max_size=world - 1))
+    return case, order_seed, tuple(cuts)
+
+
 @needs_gloo
 @slow_settings
-@given(
-    layout=st.sampled_from(LAYOUTS),
-    data=st.data(),
-    order_seed=st.integers(0, 2**16),
-    cuts=st.lists(st.floats(0, 1), min_size=3, max_size=3),
-)
-def test_replay_in_a_different_data_parallel_split_gloo(layout, data, order_seed, cuts):
-    """Rollout on 4 ranks in ``layout``, routing gathered to rank 0 in the wire format, replayed by
+@given(data=st.data())
+def test_replay_in_a_different_data_parallel_split_gloo(data):
+    """Rollout on 4 ranks in any layout, routing gathered to rank 0 in the wire format, replayed by
     4 trainers that each get a shuffled, uneven share: every token reaches its recorded experts
     (mismatch 0), and the recorded experts are the rollout routing of exactly that token."""
-    case = data.draw(dist_cases(4, layout, max_steps=1))
-    results = pool_for(4).run(_rollout_then_train, case, order_seed, tuple(cuts))
+    case, order_seed, cuts = _replay_case(data, 4)
+    check_replay(case, pool_for(4).run(_rollout_then_train, case, order_seed, cuts))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+@settings(max_examples=max(EXAMPLES // 4, 1), deadline=None, database=None)
+@given(data=st.data())
+def test_replay_in_a_different_data_parallel_split_nccl(world, data):
+    pool = nccl_pool(world)
+    case, order_seed, cuts = _replay_case(data, world)
+    check_replay(case, pool.run(_rollout_then_train, case, order_seed, cuts))
+
+
+def check_replay(case: DistCase, results: list[dict]) -> None:
     assert results[0]["replicas_agree"], "TP replicas of a DP rank captured different rows"
     counts = case.steps[0].counts
     seen = np.concatenate([r["tokens"] for r in results])
