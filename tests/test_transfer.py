@@ -351,17 +351,22 @@ def test_a_lost_handle_slot_is_reused_only_after_its_copy_gpu(cuda_device):
     pipe = TransferPipeline(source, np.uint8, depth=1)
     with pipe.snapshot(64) as warm:  # load every kernel first: lazy module loading may synchronise
         warm.result()
+    sleep_ms(1)  # calibrates the sleep outside the timed part (the calibration synchronises)
     torch.cuda.synchronize()
     with torch.cuda.stream(pipe.copy_stream):
-        sleep_ms(300)  # the copy stream is busy with an earlier transfer
+        # The copy stream is busy with an earlier transfer. Long, and no gc.collect() below: in a
+        # full GPU-suite process a collection took long enough for a 300 ms sleep to end first.
+        sleep_ms(3000)
+        busy = torch.cuda.Event()
+        busy.record()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DroppedSnapshotWarning)
-        pipe.snapshot(64)  # dropped at once, its copy queued behind the sleep
-        gc.collect()
+        pipe.snapshot(64)  # dropped at once (its last reference), its copy queued behind the sleep
         start = time.perf_counter()
         with pytest.raises(RingFullError, match=r"lost handles seq \[1\] still copying"):
             pipe.snapshot(8)
         assert time.perf_counter() - start < 0.1, "snapshot(timeout=0) waited on the device"
+        assert not busy.query(), "the sleep ended before the check: the test could not tell"
         source.fill_(7)
         with pipe.snapshot(8, timeout=10.0) as h:  # waits for the lost copy, then takes its slot
             assert (h.result() == 7).all()
