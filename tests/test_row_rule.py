@@ -9,6 +9,7 @@ right) runs on the twin, on Triton (interpreted on CPU; compiled on the GPU) and
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -598,3 +599,16 @@ def test_ids_at_the_dtype_limits(impl, case):
     assert torch.equal(buffer, expected)
     assert report.bad_ids == n_bad and report.calls == 0
     assert view_base_untouched(buffer)
+
+
+def test_a_snapshot_without_set_step_warns_once():
+    from moe_ops.capture.capturer import MissingSetStepWarning
+
+    cap = RoutingCapturer(SHAPE, 8, "cpu")
+    with pytest.warns(MissingSetStepWarning, match="without a set_step"):
+        cap.snapshot(0).release()
+    cap.set_step([2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MissingSetStepWarning)
+        cap.snapshot().release()  # a step: no warning
+        cap.snapshot(0).release()  # none again, but the warning was given once already

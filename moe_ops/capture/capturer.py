@@ -18,6 +18,7 @@ addresses, and they are marked as static addresses so that inductor's CUDA-graph
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,7 +32,12 @@ from .kernels import id_limit
 from .op import capture_into
 from .target import CaptureTarget
 
-__all__ = ["RoutingCapturer"]
+__all__ = ["MissingSetStepWarning", "RoutingCapturer"]
+
+
+class MissingSetStepWarning(UserWarning):
+    """A snapshot was taken with no ``set_step`` since the previous one: the step's captures read
+    the counts (and stamps) of an earlier step, so its rows are not this step's."""
 
 _BUFFER_DTYPES = (torch.int16, torch.int32, torch.int64)
 _INT32_MAX = (1 << 31) - 1
@@ -152,6 +158,9 @@ class RoutingCapturer:
         self.dp_rank = dp_rank
         self.shards_per_rank = shards_per_rank
         self.num_tokens: int | None = 0
+        # set_step ran since the last snapshot; a snapshot without one warns (once per capturer)
+        self._stepped = False
+        self._warned_missing_step = False
         # model layer -> buffer layer, looked up on every capture (also while tracing)
         self._buffer_index = {layer: i for i, layer in enumerate(shape.moe_layers)}
 
@@ -225,6 +234,7 @@ class RoutingCapturer:
             self._write(self.step_tensor, [step], stream)
         self.step = step
         self.num_tokens = num_tokens
+        self._stepped = True
 
     def _step_counts(self, token_counts) -> tuple[list[int] | torch.Tensor, int | None]:
         if (
@@ -351,6 +361,8 @@ class RoutingCapturer:
 
         ``num_rows`` defaults to ``num_tokens`` (this rank's count from the last :meth:`set_step`).
         Returns at once on CUDA (no host sync); the handle's ``result()`` waits for this copy only.
+        Warns once (:class:`MissingSetStepWarning`) when no :meth:`set_step` ran since the last
+        snapshot: that step's captures read an earlier step's counts.
         """
         if num_rows is None:
             if self.num_tokens is None:
@@ -359,7 +371,18 @@ class RoutingCapturer:
                     "count is not known on the host"
                 )
             num_rows = self.num_tokens
-        return self.pipeline.snapshot(num_rows, stream=stream, timeout=timeout)
+        if not self._stepped and not self._warned_missing_step:
+            self._warned_missing_step = True
+            warnings.warn(
+                "RoutingCapturer.snapshot() without a set_step() since the last snapshot: the step's "
+                "captures used an earlier step's counts, and its layers read as not captured (fill); "
+                "call set_step(token_counts) before each forward (warned once per capturer)",
+                MissingSetStepWarning,
+                stacklevel=2,
+            )
+        handle = self.pipeline.snapshot(num_rows, stream=stream, timeout=timeout)
+        self._stepped = False
+        return handle
 
     def check_errors(self, *, raise_error: bool = True) -> int:
         """Reads and resets THIS capturer's fault counter (its captures and targets only); returns
