@@ -13,6 +13,8 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -54,29 +56,48 @@ def test_blocks_found():
     assert len(BLOCKS) >= 10, [f"{f}:{n}" for f, n, _, _ in BLOCKS]
 
 
+def _run(code: str) -> tuple[int | None, str]:
+    """Runs one block in a fresh interpreter in a fresh empty dir: (exit code or None on timeout, output)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "snippet.py"
+        script.write_text(code)
+        work = Path(tmp) / "cwd"
+        work.mkdir()
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+        env["PYTHONPATH"] = str(ROOT)
+        try:
+            run = subprocess.run(
+                [sys.executable, str(script)],
+                cwd=work,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+            return None, out
+        return run.returncode, run.stdout
+
+
+@pytest.fixture(scope="module")
+def results():
+    """Every runnable block starts in a pool of 2 workers (the CI machine's cores): one
+    interpreter per block, ~3 s of import each, serial runs took ~105 s here, the pool (with test_wire_docs.py) ~73 s."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {(f, n): pool.submit(_run, code) for f, n, code, skip in BLOCKS if skip is None}
+    yield futures
+    pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.parametrize(
-    ("code", "skip"),
-    [pytest.param(code, skip, id=f"{f}:{n}") for f, n, code, skip in BLOCKS],
+    ("key", "skip"),
+    [pytest.param((f, n), skip, id=f"{f}:{n}") for f, n, _, skip in BLOCKS],
 )
-def test_block_runs(code, skip, tmp_path):
+def test_block_runs(key, skip, results):
     if skip is not None:
         pytest.skip(skip)
-    script = tmp_path / "snippet.py"
-    script.write_text(code)
-    work = tmp_path / "cwd"
-    work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
-    env["PYTHONPATH"] = str(ROOT)
-    try:
-        run = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=work,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"block ran past {TIMEOUT_S} s:\n{(e.stdout or '')[-2000:]}")
-    assert run.returncode == 0, f"exited {run.returncode}:\n{run.stdout[-3000:]}"
+    rc, out = results[key].result()
+    assert rc is not None, f"block ran past {TIMEOUT_S} s:\n{out[-2000:]}"
+    assert rc == 0, f"exited {rc}:\n{out[-3000:]}"
