@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from strategies import GPU_ROUTER_CASES, MODEL_ROUTERS, RecordedCase, RouterCase, recorded_cases
 
 from moe_ops import RoutingMethod, replay_routing, route
+from moe_ops._triton import triton_runs_on
 from moe_ops.replay import ReplayFaultError, check_replay_errors, replay_fault_counter
 from moe_ops.replay import op as replay_op
 from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, replay_weights
@@ -155,7 +156,7 @@ def test_renormalize_naive_far_below_the_best_logit_stays_finite():
     recorded = torch.tensor([[3, 5], [7, 2], [9, 4]], dtype=torch.int32)
     literal = torch.softmax(logits, -1).gather(1, recorded.long())
     assert torch.isnan(literal / literal.sum(-1, keepdim=True)).all()  # the literal form fails here
-    for backend in ("torch", "triton") if replay_op.triton_runs_on(logits.device) else ("torch",):
+    for backend in ("torch", "triton") if triton_runs_on(logits.device) else ("torch",):
         w, _ = replay_routing(logits, recorded, RoutingMethod.RENORMALIZE_NAIVE, backend=backend)
         torch.testing.assert_close(w, torch.full((3, 2), 0.5), rtol=0, atol=1e-7)
 
@@ -480,7 +481,7 @@ def test_bad_arguments_raise_before_anything_runs(change, exc, message):
 
 
 def test_triton_backend_where_triton_cannot_run():
-    if replay_op.triton_runs_on(torch.device("cpu")):
+    if triton_runs_on(torch.device("cpu")):
         pytest.skip("Triton runs on CPU tensors here (TRITON_INTERPRET=1)")
     with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
         replay_routing(torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.int32), backend="triton")

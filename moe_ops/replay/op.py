@@ -20,9 +20,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import once_differentiable
 
-from .._triton import triton_runs_on
-from ..route.kernels import TRITON_MAX_TILE, tile_shape
-from ..route.methods import RouteConfig, RoutingMethod, method_from_value, validate_route_args
+from ..route.methods import RoutingMethod, method_from_value, validate_route_args
+from ..route.op import choose_triton
 from .kernels import (
     REPLAY_FAULT_OUT_OF_RANGE,
     REPLAY_FAULT_REPEATED,
@@ -251,29 +250,6 @@ class ReplayRoutingFunction(torch.autograd.Function):
         return grad_logits, None, None, None, None, None, None, None, None
 
 
-def _use_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
-    """Whether the Triton kernels run (True) or the PyTorch twins (False); raises for "triton"
-    where they cannot run. Same rule as the router's: a block routed live holds its tile."""
-    ng_pad, g_pad = tile_shape(cfg.num_experts, cfg.n_group)
-    fits = ng_pad * g_pad <= TRITON_MAX_TILE
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        return device.type == "cuda" and triton_runs_on(device) and fits
-    if not triton_runs_on(device):
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
-            f"moe_ops is imported); router_logits are on {device}"
-        )
-    if not fits:
-        raise ValueError(
-            f"backend='triton' holds a padded row of at most {TRITON_MAX_TILE} experts; "
-            f"num_experts={cfg.num_experts} with n_group={cfg.n_group} pads to {ng_pad * g_pad}. "
-            "Use backend='torch' (or 'auto')"
-        )
-    return True
-
-
 def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor, method) -> None:
     if not isinstance(recorded_ids, torch.Tensor):
         raise TypeError(f"recorded_ids must be a torch.Tensor, got {type(recorded_ids).__name__}")
@@ -348,7 +324,8 @@ def replay_routing(
     _check_recorded_ids(recorded_ids, router_logits, method)
     top_k = recorded_ids.shape[1]
     cfg = validate_route_args(router_logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
-    use_triton = _use_triton(backend, router_logits.device, cfg)
+    # the router's rule: a block routed live holds the router's tile
+    use_triton = choose_triton(backend, router_logits.device, cfg)
     args = (
         router_logits,
         recorded_ids,

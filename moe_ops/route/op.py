@@ -111,9 +111,9 @@ def _(
     return None
 
 
-def _use_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
+def choose_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
     """Whether the Triton kernel runs (True) or the PyTorch reference (False); raises for "triton"
-    where it cannot run."""
+    where it cannot run. ``replay_routing`` takes the same rule: its live rows hold the same tile."""
     ng_pad, g_pad = tile_shape(cfg.num_experts, cfg.n_group)
     fits = ng_pad * g_pad <= TRITON_MAX_TILE
     if backend == "torch":
@@ -250,7 +250,7 @@ def route(
         return _route_flashinfer(
             router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, None
         )
-    use_triton = _use_triton(backend, device, cfg)
+    use_triton = choose_triton(backend, device, cfg)
 
     n_tokens = router_logits.shape[0]
     weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=device)
