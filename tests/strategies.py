@@ -1382,3 +1382,21 @@ def dist_cases(draw, world: int, layout: BatchLayout, max_steps: int = 3) -> Dis
         steps.append(new)
     router = draw(st.sampled_from(sorted(DIST_ROUTERS)))
     return DistCase(parallel, tuple(steps), router, draw(st.integers(0, 2**16)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Snapshot row counts around the narrowing graphs' buckets (TransferPipeline)
+# ---------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def bucket_row_counts(draw, max_rows: int):
+    """A row count in ``[0, max_rows]``, half the time at a bucket edge (0, 1, a power of two or
+    one off it, ``max_rows`` or one below)."""
+    edges = {0, 1, max_rows - 1, max_rows}
+    for k in range(max_rows.bit_length()):
+        edges |= {2**k - 1, 2**k, 2**k + 1}
+    edges = sorted(e for e in edges if 0 <= e <= max_rows)
+    if draw(st.booleans()):
+        return draw(st.sampled_from(edges))
+    return draw(st.integers(0, max_rows))
