@@ -67,7 +67,7 @@ import torch
 
 from .._triton import next_power_of_2, triton_runs_on
 from .narrow import check_narrow as narrow_check
-from .narrow import launch_narrow, narrow_rows
+from .narrow import launch_narrow, narrow_rows_torch
 
 __all__ = [
     "DroppedSnapshotWarning",
@@ -316,7 +316,9 @@ class TransferPipeline:
     Threads: ``snapshot``, ``in_flight``, ``guard_source``, ``synchronize``, handle ``release`` and the
     garbage collection of lost handles may run on different threads at once (one lock guards the
     ring; lost handles are queued without it). Snapshots are numbered in the order ``snapshot``
-    takes slots.
+    takes slots. A second lock serialises the copy-stream work of concurrent snapshots (about 10 us
+    each), so the event ``guard_source`` waits on is the one recorded last; the stream switch is
+    per thread and restored before ``snapshot`` returns.
     """
 
     def __init__(
@@ -561,8 +563,8 @@ class TransferPipeline:
         stamps, step = self.layer_stamps, self.step_tensor
         if self._triton_narrow:  # staging and source were checked once, in _make_slot
             launch_narrow(slot.staging, self.source, num_rows, stamps, step)
-        else:
-            narrow_rows(slot.staging, self.source, num_rows, stamps, step)
+        else:  # Triton does not run on this device: the PyTorch twin
+            narrow_rows_torch(slot.staging, self.source, num_rows, stamps, step)
 
     def guard_source(self, stream: torch.cuda.Stream | None = None) -> None:
         """Makes ``stream`` (default: current) wait until every snapshot taken so far has read the
