@@ -51,7 +51,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
 from moe_ops import RoutingMethod, replay_routing, route
+from moe_ops._triton import HAS_TRITON, next_power_of_2, triton_runs_on
 from moe_ops.models import ReferenceMoEModel, reference_config
+from moe_ops.replay.kernels import backward_launch_config, replay_backward_triton
+from moe_ops.route.kernels import launch_config, tile_shape
 from moe_ops.route.reference import weights_for_ids
 
 GRAPH_CALLS = 61  # DeepSeek-V3's MoE-bearing depth
@@ -203,6 +206,64 @@ def check_forward(case: Case, x: Inputs) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# The launch floor and the backward launch sweep
+# ---------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+    import triton
+
+    @triton.jit
+    def _empty_kernel(x_ptr):
+        """Does nothing: what a launch of this grid costs inside a CUDA graph."""
+        pass
+
+
+def _replay_grids(case: Case, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((programs, warps) of the forward, (programs, warps) of the backward) at n tokens."""
+    ng_pad, g_pad = tile_shape(case.num_experts, case.n_group or 1)
+    fwd_m, fwd_warps = launch_config(n, ng_pad, g_pad)
+    bwd_m, bwd_warps = backward_launch_config(n, next_power_of_2(case.num_experts))
+    return (-(-n // fwd_m), fwd_warps), (-(-n // bwd_m), bwd_warps)
+
+
+def floor_peers(case: Case, x: Inputs) -> dict[str, Callable[[], object]]:
+    """``floor-1``: one do-nothing kernel with the backward's grid; ``floor-2``: two, with the
+    forward's and the backward's grids (replay's launch structure, no work), on ``x.logits``."""
+    (fwd_p, fwd_w), (bwd_p, bwd_w) = _replay_grids(case, x.logits.shape[0])
+    arg = x.logits
+
+    def one():
+        _empty_kernel[(max(bwd_p, 1),)](arg, num_warps=bwd_w)
+
+    def two():
+        _empty_kernel[(max(fwd_p, 1),)](arg, num_warps=fwd_w)
+        _empty_kernel[(max(bwd_p, 1),)](arg, num_warps=bwd_w)
+
+    return {"floor-1": one, "floor-2": two}
+
+
+# rows per program x warps of the backward kernel that --sweep-backward times
+SWEEP_BLOCK_M = (1, 2, 4, 8, 16)
+SWEEP_WARPS = (1, 2, 4, 8)
+
+
+def sweep_peers(case: Case, x: Inputs, configs=None) -> dict[str, Callable[[], object]]:
+    """The backward kernel alone (one forward's saved tensors) per (block_m, num_warps), named
+    ``bwd m=M w=W``; ``configs`` defaults to every SWEEP_BLOCK_M x SWEEP_WARPS pair."""
+    weights, ids = replay_routing(x.logits, x.recorded, case.method, backend=x.backend, **x.kwargs(case))
+    out = torch.empty_like(x.logits)
+    method, scale = int(case.method), _scale(case)
+    configs = configs or [(m, w) for m in SWEEP_BLOCK_M for w in SWEEP_WARPS]
+
+    def peer(m, w):
+        return lambda: replay_backward_triton(
+            x.grad_out, x.logits, weights, ids, out, method, scale, block_m=m, num_warps=w
+        )
+
+    return {f"bwd m={m} w={w}": peer(m, w) for m, w in configs}
+
+
+# ---------------------------------------------------------------------------------------------------
 # The MoE layer of the reference model
 # ---------------------------------------------------------------------------------------------------
 
@@ -220,7 +281,9 @@ def make_block(config, device: torch.device) -> torch.nn.Module:
 
 
 def layer_forward(block, x: torch.Tensor, recorded: torch.Tensor, *, mode: str, backend: str) -> torch.Tensor:
-    """The block's forward (``_MoEBlock.forward``) with its routing chosen by ``mode``."""
+    """The block's forward (``_MoEBlock.forward``) with its routing chosen by ``mode``: "replay"
+    (``replay_routing`` of ``recorded``; the "live" peer passes a record of -1 rows to the same
+    function, so the two share one compiled graph) or "live-ref"."""
     cfg = block.config
     h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * block.norm
     logits = h.to(block.gate.dtype) @ block.gate
@@ -236,8 +299,6 @@ def layer_forward(block, x: torch.Tensor, recorded: torch.Tensor, *, mode: str, 
         scale = 1.0 if cfg.routed_scaling_factor is None else cfg.routed_scaling_factor
         weights = weights_for_ids(logits.float(), ids.long(), method, scale)
     else:
-        if mode == "live":
-            recorded = torch.full_like(recorded, -1)
         weights, ids = replay_routing(logits.float(), recorded, method, backend=backend, **kw)
     weights = weights.to(h.dtype)
     if h.shape[0] * cfg.top_k < cfg.num_experts:
@@ -245,7 +306,13 @@ def layer_forward(block, x: torch.Tensor, recorded: torch.Tensor, *, mode: str, 
     return block._dense(h, weights, ids)
 
 
-def layer_peer(block, n: int, mode: str, backend: str, compile: bool) -> Callable[[], object]:
+def layer_peer(
+    block, n: int, mode: str, backend: str, compile: bool, compiled: dict | None = None
+) -> Callable[[], object]:
+    """Forward + backward of the block at n tokens for ``mode`` in LAYER_MODES. ``compiled``
+    (shared by the peers of one size) holds one compiled function per routing kind: "live" runs
+    replay's on a record of -1 rows (same shapes and dtypes: no second compile, and the two modes
+    differ only in the record)."""
     cfg = block.config
     device = block.gate.device
     g = torch.Generator(device=device).manual_seed(n)
@@ -258,9 +325,16 @@ def layer_peer(block, n: int, mode: str, backend: str, compile: bool) -> Callabl
         kw = dict(bias=block.bias, n_group=cfg.n_group, topk_group=cfg.topk_group)
         kw["routed_scaling_factor"] = cfg.routed_scaling_factor
         recorded = route(logits, cfg.top_k, cfg.routing_method, backend=backend, **kw)[1]
-    fn = functools.partial(layer_forward, block, mode=mode, backend=backend)
-    if compile:
-        fn = torch.compile(fn, fullgraph=True, dynamic=False)
+    if mode == "live":
+        recorded = torch.full_like(recorded, -1)
+    kind = "live-ref" if mode == "live-ref" else "replay"
+    compiled = {} if compiled is None else compiled
+    fn = compiled.get(kind)
+    if fn is None:
+        fn = functools.partial(layer_forward, block, mode=kind, backend=backend)
+        if compile:
+            fn = torch.compile(fn, fullgraph=True, dynamic=False)
+        compiled[kind] = fn
     params = [x, *(p for p in block.parameters() if p.requires_grad)]
     return lambda: torch.autograd.grad(fn(x, recorded), params, grad_y)
 
@@ -335,6 +409,53 @@ def measure_ops(sizes: list[int], tables: set[str]) -> list[Table]:
     return [*out, summary]
 
 
+def measure_floor(sizes: list[int]) -> Table:
+    """Replay's forward and forward+backward against do-nothing kernels of the same grids, every
+    peer one call of a GRAPH_CALLS-call CUDA graph, interleaved."""
+    dev = torch.device("cuda")
+    table = Table(
+        f"launch floor (do-nothing kernels with replay's grids; one call of a {GRAPH_CALLS}-call graph)",
+        ["case", "n", "floor-1_us", "floor-2_us", "replay_fwd_us", "replay_fwd+bwd_us", "fwd+bwd - floor-2"],
+    )
+    for case in CASES:
+        for n in sizes:
+            x = make_inputs(case, n, dev, "triton")
+            fns = floor_peers(case, x)
+            fns["fwd"] = fwd_replay(case, x, False)
+            fns["fwd+bwd"] = fb_replay(case, x, False)
+            graph = graph_calls_us(fns, calls=GRAPH_CALLS)
+            table.add(
+                case.name,
+                n,
+                graph["floor-1"],
+                graph["floor-2"],
+                graph["fwd"],
+                graph["fwd+bwd"],
+                graph["fwd+bwd"] - graph["floor-2"],
+            )
+    return table
+
+
+def measure_sweep(sizes: list[int]) -> Table:
+    """The backward kernel alone per launch configuration (one call of a GRAPH_CALLS-call graph);
+    ``default`` marks backward_launch_config's choice."""
+    dev = torch.device("cuda")
+    table = Table(
+        f"backward kernel launch sweep (one call of a {GRAPH_CALLS}-call graph)",
+        ["case", "n", "block_m", "warps", "graph_us", "default"],
+    )
+    for case in CASES:
+        for n in sizes:
+            x = make_inputs(case, n, dev, "triton")
+            default = backward_launch_config(n, next_power_of_2(case.num_experts))
+            configs = [(m, w) for m in SWEEP_BLOCK_M for w in SWEEP_WARPS if m <= next_power_of_2(n)]
+            fns = sweep_peers(case, x, configs)
+            graph = graph_calls_us(fns, calls=GRAPH_CALLS, trials=11)
+            for (m, w), name in zip(configs, fns):
+                table.add(case.name, n, m, w, graph[name], (m, w) == default)
+    return table
+
+
 def measure_layer(sizes: list[int]) -> Table:
     dev = torch.device("cuda")
     config = reference_config("deepseek_small", num_layers=2)  # one dense, one MoE layer
@@ -354,9 +475,10 @@ def measure_layer(sizes: list[int]) -> Table:
     )
     for n in sizes:
         experts = "gathered" if n * config.top_k < config.num_experts else "dense"
-        torch._dynamo.reset()  # three compiles of layer_forward per size, below the cache limit
+        torch._dynamo.reset()  # two compiles of layer_forward per size, below the cache limit
         try:
-            fns = {mode: layer_peer(block, n, mode, "triton", True) for mode in LAYER_MODES}
+            compiled: dict = {}  # replay and live share one compiled graph (about a third of the time)
+            fns = {mode: layer_peer(block, n, mode, "triton", True, compiled) for mode in LAYER_MODES}
             graph = graph_calls_us(fns, calls=LAYER_CALLS, replays=3, trials=7)
         except torch.cuda.OutOfMemoryError:
             table.add(n, experts, "OOM", "OOM", "OOM", "", "", "")
@@ -392,6 +514,15 @@ def dry_run(sizes: list[int], compile: bool = False) -> Table:
                     if fn is not None:
                         out = fn()
                         table.add(label, case.name, n, name, tuple(out[0].shape))
+            if triton_runs_on(dev):  # the do-nothing kernels and the sweep are Triton-only
+                for name, fn in floor_peers(case, x).items():
+                    fn()
+                    table.add("floor", case.name, n, name, ())
+                for name, fn in sweep_peers(case, x, [(1, 1)]).items():  # the twin's forward
+                    fn()
+                    table.add("sweep", case.name, n, name, ())
+            else:
+                table.add("floor", case.name, n, "skipped", "no Triton on cpu: TRITON_INTERPRET=1 runs it")
     block = make_block(reference_config("tiny", dtype=torch.float32, num_layers=2), dev)
     for n in sizes:
         for mode in LAYER_MODES:
@@ -407,6 +538,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--layer-sizes", default=",".join(map(str, SIZES)))
     parser.add_argument("--tables", default="forward,backward,layer")
+    parser.add_argument(
+        "--launch-floor",
+        action="store_true",
+        help="also time do-nothing kernels with replay's grids (the floor of two launches in a graph)",
+    )
+    parser.add_argument(
+        "--sweep-backward",
+        action="store_true",
+        help="also time the backward kernel alone for every (rows per program, warps) pair",
+    )
     parser.add_argument("--dry-run", action="store_true", help="build and call every peer on the CPU")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -418,6 +559,10 @@ def main(argv: list[str] | None = None) -> None:
     tables = set(args.tables.split(","))
     sizes = [int(s) for s in args.sizes.split(",")]
     out = measure_ops(sizes, tables) if tables & {"forward", "backward"} else []
+    if args.launch_floor:
+        out.append(measure_floor(sizes))
+    if args.sweep_backward:
+        out.append(measure_sweep(sizes))
     if "layer" in tables:
         out.append(measure_layer([int(s) for s in args.layer_sizes.split(",")]))
     for t in out:

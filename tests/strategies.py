@@ -1400,3 +1400,83 @@ def bucket_row_counts(draw, max_rows: int):
     if draw(st.booleans()):
         return draw(st.sampled_from(edges))
     return draw(st.integers(0, max_rows))
+
+# The replay backward kernel (moe_ops.replay.kernels.replay_backward_triton) against autograd
+# ---------------------------------------------------------------------------------------------------
+
+# Strided layouts the kernel must honour: a view's gaps hold NaN, so a read there shows up in the
+# result and a write there shows up in the gap.
+#   logits / grad_logits: "contiguous"; "row_padded" (rows of E + 3, the tail a gap);
+#   "column_strided" (every other column of a (n, 2E) buffer).
+#   incoming grad of the weights: those, plus "expanded" (stride 0 both ways, what autograd hands
+#   over for w.sum()) and "transposed" (column-major).
+BACKWARD_ROW_LAYOUTS = ("contiguous", "row_padded", "column_strided")
+BACKWARD_GRAD_LAYOUTS = (*BACKWARD_ROW_LAYOUTS, "expanded", "transposed")
+
+
+def strided_rows(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """``values`` (n, m) copied into a view of ``layout``; the buffer's other elements are NaN."""
+    n, m = values.shape
+    if layout == "contiguous":
+        return values.clone()
+    if layout == "transposed":
+        return values.t().contiguous().t()
+    if layout == "expanded":
+        assert values.numel() == 0 or bool((values == values.flatten()[0]).all()), "expanded: one value"
+        fill = values.flatten()[0] if values.numel() else torch.zeros((), dtype=values.dtype)
+        return fill.reshape(1, 1).expand(n, m)
+    if layout == "row_padded":
+        base = torch.full((n, m + 3), float("nan"), dtype=values.dtype)
+        view = base[:, :m]
+    elif layout == "column_strided":
+        base = torch.full((n, 2 * m), float("nan"), dtype=values.dtype)
+        view = base[:, ::2]
+    else:
+        raise ValueError(f"layout must be one of {BACKWARD_GRAD_LAYOUTS}, got {layout!r}")
+    view.copy_(values)
+    return view
+
+
+@dataclass
+class BackwardCase:
+    """One call of the replay backward kernel: logits, distinct recorded ids and the incoming
+    gradient of the weights, each in a drawn layout."""
+
+    # configuration, tokens, logit dtype and values (kinds "normal" and "ties": finite logits)
+    router: RouterCase
+    # layout of router_logits, of grad_logits (BACKWARD_ROW_LAYOUTS) and of the incoming gradient
+    # (BACKWARD_GRAD_LAYOUTS)
+    logits_layout: str
+    out_layout: str
+    grad_layout: str
+    # rows per program of the kernel launch (None: its default launch configuration)
+    block_m: int | None
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(router_logits (n, E), recorded ids (n, k) int32 - distinct experts per row, not the
+        top-k, grad_weights (n, k) float32), on the CPU, in the case's layouts."""
+        cfg = self.router.config
+        logits, _ = self.router.tensors("cpu")
+        rng = np.random.default_rng(self.router.seed + 1)
+        n, e, k = self.router.n, cfg.num_experts, cfg.top_k
+        rows = np.stack([rng.permutation(e)[:k] for _ in range(n)]) if n else np.zeros((0, k))
+        ids = torch.from_numpy(rows.astype(np.int32))
+        if self.grad_layout == "expanded":
+            grad = torch.full((n, k), float(rng.standard_normal()), dtype=torch.float32)
+        else:
+            grad = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
+        return strided_rows(logits, self.logits_layout), ids, strided_rows(grad, self.grad_layout)
+
+
+@st.composite
+def backward_cases(draw, max_tokens: int = 12, max_experts: int = 70, max_top_k: int = 8):
+    """A :class:`BackwardCase` of any method (small: the kernel runs interpreted on CPU)."""
+    config = draw(router_configs(max_experts=max_experts, max_top_k=max_top_k))
+    router = draw(router_cases(configs=st.just(config), max_tokens=max_tokens, kinds=("normal", "ties")))
+    return BackwardCase(
+        router=router,
+        logits_layout=draw(st.sampled_from(BACKWARD_ROW_LAYOUTS)),
+        out_layout=draw(st.sampled_from(BACKWARD_ROW_LAYOUTS)),
+        grad_layout=draw(st.sampled_from(BACKWARD_GRAD_LAYOUTS)),
+        block_m=draw(st.sampled_from([None, 1, 2, 4, 16])),
+    )

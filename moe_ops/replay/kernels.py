@@ -62,9 +62,13 @@ REPLAY_FAULT_REPEATED = 2  # an id twice in one row
 # GPU the writes are ordered by the stream). The Triton kernels use atomics instead.
 counter_lock = threading.Lock()
 
-# Backward tile: about this many logits per program, 4 warps. Not tuned on a GPU yet (the forward
-# reuses the router's measured launch configuration, moe_ops.route.kernels.launch_config).
-_BACKWARD_TILE = 2048
+# Backward tile: 1024 logits per program, 4 warps. The output tile's layout gives each thread 8
+# contiguous experts of one row (one 16-byte bf16 store), so 1024 logits are one row per thread:
+# its k per-row values are loaded once per thread, not once per row it holds. At 4096 tokens of 256
+# experts that is 1024 programs of 128 threads, 8 per SM of an H200: one wave. Chosen from the
+# TTGIR/SASS (no layout conversion, no shared memory, 2 x STG.128), not timed on a GPU yet:
+# `benchmarks/bench_replay.py --sweep-backward` times the alternatives.
+_BACKWARD_TILE = 1024
 _BACKWARD_WARPS = 4
 
 
@@ -387,16 +391,51 @@ if HAS_TRITON:
             tl.atomic_add(errors_ptr, n_faulty)
             tl.atomic_or(errors_ptr + 1, flags)
 
+    @triton.jit
+    def _backward_column(
+        grad_w_ptr,
+        logits_ptr,
+        weights_ptr,
+        ids_ptr,
+        rows64,
+        row_ok,
+        i,
+        top_k,
+        stride_gm,
+        stride_gk,
+        stride_lm,
+        stride_le,
+        stride_wm,
+        stride_wk,
+        stride_im,
+        stride_ik,
+        METHOD: tl.constexpr,
+    ):
+        """(id, g, w, s) of column ``i`` of ``BLOCK_M`` rows, each (BLOCK_M,): the expert id (-1 on
+        masked rows and past ``top_k``), the incoming gradient and weight in float32 (0 where masked)
+        and, for the sigmoid methods, ``s = sigmoid(x[id])`` (the weight itself where ``w = s``)."""
+        # (i < top_k as a tensor: the interpreter cannot broadcast a scalar bool into a mask)
+        ok = row_ok & (tl.zeros_like(rows64) + i < top_k)
+        id_i = tl.load(ids_ptr + rows64 * stride_im + i * stride_ik, mask=ok, other=-1)
+        g_i = tl.load(grad_w_ptr + rows64 * stride_gm + i * stride_gk, mask=ok, other=0.0).to(tl.float32)
+        w_i = tl.load(weights_ptr + rows64 * stride_wm + i * stride_wk, mask=ok, other=0.0)
+        if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2 or METHOD == _SIGMOID_RENORM:  # noqa: SIM109
+            # the normalised sigmoid weights need s itself: one gathered logit (an L2 hit: the
+            # forward read it)
+            x_i = tl.load(logits_ptr + rows64 * stride_lm + id_i.to(tl.int64) * stride_le, mask=ok, other=0.0)
+            s_i = tl.where(ok, tl.sigmoid(x_i.to(tl.float32)), 0.0)
+        else:
+            # LLAMA4, SIGMOID, TOPK_SIGMOID: the forward's weight is s (unused by the others)
+            s_i = w_i
+        return id_i, g_i, w_i, s_i
+
+    # Like the forward: nothing that changes per step or per layer is a specialisation key (the token
+    # count and the row strides of the incoming gradient, which autograd may hand over expanded, and
+    # of the saved tensors). num_experts and top_k are fixed per model and stay keys: with E a
+    # multiple of 16 the store mask is constant over 16 columns and the row is stored in 16-byte
+    # vectors (as runtime ints they gave one 2-byte store per element, 16 per thread at E = 256).
     @triton.jit(
-        do_not_specialize=[
-            "n_tokens",
-            "num_experts",
-            "top_k",
-            "stride_gm",
-            "stride_lm",
-            "stride_wm",
-            "stride_im",
-        ]
+        do_not_specialize=["n_tokens", "stride_gm", "stride_gk", "stride_lm", "stride_wm", "stride_im"]
     )
     def _replay_backward_kernel(
         grad_w_ptr,
@@ -423,59 +462,72 @@ if HAS_TRITON:
         E_PAD: tl.constexpr,
         K_PAD: tl.constexpr,
     ):
+        # Every per-row value lives in the slice layout of the (BLOCK_M, E_PAD) output tile: the k
+        # columns are loaded one by one as (BLOCK_M,) vectors (each thread reads its rows' values; the
+        # threads of a row share the cache line), so the kernel has no layout conversion and no shared
+        # memory. Gathering the k values out of a (BLOCK_M, K_PAD) tile instead cost one shared-memory
+        # round trip and barrier per column (8 converts at DeepSeek-V3's shape, in the TTGIR).
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_tokens
         rows64 = rows.to(tl.int64)
-        kcol = tl.arange(0, K_PAD)
-        out_ok = row_ok[:, None] & (kcol[None, :] < top_k)
-        g = tl.load(
-            grad_w_ptr + rows64[:, None] * stride_gm + kcol[None, :] * stride_gk, mask=out_ok, other=0.0
-        )
-        g = g.to(tl.float32)
-        w = tl.load(
-            weights_ptr + rows64[:, None] * stride_wm + kcol[None, :] * stride_wk, mask=out_ok, other=0.0
-        )
-        ids = tl.load(ids_ptr + rows64[:, None] * stride_im + kcol[None, :] * stride_ik, mask=out_ok, other=0)
-        dot = tl.sum(g * w, axis=1)
-        row_off = rows64 * stride_lm
         cols = tl.arange(0, E_PAD)
         ok2 = row_ok[:, None] & (cols[None, :] < num_experts)
-        dense = tl.zeros([BLOCK_M, E_PAD], dtype=tl.float32)
-        if METHOD == _TOPK:
-            gs = g
-        elif METHOD == _RENORMALIZE or METHOD == _RENORMALIZE_NAIVE:  # noqa: SIM109 - no `in` in Triton
-            gs = w * (g - dot[:, None])
-        elif METHOD == _DEFAULT:
-            # the full softmax couples every expert: d p_e = p_e * ([e in ids] g_e - dot)
-            x = tl.load(logits_ptr + row_off[:, None] + cols[None, :] * stride_le, mask=ok2, other=0.0)
+
+        # Pass 1: the row sums, dot = sum(g * w) and (sigmoid methods) total = sum(s).
+        dot = tl.zeros([BLOCK_M], dtype=tl.float32)
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for i in tl.static_range(K_PAD):
+            _, g_i, w_i, s_i = _backward_column(
+                grad_w_ptr, logits_ptr, weights_ptr, ids_ptr, rows64, row_ok, i, top_k,
+                stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
+                METHOD,
+            )  # fmt: skip
+            dot += g_i * w_i
+            total += s_i
+
+        if METHOD == _DEFAULT:
+            # the full softmax couples every expert: d x_e = p_e * ([e in ids] g_e - dot)
+            x = tl.load(
+                logits_ptr + rows64[:, None] * stride_lm + cols[None, :] * stride_le, mask=ok2, other=0.0
+            )
             x = x.to(tl.float32)
             x_max = tl.where(row_ok, tl.max(tl.where(ok2, x, float("-inf")), axis=1), 0.0)
             ex = tl.where(ok2, tl.exp(x - x_max[:, None]), 0.0)
             p = ex / tl.where(row_ok, tl.sum(ex, axis=1), 1.0)[:, None]
             dense = -p * dot[:, None]
-            gs = g * w
         else:
-            xs = tl.load(logits_ptr + row_off[:, None] + ids.to(tl.int64) * stride_le, mask=out_ok, other=0.0)
-            s = tl.sigmoid(xs.to(tl.float32))
-            total = tl.sum(tl.where(out_ok, s, 0.0), axis=1)
-            if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
-                gs = (scale * g - dot[:, None]) / (total + _SUM_EPSILON)[:, None]
-            elif METHOD == _SIGMOID_RENORM:
-                gs = (g - tl.where(total >= _SUM_EPSILON, dot, 0.0)[:, None]) / tl.maximum(
-                    total, _SUM_EPSILON
-                )[:, None]
-            else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
-                gs = g
-            gs = gs * s * (1.0 - s)
-        gs = tl.where(out_ok, gs, 0.0)
-        # Scatter the k values into the dense row in registers, then one store of the whole row
-        # (a zero store and a scatter store to the same addresses would race between threads).
+            dense = tl.zeros([BLOCK_M, E_PAD], dtype=tl.float32)
+        if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
+            denom = total + _SUM_EPSILON
+        elif METHOD == _SIGMOID_RENORM:
+            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it
+            dot = tl.where(total >= _SUM_EPSILON, dot, 0.0)
+            denom = tl.maximum(total, _SUM_EPSILON)
+
+        # Pass 2: each column's value added where its expert sits (ids are distinct: no collisions;
+        # -1 past top_k and on masked rows hits nothing), then one store of the whole row (a zero
+        # store and a scatter store to the same addresses would race between threads). The loads
+        # repeat pass 1's (L1 hits) rather than keep 4 * K_PAD values per row live in registers.
         for i in tl.static_range(K_PAD):
-            id_i = tl.sum(tl.where(kcol[None, :] == i, ids, 0), axis=1)
-            g_i = tl.sum(tl.where(kcol[None, :] == i, gs, 0.0), axis=1)
-            hit = (cols[None, :] == id_i[:, None]) & (i < top_k)
-            dense = tl.where(hit, dense + g_i[:, None], dense)
+            id_i, g_i, w_i, s_i = _backward_column(
+                grad_w_ptr, logits_ptr, weights_ptr, ids_ptr, rows64, row_ok, i, top_k,
+                stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
+                METHOD,
+            )  # fmt: skip
+            if METHOD == _TOPK:
+                gs = g_i
+            elif METHOD == _RENORMALIZE or METHOD == _RENORMALIZE_NAIVE:  # noqa: SIM109 - no `in` in Triton
+                gs = w_i * (g_i - dot)
+            elif METHOD == _DEFAULT:
+                gs = g_i * w_i  # w = p at the chosen expert
+            elif METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
+                gs = (scale * g_i - dot) / denom * s_i * (1.0 - s_i)
+            elif METHOD == _SIGMOID_RENORM:
+                gs = (g_i - dot) / denom * s_i * (1.0 - s_i)
+            else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
+                gs = g_i * s_i * (1.0 - s_i)
+            dense += tl.where(cols[None, :] == id_i[:, None], gs[:, None], 0.0)
         dst = grad_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oe
         tl.store(dst, dense.to(grad_ptr.dtype.element_ty), mask=ok2)
 

@@ -236,6 +236,10 @@ class ReplayRoutingFunction(torch.autograd.Function):
         )
         ctx.save_for_backward(router_logits, weights, ids)
         ctx.mark_non_differentiable(ids)
+        if not torch.compiler.is_compiling():
+            # Eager autograd would fill a zero gradient for the ids: one more kernel per backward.
+            # (Dynamo refuses this call; AOT autograd gives integer outputs no gradient anyway.)
+            ctx.set_materialize_grads(False)
         ctx.method, ctx.scale, ctx.use_triton = method, scale, use_triton
         return weights, ids
 
@@ -243,6 +247,8 @@ class ReplayRoutingFunction(torch.autograd.Function):
     @once_differentiable  # first order only: double backward raises instead of a graph-less grad
     def backward(ctx, grad_weights, grad_ids):
         router_logits, weights, ids = ctx.saved_tensors
+        if grad_weights is None:  # no gradient reached the weights (grads are not materialised)
+            return None, None, None, None, None, None, None, None, None
         grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
         torch.ops.moe_ops.replay_routing_backward_(
             grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale, ctx.use_triton
