@@ -1401,6 +1401,7 @@ def bucket_row_counts(draw, max_rows: int):
         return draw(st.sampled_from(edges))
     return draw(st.integers(0, max_rows))
 
+
 # The replay backward kernel (moe_ops.replay.kernels.replay_backward_triton) against autograd
 # ---------------------------------------------------------------------------------------------------
 
