@@ -208,7 +208,9 @@ def dry_run(cases, run) -> list[Table]:
 def e2e(cases, run) -> list[Table]:
     """Decode steps of a DeepSeek-V3-shaped model under CUDA graphs, capture off / on / on+snapshot."""
     device = torch.device("cuda", torch.cuda.current_device())
-    steps, trials = (10, 5) if run.quick else (run.steps, run.trials)
+    # --quick: 10 steps, 5 trials, unless given
+    steps = 10 if run.quick and "steps" not in run.given else run.steps
+    trials = 5 if run.quick and "trials" not in run.given else run.trials
     peers = _peers(run.peers)
     tables = []
     for case in cases:

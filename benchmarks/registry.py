@@ -141,6 +141,8 @@ class Run:
     options: dict[str, Any]
     # fewer trials and repetitions: a smoke run, numbers not for the record
     quick: bool = False
+    # the dests of the options given on the command line (a given flag beats a --quick default)
+    given: frozenset[str] = frozenset()
 
     def __getattr__(self, name: str) -> Any:
         # run.batches reads like the argparse namespace the benchmarks used before
@@ -353,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tables: list[tuple[str, Table]] = []
     skipped, failed = [], []
     for b in chosen:
-        run = Run({**b.defaults(), **{k: v for k, v in args.items() if k in b.defaults()}}, quick=quick)
+        mine = {k: v for k, v in args.items() if k in b.defaults()}
+        run = Run({**b.defaults(), **mine}, quick=quick, given=frozenset(mine))
         try:
             if dry:
                 missing = missing_tests(b)

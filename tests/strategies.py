@@ -1454,6 +1454,17 @@ class BenchCapture:
     test: str
 
 
+@dataclass(frozen=True)
+class BenchShape:
+    """A routing shape the transfer benchmark moves (snapshot, store, wire)."""
+
+    # row label
+    name: str
+    shape: RoutingShape
+    # the test that snapshots and encodes rows of this shape
+    test: str
+
+
 _CAPTURE_TEST = "tests/test_benchmarks.py::test_bench_capture_cases_capture_exactly"
 _ROUTER_TEST = "tests/test_benchmarks.py::test_bench_routers_route_like_the_reference"
 # MODEL_ROUTERS[0] (DeepSeek-V3): 256 experts, top-8, 8 groups keep 4, routed scaling 2.5, bias
@@ -1472,6 +1483,13 @@ BENCH_CASES: dict[str, tuple] = {
         BenchCapture("GATHERED", BatchLayout.GATHERED, 4, 61, 8, _CAPTURE_TEST),
     ),
     "routing": (BENCH_DEEPSEEK_V3, BENCH_RENORMALIZE_128, BENCH_RENORMALIZE_512),
+    "transfer": (
+        BenchShape(
+            "deepseek-v3",
+            RoutingShape(num_layers=61, num_experts=256, top_k=8),
+            "tests/test_benchmarks.py::test_bench_transfer_shape_snapshots_and_encodes_exactly",
+        ),
+    ),
     "replay": (
         replace(BENCH_DEEPSEEK_V3, test="tests/test_replay.py::test_benchmark_shapes_gpu"),
         replace(BENCH_RENORMALIZE_128, test="tests/test_replay.py::test_benchmark_shapes_gpu"),

@@ -23,7 +23,15 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import registry  # noqa: E402 - needs the repository root on sys.path
 from benchmarks.harness import Table  # noqa: E402
-from moe_ops import BatchLayout, CaptureTarget, capture_routing, route  # noqa: E402
+from moe_ops import (  # noqa: E402
+    BatchLayout,
+    CaptureTarget,
+    TransferPipeline,
+    capture_routing,
+    decode_routing,
+    encode_routing,
+    route,
+)
 from moe_ops.models import reference_config  # noqa: E402
 
 # benchmarks converted to the registry; the others keep their own main() until converted
@@ -133,16 +141,16 @@ def test_an_option_applies_to_every_chosen_benchmark_that_declares_it(scratch_re
     for name in ("aa", "bb"):
 
         def fn(cases, run, name=name):
-            seen[name] = (run.sizes, run.quick)
+            seen[name] = (run.sizes, run.quick, run.given)
             return Table(name, ["x"])
 
         registry.benchmark(
             name, cases=BENCH_CASES["e2e"], needs="cpu", options=[registry.sizes_option("--sizes", (5,))]
         )(fn)
     assert registry.main(["aa", "bb", "--sizes", "2,3", "--quick"]) == 0
-    assert seen == {"aa": ((2, 3), True), "bb": ((2, 3), True)}
+    assert seen == {"aa": ((2, 3), True, {"sizes"}), "bb": ((2, 3), True, {"sizes"})}
     assert registry.main(["aa"]) == 0
-    assert seen["aa"] == ((5,), False)
+    assert seen["aa"] == ((5,), False, set())
 
 
 def test_a_failing_benchmark_fails_the_run_and_the_others_still_run(scratch_registry, benches, capsys):
@@ -326,3 +334,33 @@ def test_bench_capture_cases_capture_exactly(case):
 @pytest.mark.parametrize("case", BENCH_CASES["capture"], ids=lambda c: c.name)
 def test_bench_capture_cases_capture_exactly_gpu(cuda_device, case, n):
     _capture_case(case, n, cuda_device)
+
+
+def _transfer_case(case, n: int, device) -> None:
+    """The transfer benchmark's path at its shape: a snapshot of ``n`` rows narrowed to the shape's
+    id dtype, then the wire round trip of those rows; every id arrives unchanged."""
+    shape = case.shape
+    g = torch.Generator().manual_seed(n)
+    source = torch.randint(0, shape.num_experts, (n + 3, shape.num_layers, shape.top_k), generator=g)
+    source = source.to(device=device, dtype=torch.int32)
+    pipe = TransferPipeline(source, shape.id_dtype, depth=4)
+    with pipe.snapshot(n) as handle:
+        rows = handle.result()
+    pipe.synchronize()
+    want = source[:n].cpu().numpy()
+    assert rows.dtype == shape.id_dtype and rows.shape == want.shape
+    assert (rows == want).all()
+    back = decode_routing(encode_routing(rows), num_layers=shape.num_layers, top_k=shape.top_k)
+    assert back.dtype == rows.dtype and (back == want).all()
+
+
+def test_bench_transfer_shape_snapshots_and_encodes_exactly():
+    for case in BENCH_CASES["transfer"]:
+        _transfer_case(case, 5, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", BENCH_SIZES["transfer"])
+def test_bench_transfer_shape_snapshots_and_encodes_exactly_gpu(cuda_device, n):
+    for case in BENCH_CASES["transfer"]:
+        _transfer_case(case, n, cuda_device)
