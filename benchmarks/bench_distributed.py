@@ -3,7 +3,8 @@
 Spawns ``world`` ranks (gloo on CPU, for the record; NCCL with one GPU per rank) and measures, for
 DeepSeek-V3 routing (58 MoE layers, top-8 of 256 experts) at ``--tokens`` rows per DP rank (every
 rank padded to that one size, real counts uneven: ``tokens - 3 * dp_rank``), in each case of
-``CASES`` (each names the test that checks the same shapes):
+``CASES`` (``BENCH_CASES["distributed"]`` of tests/strategies.py; each names the test that checks the
+same shapes):
 
 * ``begin``: ``DistributedStep.begin`` - the device all-gather of (count, rows) over the DP group and
   ``capturer.set_step`` with the result (``graph`` rows: the exchange alone, replayed from a graph;
@@ -19,8 +20,9 @@ Times are per step, the median over trials of the slowest rank's mean (a collect
 as its slowest rank). gloo: wall clock. NCCL: CUDA events, eagerly (``eager``) and replayed from a
 CUDA graph of the step (``graph``); ``host`` cannot be graphed and is reported eager only.
 
-    python benchmarks/bench_distributed.py [--backend gloo|nccl] [--worlds 2,4] [--tokens 8192]
+    python -m benchmarks distributed [--backend gloo|nccl] [--worlds 2,4] [--tokens 8192]
         [--layers 58] [--csv out.csv] [--dry-run]
+    python benchmarks/bench_distributed.py [the same flags]
 
 ``--dry-run`` runs every case once on 2 gloo ranks at 8 tokens and 2 layers, nothing timed, and
 checks each rank's captured rows: a check that the benchmark runs, for machines without a GPU.
@@ -37,7 +39,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,41 +47,21 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import Table
+from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, int_list, option, strategies
 from moe_ops import BatchLayout, RoutingCapturer, RoutingShape
 from moe_ops.capture.op import capture_into
 from moe_ops.distributed import DistributedStep, ParallelLayout, ProcessGroups
 
-NUM_LAYERS = 58  # DeepSeek-V3's MoE layers (61 layers, the first 3 dense)
-NUM_EXPERTS = 256
-TOP_K = 8
-TOKENS = 8192
+# DeepSeek-V3: 58 MoE layers (61 layers, the first 3 dense), top-8 of 256 experts
+_SHAPE = strategies.BENCH_DIST_SHAPE
+NUM_LAYERS, NUM_EXPERTS, TOP_K = _SHAPE.num_layers, _SHAPE.num_experts, _SHAPE.top_k
+TOKENS = BENCH_SIZES["distributed"][0]
 TARGET_CAPTURE = 1.5
 TRIALS = 15
+QUICK_TRIALS = 5
 DRY_TOKENS, DRY_LAYERS = 8, 2
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    layout: BatchLayout
-    # TP ranks per DP rank; dp_size = world // tp_size
-    tp_size: int
-    use_ep: bool
-    # the test that runs this layout at the benchmark's experts, top-k and process grid
-    test: str = "tests/test_distributed.py::test_benchmark_shapes_gloo"
-
-    def parallel(self, world: int) -> ParallelLayout | None:
-        if world % self.tp_size:
-            return None
-        return ParallelLayout(world // self.tp_size, self.tp_size, use_ep=self.use_ep, layout=self.layout)
-
-
-CASES = [
-    Case("dp", BatchLayout.LOCAL, 1, False),
-    Case("dp+ep gathered", BatchLayout.GATHERED, 1, True),
-    Case("dp+ep sharded", BatchLayout.SHARDED, 2, True),
-    Case("tp+sp", BatchLayout.SEQUENCE_PARALLEL, 2, False),
-]
+# BenchGrid: name, layout, tp_size, use_ep, test, parallel(world)
+CASES = BENCH_CASES["distributed"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -94,12 +75,12 @@ def _slowest(seconds: float, host_group) -> float:
     return float(t)
 
 
-def time_wall_us(fn: Callable[[], object], iters: int, host_group) -> float:
+def time_wall_us(fn: Callable[[], object], iters: int, host_group, trials: int = TRIALS) -> float:
     """gloo / eager host timing: wall clock of ``iters`` calls between barriers."""
     for _ in range(3):
         fn()
     times = []
-    for _ in range(TRIALS):
+    for _ in range(trials):
         dist.barrier(group=host_group)
         start = time.perf_counter()
         for _ in range(iters):
@@ -108,12 +89,12 @@ def time_wall_us(fn: Callable[[], object], iters: int, host_group) -> float:
     return statistics.median(times) * 1e6
 
 
-def time_cuda_us(fn: Callable[[], object], iters: int, host_group) -> float:
+def time_cuda_us(fn: Callable[[], object], iters: int, host_group, trials: int = TRIALS) -> float:
     """NCCL eager: CUDA events around ``iters`` calls, after a barrier."""
     for _ in range(3):
         fn()
     times = []
-    for _ in range(TRIALS):
+    for _ in range(trials):
         torch.cuda.synchronize()
         dist.barrier(group=host_group)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -126,7 +107,7 @@ def time_cuda_us(fn: Callable[[], object], iters: int, host_group) -> float:
     return statistics.median(times) * 1e6
 
 
-def time_graph_us(fn: Callable[[], object], iters: int, host_group) -> float:
+def time_graph_us(fn: Callable[[], object], iters: int, host_group, trials: int = TRIALS) -> float:
     """NCCL graphed: one CUDA graph of one call (a step), replayed ``iters`` times per trial."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -137,7 +118,7 @@ def time_graph_us(fn: Callable[[], object], iters: int, host_group) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_cuda_us(graph.replay, iters, host_group)
+    return time_cuda_us(graph.replay, iters, host_group, trials)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -155,7 +136,9 @@ def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
 
 
-def run_case(case: Case, world: int, tokens: int, layers: int, dry: bool) -> list[list[object]]:
+def run_case(
+    case, world: int, tokens: int, layers: int, dry: bool, trials: int = TRIALS
+) -> list[list[object]]:
     parallel = case.parallel(world)
     if parallel is None:
         return []
@@ -241,16 +224,16 @@ def run_case(case: Case, world: int, tokens: int, layers: int, dry: bool) -> lis
         [("eager", time_cuda_us), ("graph", time_graph_us)] if backend == "nccl" else [("wall", time_wall_us)]
     )
     for mode, timer in modes:
-        iters = 20
+        iters, host = 20, groups.host_group
         begin_us = (
-            timer(begin, iters, groups.host_group)
+            timer(begin, iters, host, trials)
             if mode != "graph"
-            else timer(lambda: step.exchange(plan, num_tokens), iters, groups.host_group)
+            else timer(lambda: step.exchange(plan, num_tokens), iters, host, trials)
         )
-        host_us = time_wall_us(host_exchange, iters, groups.host_group) if mode != "graph" else float("nan")
-        gather_us = timer(bare_gather, iters, groups.host_group)
-        capture_us = timer(capture_step, 5, groups.host_group)
-        copy_us = timer(copy_step, 5, groups.host_group)
+        host_us = time_wall_us(host_exchange, iters, host, trials) if mode != "graph" else float("nan")
+        gather_us = timer(bare_gather, iters, host, trials)
+        capture_us = timer(capture_step, 5, host, trials)
+        copy_us = timer(copy_step, 5, host, trials)
         rows.append([*base, mode, begin_us, host_us, gather_us, capture_us, copy_us, capture_us / copy_us])
     return rows
 
@@ -291,8 +274,8 @@ def _worker(rank: int, world: int, backend: str, init_file: str, out_file: str, 
     )
     try:
         rows = []
-        for case in CASES:
-            rows += run_case(case, world, args.tokens, args.layers, args.dry_run)
+        for case in args.cases:
+            rows += run_case(case, world, args.tokens, args.layers, args.dry_run, args.trials)
         if rank == 0:
             with open(out_file, "wb") as f:
                 pickle.dump(rows, f)
@@ -300,9 +283,20 @@ def _worker(rank: int, world: int, backend: str, init_file: str, out_file: str, 
         dist.destroy_process_group()
 
 
-def measure(backend: str, worlds: list[int], tokens: int, layers: int, dry_run: bool = False) -> Table:
+def measure(
+    backend: str,
+    worlds: list[int],
+    tokens: int,
+    layers: int,
+    dry_run: bool = False,
+    cases=CASES,
+    trials: int = TRIALS,
+) -> Table:
+    """Spawns each world of ranks and runs every case of ``cases`` on it; rank 0's rows."""
     table = Table(f"distributed step ({backend})", COLUMNS)
-    args = argparse.Namespace(tokens=tokens, layers=layers, dry_run=dry_run)
+    args = argparse.Namespace(
+        tokens=tokens, layers=layers, dry_run=dry_run, cases=tuple(cases), trials=trials
+    )
     for world in worlds:
         if backend == "nccl" and torch.cuda.device_count() < world:
             print(f"skipping world {world}: needs {world} GPUs, found {torch.cuda.device_count()}")
@@ -316,28 +310,36 @@ def measure(backend: str, worlds: list[int], tokens: int, layers: int, dry_run: 
     return table
 
 
-def dry_run() -> Table:
+def dry_run(cases=CASES) -> Table:
     """Every case once on 2 gloo ranks, tiny, untimed, rows checked on every rank."""
-    return measure("gloo", [2], DRY_TOKENS, DRY_LAYERS, dry_run=True)
+    return measure("gloo", [2], DRY_TOKENS, DRY_LAYERS, dry_run=True, cases=cases)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    parser.add_argument("--worlds", default="2,4")
-    parser.add_argument("--tokens", type=int, default=TOKENS)
-    parser.add_argument("--layers", type=int, default=NUM_LAYERS)
-    parser.add_argument("--csv", default=None)
-    parser.add_argument("--dry-run", action="store_true", help="every case once, tiny, on 2 gloo ranks")
-    args = parser.parse_args(argv)
-    if args.dry_run:
-        table = dry_run()
-    else:
-        table = measure(args.backend, [int(w) for w in args.worlds.split(",")], args.tokens, args.layers)
-    table.print()
-    if args.csv:
-        table.write_csv(args.csv)
+OPTIONS = [
+    option(
+        "--backend",
+        "gloo",
+        choices=("gloo", "nccl"),
+        help="gloo (CPU, for the record) or nccl (a GPU per rank)",
+    ),
+    option("--worlds", (2, 4), type=int_list, help="world sizes, comma-separated (default 2,4)"),
+    option("--tokens", TOKENS, type=int, help=f"rows per DP rank (default {TOKENS})"),
+    option("--layers", NUM_LAYERS, type=int, help=f"MoE layers (default {NUM_LAYERS})"),
+]
+
+
+@benchmark(
+    "distributed", cases=CASES, needs="cpu", options=OPTIONS, dry_run=lambda cases, run: dry_run(cases)
+)
+def distributed(cases, run) -> Table:
+    """Per-step cost of the DP count exchange and of the capture across processes (gloo or NCCL)."""
+    if run.backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("--backend nccl needs CUDA GPUs (one per rank)")
+    trials = QUICK_TRIALS if run.quick else TRIALS
+    return measure(run.backend, list(run.worlds), run.tokens, run.layers, cases=cases, trials=trials)
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.registry import main
+
+    sys.exit(main(["distributed", *sys.argv[1:]]))

@@ -1,0 +1,366 @@
+"""The benchmark registry and runner (benchmarks/registry.py, ``python -m benchmarks``) on the CPU:
+every registered benchmark dry-runs, its cases are the strategy cases (tests/strategies.py) and name
+tests that exist, and the shapes those cases name are checked here where no other test covers them."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from routing_checks import check_routing
+from strategies import BENCH_CASES, BENCH_DEEPSEEK_V3, BENCH_SIZES, MODEL_ROUTERS, POISON, RouterCase
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import registry  # noqa: E402 - needs the repository root on sys.path
+from benchmarks.harness import Table  # noqa: E402
+from moe_ops import (  # noqa: E402
+    BatchLayout,
+    CaptureTarget,
+    TransferPipeline,
+    capture_routing,
+    decode_routing,
+    encode_routing,
+    route,
+)
+from moe_ops.models import reference_config  # noqa: E402
+
+# benchmarks converted to the registry; the others keep their own main() until converted
+CONVERTED = ("e2e", "distributed")
+
+
+@pytest.fixture(scope="module")
+def benches():
+    return registry.load_all()
+
+
+@pytest.fixture
+def scratch_registry():
+    """The registry as it was before the test: tests that register throwaway benchmarks."""
+    saved = dict(registry._REGISTRY)
+    yield
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(saved)
+
+
+# ------------------------------------------------------------------------------- the runner
+
+
+def test_runner_dry_runs_every_registered_benchmark(benches, tmp_path, capsys):
+    """One in-process run of ``--dry-run`` over every benchmark: each runs its CPU check, each table
+    is printed, and the one CSV carries every table's rows with the environment stamp."""
+    assert set(CONVERTED) <= set(benches)
+    out = tmp_path / "dry.csv"
+    assert registry.main(["--dry-run", "--csv", str(out)]) == 0
+    printed = capsys.readouterr().out
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows, "the dry run wrote no rows"
+    assert {"gpu", "torch", "triton", "git_sha"} <= set(rows[0])
+    assert rows[0]["torch"] == torch.__version__
+    assert {r["bench"] for r in rows} == set(benches), "a benchmark wrote no rows"
+    for r in rows:
+        assert f"## {r['benchmark']}" in printed, f"{r['bench']}: its table was not printed"
+    for name, bench in benches.items():
+        if bench.dry_run is None:  # the cases table: every case and its test
+            assert [r["case"] for r in rows if r["bench"] == name] == [c.name for c in bench.cases]
+    # the dry runs that check something: e2e compared the capture buffer with the routed ids of
+    # every peer that captures, at every dry batch, and distributed ran every grid on 2 ranks
+    e2e = [r for r in rows if r["bench"] == "e2e"]
+    checked = {(r["peer"], int(r["batch"])) for r in e2e if r["checked"] == "capture == routed ids"}
+    dry_batches = sys.modules["benchmarks.bench_e2e"].DRY_BATCHES
+    assert checked == {(p, b) for p in ("on", "on+snapshot") for b in dry_batches}
+    assert {r["peer"] for r in e2e} == {"off", "on", "on+snapshot", "off[auto]"}
+    dist = [r for r in rows if r["bench"] == "distributed"]
+    assert [r["case"] for r in dist] == [c.name for c in BENCH_CASES["distributed"]]
+
+
+def test_list_shows_every_case_and_option(benches, capsys):
+    assert registry.main(["--list"]) == 0
+    printed = capsys.readouterr().out
+    for bench in benches.values():
+        assert f"{bench.name} (needs {bench.needs}" in printed
+        for case in bench.cases:
+            assert f"case {case.name}: {case.test}" in printed
+        for o in bench.options:
+            assert o.flag in printed
+
+
+@pytest.mark.parametrize(
+    "script",
+    [["-m", "benchmarks", "--list"], ["benchmarks/bench_e2e.py", "--list"]],
+    ids=["module", "script"],
+)
+def test_runs_from_the_repository_root_without_an_install(script):
+    """``python -m benchmarks`` and a bench file run as a script find the package, the benchmarks and
+    tests/strategies.py from the repository root (PYTHONPATH empty, as on the device)."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ""}
+    out = subprocess.run(
+        [sys.executable, *script], cwd=ROOT, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "e2e (needs cuda, dry run)" in out.stdout
+    assert ("distributed (needs cpu" in out.stdout) == (script[0] == "-m")
+
+
+def test_gpu_benchmark_without_a_gpu_is_skipped_and_fails_when_named(benches, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: e2e would run")
+    assert registry.main(["e2e", "--batches", "1"]) == 1
+    assert "e2e: needs a CUDA GPU; skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["nope"], "unknown benchmark nope"),
+        (["distributed", "--batches", "1,2"], "--batches is an option of e2e, none of which is chosen"),
+        (["e2e", "--batches", "1,x"], "comma-separated ints"),
+        (["e2e", "--batches", "0"], "positive ints"),
+        (["e2e", "--mode", "eager"], "invalid choice"),
+    ],
+)
+def test_runner_rejects_bad_arguments(benches, capsys, argv, match):
+    with pytest.raises(SystemExit) as exc:
+        registry.main(argv)
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_an_option_applies_to_every_chosen_benchmark_that_declares_it(scratch_registry, benches, capsys):
+    seen = {}
+    for name in ("aa", "bb"):
+
+        def fn(cases, run, name=name):
+            seen[name] = (run.sizes, run.quick, run.given)
+            return Table(name, ["x"])
+
+        registry.benchmark(
+            name, cases=BENCH_CASES["e2e"], needs="cpu", options=[registry.sizes_option("--sizes", (5,))]
+        )(fn)
+    assert registry.main(["aa", "bb", "--sizes", "2,3", "--quick"]) == 0
+    assert seen == {"aa": ((2, 3), True, {"sizes"}), "bb": ((2, 3), True, {"sizes"})}
+    assert registry.main(["aa"]) == 0
+    assert seen["aa"] == ((5,), False, set())
+
+
+def test_a_failing_benchmark_fails_the_run_and_the_others_still_run(scratch_registry, benches, capsys):
+    def broken(cases, run):
+        raise RuntimeError("broken benchmark")
+
+    def fine(cases, run):
+        t = Table("fine", ["case"])
+        for case in cases:
+            t.add(case.name)
+        return t
+
+    registry.benchmark("broken", cases=BENCH_CASES["e2e"], needs="cpu")(broken)
+    registry.benchmark("fine", cases=BENCH_CASES["distributed"], needs="cpu")(fine)
+    assert registry.main(["broken", "fine"]) == 1
+    captured = capsys.readouterr()
+    assert "RuntimeError: broken benchmark" in captured.err and "failed: broken" in captured.err
+    assert "## fine" in captured.out
+
+
+def test_registration_rejects_bad_entries_and_leaves_the_registry(scratch_registry, benches):
+    before = registry.registry()
+    cases = BENCH_CASES["e2e"]
+    fn = lambda cases, run: []
+    with pytest.raises(ValueError, match="benchmark name must match"):
+        registry.benchmark("Bad Name", cases=cases)
+    with pytest.raises(ValueError, match="needs must be one of"):
+        registry.benchmark("x", cases=cases, needs="tpu")
+    with pytest.raises(ValueError, match="cases must not be empty"):
+        registry.benchmark("x", cases=())
+    with pytest.raises(TypeError, match=r"every case needs str \.name and \.test"):
+        registry.benchmark("x", cases=[MODEL_ROUTERS[0]])
+    with pytest.raises(ValueError, match="--csv is a runner flag"):
+        registry.benchmark("x", cases=cases, options=[registry.option("--csv")])
+    with pytest.raises(ValueError, match="declared twice"):
+        registry.benchmark("x", cases=cases, options=[registry.option("--a"), registry.option("--a")])
+    with pytest.raises(ValueError, match="option flag must look like --name"):
+        registry.option("-a")
+    with pytest.raises(ValueError, match="--batches differs from 'e2e'"):
+        registry.benchmark("x", cases=cases, options=[registry.option("--batches", type=int)])(fn)
+    with pytest.raises(ValueError, match=r"benchmark 'e2e' is registered by .*bench_e2e\.py"):
+        registry.benchmark("e2e", cases=cases)(fn)
+    assert registry.registry() == before
+
+
+@given(st.lists(st.integers(1, 2**40), min_size=1, max_size=6))
+def test_int_list_round_trips(values):
+    assert registry.int_list(",".join(map(str, values))) == tuple(values)
+
+
+def test_one_csv_holds_tables_of_different_columns(tmp_path):
+    a, b = Table("a", ["n", "us"]), Table("b", ["n", "ratio", "note"])
+    a.add(1, 2.5)
+    b.add(7, 0.5, "x")
+    path = tmp_path / "out.csv"
+    registry.write_csv(str(path), [("one", a), ("two", b)])
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0][:6] == ["bench", "benchmark", "n", "us", "ratio", "note"]
+    assert rows[0][6:] == ["gpu", "torch", "triton", "git_sha"]
+    assert [r[:6] for r in rows[1:]] == [["one", "a", "1", "2.5", "", ""], ["two", "b", "7", "", "0.5", "x"]]
+
+
+# ---------------------------------------------------------------------- cases are test cases
+
+
+def test_registered_cases_are_the_strategy_cases(benches):
+    """A registered benchmark measures exactly BENCH_CASES[name] (the same objects), and every case
+    names a test that exists."""
+    for name, bench in benches.items():
+        assert name in BENCH_CASES, f"{name}: no BENCH_CASES entry in tests/strategies.py"
+        assert len(bench.cases) == len(BENCH_CASES[name])
+        assert all(a is b for a, b in zip(bench.cases, BENCH_CASES[name])), name
+        assert registry.missing_tests(bench) == []
+        assert len({c.name for c in bench.cases}) == len(bench.cases), f"{name}: case names repeat"
+    e2e = benches["e2e"].options
+    assert next(o for o in e2e if o.flag == "--batches").default == BENCH_SIZES["e2e"]
+
+
+def test_missing_tests_finds_a_case_naming_no_test(scratch_registry, benches):
+    grid = BENCH_CASES["distributed"][0]
+    bad = (
+        replace(grid, test="tests/test_distributed.py::test_does_not_exist"),
+        replace(grid, test="nofile.py::f"),
+    )
+    registry.benchmark("x", cases=bad, needs="cpu")(lambda cases, run: [])
+    assert len(registry.missing_tests(registry.registry()["x"])) == 2
+
+
+def test_bench_deepseek_v3_is_the_model_router():
+    """The benchmarks' DeepSeek-V3 is MODEL_ROUTERS' (what the router tests draw), renamed."""
+    assert replace(BENCH_DEEPSEEK_V3.config, name=MODEL_ROUTERS[0].name) == MODEL_ROUTERS[0]
+
+
+def test_e2e_preset_is_the_benchmarked_shape():
+    """The e2e case's preset routes exactly the benchmarks' DeepSeek-V3 router (whose routing
+    test_bench_routers_route_like_the_reference checks), and its dry run checks its capture."""
+    for case in BENCH_CASES["e2e"]:
+        config = reference_config(case.name)
+        got = (
+            config.routing_method,
+            config.num_experts,
+            config.top_k,
+            config.n_group,
+            config.topk_group,
+            config.routed_scaling_factor,
+            config.router_bias,
+        )
+        r = BENCH_DEEPSEEK_V3
+        want = (
+            r.method,
+            r.num_experts,
+            r.top_k,
+            r.n_group,
+            r.topk_group,
+            r.routed_scaling_factor,
+            r.has_bias,
+        )
+        assert got == want, case.name
+        assert config.max_requests >= max(BENCH_SIZES["e2e"])
+
+
+# ------------------------------------------------- the shapes only the benchmark cases name
+
+# each router once: routing and replay measure DeepSeek-V3 and renormalize-128 alike
+ROUTERS = list({c.name: c for name in ("replay", "routing") for c in BENCH_CASES[name]}.values())
+LAYERS = 61  # the routing benchmark's capture buffer depth (DeepSeek-V3's MoE-bearing layers)
+
+
+def _route_and_capture(case, n: int, device) -> None:
+    """Triton routing of bf16 logits, with the fused capture into the last of 61 layers, against
+    the float64 reference; the buffer holds the routed ids and nothing else."""
+    logits, bias = RouterCase(case.config, n, torch.bfloat16, n, "normal", 1.0).tensors(device)
+    buffer = torch.full((n, LAYERS, case.top_k), POISON, dtype=torch.int32, device=device)
+    counts = torch.tensor([n], dtype=torch.int32, device=device)
+    target = CaptureTarget(buffer, LAYERS - 1, token_counts=counts)
+    kw = case.route_kwargs(bias)
+    weights, ids = route(logits, case.top_k, case.method, capture=target, backend="triton", **kw)
+    check_routing(case.config, logits, bias, weights, ids)
+    assert torch.equal(buffer[:, LAYERS - 1], ids)
+    assert (buffer[:, : LAYERS - 1] == POISON).all(), "the capture wrote another layer"
+
+
+@pytest.mark.parametrize("case", ROUTERS, ids=lambda c: c.name)
+def test_bench_routers_route_like_the_reference(case):
+    """Every benchmarked router, interpreted on the CPU at a few tokens (the GPU twin below runs
+    the benchmark's sizes)."""
+    _route_and_capture(case, 5, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", sorted(set(BENCH_SIZES["routing"]) | set(BENCH_SIZES["replay"])))
+@pytest.mark.parametrize("case", ROUTERS, ids=lambda c: c.name)
+def test_bench_routers_route_like_the_reference_gpu(cuda_device, case, n):
+    _route_and_capture(case, n, cuda_device)
+
+
+def _capture_case(case, n: int, device) -> None:
+    """The capture benchmark's write: the last of ``dp_size`` ranks captures its ``n`` rows of a
+    (possibly gathered) batch into every layer; exactly those rows land, nothing else changes."""
+    dp, rank = case.dp_size, case.dp_size - 1
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, 256, (n * dp, case.top_k), generator=g, dtype=torch.int32).to(device)
+    counts = torch.full((dp,), n, dtype=torch.int32, device=device)
+    buffer = torch.full((n + 2, case.layers, case.top_k), POISON, dtype=torch.int32, device=device)
+    for layer in range(case.layers):
+        capture_routing(buffer, ids + layer, layer, token_counts=counts, dp_rank=rank, layout=case.layout)
+    start = rank * n if case.layout == BatchLayout.GATHERED else 0
+    want = torch.stack([ids[start : start + n] + layer for layer in range(case.layers)], dim=1)
+    assert torch.equal(buffer[:n], want)
+    assert (buffer[n:] == POISON).all(), "rows past this rank's count were written"
+
+
+@pytest.mark.parametrize("case", BENCH_CASES["capture"], ids=lambda c: c.name)
+def test_bench_capture_cases_capture_exactly(case):
+    _capture_case(case, 3, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", BENCH_SIZES["capture"])
+@pytest.mark.parametrize("case", BENCH_CASES["capture"], ids=lambda c: c.name)
+def test_bench_capture_cases_capture_exactly_gpu(cuda_device, case, n):
+    _capture_case(case, n, cuda_device)
+
+
+def _transfer_case(case, n: int, device) -> None:
+    """The transfer benchmark's path at its shape: a snapshot of ``n`` rows narrowed to the shape's
+    id dtype, then the wire round trip of those rows; every id arrives unchanged."""
+    shape = case.shape
+    g = torch.Generator().manual_seed(n)
+    source = torch.randint(0, shape.num_experts, (n + 3, shape.num_layers, shape.top_k), generator=g)
+    source = source.to(device=device, dtype=torch.int32)
+    pipe = TransferPipeline(source, shape.id_dtype, depth=4)
+    with pipe.snapshot(n) as handle:
+        rows = handle.result()
+    pipe.synchronize()
+    want = source[:n].cpu().numpy()
+    assert rows.dtype == shape.id_dtype and rows.shape == want.shape
+    assert (rows == want).all()
+    back = decode_routing(encode_routing(rows), num_layers=shape.num_layers, top_k=shape.top_k)
+    assert back.dtype == rows.dtype and (back == want).all()
+
+
+def test_bench_transfer_shape_snapshots_and_encodes_exactly():
+    for case in BENCH_CASES["transfer"]:
+        _transfer_case(case, 5, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", BENCH_SIZES["transfer"])
+def test_bench_transfer_shape_snapshots_and_encodes_exactly_gpu(cuda_device, n):
+    for case in BENCH_CASES["transfer"]:
+        _transfer_case(case, n, cuda_device)
