@@ -19,7 +19,7 @@ Kernels per key:
 * ``cuda`` - the Triton launcher;
 * ``cpu`` - the PyTorch twin, or the Triton launcher where the package interprets Triton on the
   CPU (``TRITON_INTERPRET=1``, the test suite);
-* ``reference`` - the twin again, registered as its own op ``<name>_reference`` on every device,
+* ``reference`` - the twin again, registered as its own op ``<name>reference_`` on every device,
   for callers that ask for the reference where the main op would run Triton (``backend="torch"``
   on CUDA, or on the CPU under the interpreter). It is an op, not a plain call, because the twins
   update the CPU fault counters under a ``threading.Lock``, which dynamo cannot trace.
@@ -58,7 +58,9 @@ def identity(kernel):
 
 
 def _mutated_positions(schema: torch.FunctionSchema) -> tuple[int, ...]:
-    return tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+    return tuple(
+        i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
 
 
 def _bumping(kernel: Callable, positions: tuple[int, ...]) -> Callable:
@@ -85,7 +87,9 @@ def _define(name: str, schema: str, mutates: tuple[str, ...]) -> tuple[int, ...]
     positions = _mutated_positions(parsed)
     declared = {parsed.arguments[i].name for i in positions}
     if declared != set(mutates):
-        raise ValueError(f"moe_ops::{name}: schema mutates {sorted(declared)}, mutates= says {sorted(mutates)}")
+        raise ValueError(
+            f"moe_ops::{name}: schema mutates {sorted(declared)}, mutates= says {sorted(mutates)}"
+        )
     return positions
 
 
@@ -143,10 +147,10 @@ def destination_op(
 
 
 def reference_op(name: str, twin: Callable, *, mutates: Iterable[str], schema: str | None = None):
-    """Defines ``torch.ops.moe_ops.<name>_reference``: ``twin`` on every device (see the module
-    docstring for why the reference is an op of its own)."""
+    """Defines ``torch.ops.moe_ops.<name>reference_`` (``route_`` -> ``route_reference_``): ``twin``
+    on every device (see the module docstring for why the reference is an op of its own)."""
     mutates = tuple(mutates)
-    op_name = f"{name}_reference"
+    op_name = f"{name.rstrip('_')}_reference_"
     positions = _define(op_name, _schema_of(twin, mutates, schema), mutates)
     kernel = _bumping(twin, positions)
     LIB.impl(op_name, kernel, "CPU")
