@@ -145,7 +145,10 @@ def test_opcheck(device, use_triton):
         skip_unless_triton_runs(device)
         route_, route_capture_ = torch.ops.moe_ops.route_, torch.ops.moe_ops.route_capture_
     else:
-        route_, route_capture_ = torch.ops.moe_ops.route_reference_, torch.ops.moe_ops.route_capture_reference_
+        route_, route_capture_ = (
+            torch.ops.moe_ops.route_reference_,
+            torch.ops.moe_ops.route_capture_reference_,
+        )
     route_args, capture_args = _opcheck_args(device)
     torch.library.opcheck(route_.default, route_args)
     torch.library.opcheck(route_capture_.default, capture_args)
