@@ -3,7 +3,7 @@
 FlashInfer 0.7.2 registers none of these functions with PyTorch (its ``register_custom_op`` helper
 returns the function unchanged), so ``torch.compile`` cannot see that a call writes
 ``routing_replay_out`` (or ``output``): the write is either lost to a graph break or reordered
-against later reads. Each function below becomes a destination-passing op (``moe_ops._library.destination_op``)
+against later reads. Each function below becomes a destination-passing op (``_library.destination_op``)
 that declares its output buffers as mutated and has a fake implementation, so an MoE layer that
 calls it traces with ``fullgraph=True`` and can be captured in a CUDA graph.
 
