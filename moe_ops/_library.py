@@ -82,7 +82,6 @@ def _bumping(kernel: Callable, positions: tuple[int, ...]) -> Callable:
 def _define(name: str, schema: str, mutates: tuple[str, ...]) -> tuple[int, ...]:
     if not schema.rstrip().endswith("-> ()"):
         raise ValueError(f"moe_ops::{name}: a destination-passing op returns nothing, got schema {schema}")
-    LIB.define(name + schema)
     parsed = torch._C.parse_schema(f"moe_ops::{name}{schema}")
     positions = _mutated_positions(parsed)
     declared = {parsed.arguments[i].name for i in positions}
@@ -90,6 +89,7 @@ def _define(name: str, schema: str, mutates: tuple[str, ...]) -> tuple[int, ...]
         raise ValueError(
             f"moe_ops::{name}: schema mutates {sorted(declared)}, mutates= says {sorted(mutates)}"
         )
+    LIB.define(name + schema)  # after the checks, so a bad declaration defines nothing
     return positions
 
 
