@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
+from benchmarks.host import host_us_per_call
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
 from moe_ops.route.reference import route_reference
 
@@ -344,13 +345,59 @@ def sweep_launch_config(sizes: list[int]) -> Table:
     return table
 
 
+HOST_LAYERS, EAGER_TARGET_US, COMPILED_TARGET_US = 61, 25.0, 5.0
+
+
+def host_table(n: int = 64, num_experts: int = 256, top_k: int = 8) -> Table:
+    """Host us per layer call of ``route`` (RENORMALIZE, ``n`` tokens, ``num_experts``) beside its
+    peer ``torch.topk(softmax)``: eager, compiled (fullgraph, no CUDA graphs; 61 layers in one
+    graph), and inside a CUDA graph (CUDA only). The ids of every path are checked against the
+    peer's."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    table = Table(
+        f"route host cost per layer call (RENORMALIZE, n {n}, E {num_experts}, top_k {top_k}, {dev.type})",
+        ["path", "mode", "host_us/call", "target_us"],
+    )
+    logits = [torch.randn(n, num_experts, device=dev) for _ in range(HOST_LAYERS)]
+
+    def route_all(*logits):
+        return [route(x, top_k, RoutingMethod.RENORMALIZE)[1] for x in logits]
+
+    def topk_all(*logits):
+        return [torch.topk(torch.softmax(x, dim=-1), top_k, dim=-1)[1].int() for x in logits]
+
+    want = topk_all(*logits)
+    for name, fn, ours in (("route", route_all, True), ("torch.topk(softmax)", topk_all, False)):
+        compiled = torch.compile(fn, fullgraph=True)
+        for mode, f in (("eager", fn), ("compiled (no graphs)", compiled)):
+            got = f(*logits)
+            # the sets agree (random logits: no ties); column order is each path's own
+            for g, w in zip(got, want):
+                if not torch.equal(g.sort(dim=-1).values, w.sort(dim=-1).values):
+                    raise AssertionError(f"{name} ({mode}) chose other experts than torch.topk")
+            us = host_us_per_call(lambda f=f: f(*logits), dev, calls_per_fn=HOST_LAYERS)
+            target = (EAGER_TARGET_US if mode == "eager" else COMPILED_TARGET_US) if ours else ""
+            table.add(name, mode, us, target)
+        if dev.type == "cuda":
+            per_call = graph_calls_us({name: lambda: compiled(*logits)}, calls=1, replays=20)
+            table.add(name, "in CUDA graph (device)", per_call[name] / HOST_LAYERS, "")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--csv", default=None)
     parser.add_argument("--sizes", default="1,128,4096")
     parser.add_argument("--sweep-sizes", default="1,128,1024,4096,16384")
     parser.add_argument("--sweep", action="store_true", help="also sweep launch configs (tuning aid)")
+    parser.add_argument("--host", action="store_true", help="host us per call: eager / compiled / graph")
     args = parser.parse_args()
+    if args.host:
+        table = host_table()
+        if args.csv:
+            table.write_csv(args.csv)
+        table.print()
+        return
     if not torch.cuda.is_available():
         print("bench_routing needs a CUDA GPU; nothing measured")
         return

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._library import destination_op
 from .capture.errors import FAULT_SLOT, FAULT_SOURCE_SHORT, cpu_counter_lock
 from .flashinfer.experts import MoEDispatchConfig
 from .layout import BatchLayout, layout_from_value
@@ -325,8 +326,7 @@ def _all_gatherv(x: torch.Tensor, sizes: tuple[int, ...], group: Any) -> torch.T
 _CLAMP_SLOT = FAULT_SLOT[FAULT_SOURCE_SHORT]
 
 
-@torch.library.custom_op("moe_ops::clamp_counts_", mutates_args=("out", "errors"))
-def clamp_counts_op(
+def _clamp_counts(
     counts: torch.Tensor, rows: torch.Tensor, out: torch.Tensor, errors: torch.Tensor, dp_rank: int
 ) -> None:
     """``out = min(counts, rows)``; when ``counts[dp_rank] > rows[dp_rank]``, one clamped call with
@@ -343,9 +343,8 @@ def clamp_counts_op(
         errors.index_add_(0, slots, over)
 
 
-@clamp_counts_op.register_fake
-def _(counts, rows, out, errors, dp_rank) -> None:
-    return None
+# one device-neutral body for every device (registered for CUDA, and for the CPU through cpu=None)
+clamp_counts_op = destination_op("clamp_counts_", mutates=("out", "errors"), cuda=_clamp_counts)
 
 
 class DistributedStep:

@@ -140,7 +140,7 @@ def test_compiled_routing_mismatch_without_graph_breaks():
     assert cc.graph_breaks == 0 and cc.graphs == 1
 
 
-def _opcheck_args(device, use_triton):
+def _opcheck_args(device):
     logits = torch.randn(10, 32, device=device)
     recorded = torch.randint(0, 32, (10, 4), device=device)
     recorded[2] = -1
@@ -154,14 +154,19 @@ def _opcheck_args(device, use_triton):
     ids_ok = torch.stack([torch.randperm(32)[:4] for _ in range(10)]).int().to(device)
     grad_logits = torch.empty(10, 32, device=device)
     backward = (grad_w, logits, weights.normal_(), ids_ok, grad_logits, int(RoutingMethod.DEEPSEEK_V3), 2.5)
-    return (*forward, use_triton), (*backward, use_triton)
+    return forward, backward
 
 
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_opcheck(device, use_triton):
+    """The kernel ops (Triton on CUDA and interpreted CPU) and the reference ops (the twins)."""
+    ops = torch.ops.moe_ops
     if use_triton:
         skip_unless_triton_runs(device)
-    forward, backward = _opcheck_args(device, use_triton)
-    torch.library.opcheck(torch.ops.moe_ops.replay_routing_.default, forward)
-    torch.library.opcheck(torch.ops.moe_ops.replay_routing_backward_.default, backward)
+        forward_, backward_ = ops.replay_routing_, ops.replay_routing_backward_
+    else:
+        forward_, backward_ = ops.replay_routing_reference_, ops.replay_routing_backward_reference_
+    forward, backward = _opcheck_args(device)
+    torch.library.opcheck(forward_.default, forward)
+    torch.library.opcheck(backward_.default, backward)

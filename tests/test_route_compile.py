@@ -140,8 +140,15 @@ def _opcheck_args(device):
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device, use_triton):
+    """The kernel ops (Triton on CUDA and interpreted CPU) and the reference ops (the twin)."""
     if use_triton:
         skip_unless_triton_runs(device)
+        route_, route_capture_ = torch.ops.moe_ops.route_, torch.ops.moe_ops.route_capture_
+    else:
+        route_, route_capture_ = (
+            torch.ops.moe_ops.route_reference_,
+            torch.ops.moe_ops.route_capture_reference_,
+        )
     route_args, capture_args = _opcheck_args(device)
-    torch.library.opcheck(torch.ops.moe_ops.route_.default, (*route_args, use_triton))
-    torch.library.opcheck(torch.ops.moe_ops.route_capture_.default, (*capture_args, use_triton))
+    torch.library.opcheck(route_.default, route_args)
+    torch.library.opcheck(route_capture_.default, capture_args)

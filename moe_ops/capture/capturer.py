@@ -39,6 +39,7 @@ class MissingSetStepWarning(UserWarning):
     """A snapshot was taken with no ``set_step`` since the previous one: the step's captures read
     the counts (and stamps) of an earlier step, so its rows are not this step's."""
 
+
 _BUFFER_DTYPES = (torch.int16, torch.int32, torch.int64)
 _INT32_MAX = (1 << 31) - 1
 # the step stamp cycles through [1, _INT32_MAX]; 0 is the step before the first set_step

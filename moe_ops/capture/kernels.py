@@ -20,8 +20,11 @@ paths record in exactly the same way.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .._library import identity
 from .._triton import HAS_TRITON, next_power_of_2
 from .errors import (
     FAULT_BAD_ID,
@@ -200,6 +203,34 @@ if HAS_TRITON:
                     record_stamp(stamps_ptr, step_ptr, layer_id)
 
 
+@functools.lru_cache(maxsize=4096)
+def _capture_plan(
+    n_src: int, top_k: int, n_dst: int, n_first: int, n_sizes: int, buf_dtype, ids_dtype, stamped: bool
+) -> tuple[tuple[int], int, dict]:
+    """(grid, warps, constexprs) of one launch: host arithmetic that depends on shapes and dtypes
+    only, so it is computed once per shape (about 3 us of Python per call otherwise)."""
+    k_pad = next_power_of_2(top_k)
+    # Walk source rows when that reads nothing extra (this rank's block starts at row 0) or little
+    # (the whole source is at most 8 tiles of 1024 ids); otherwise walk this rank's window only.
+    source_order = n_first == 0 or n_src * k_pad <= 8 * _TILE_ELEMENTS
+    rows = n_src if source_order else min(n_src, n_dst)
+    block_m, num_warps = launch_config(rows, k_pad)
+    # At least one program, so a call whose counts overflow an empty source still records its fault.
+    grid = (max(1, -(-rows // block_m)),)
+    id_max = id_limit(buf_dtype)
+    constexprs = dict(
+        ID_MAX=id_max,
+        CHECK_HIGH=id_limit(ids_dtype) > id_max,
+        K_PAD=k_pad,
+        BLOCK_M=block_m,
+        S_PAD=next_power_of_2(n_sizes),
+        SOURCE_ORDER=source_order,
+        HAS_OFFSET=n_first > 0,
+        STAMP=stamped,
+    )
+    return grid, num_warps, constexprs
+
+
 def capture_rows_triton(
     buffer: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -211,6 +242,8 @@ def capture_rows_triton(
     layer_id: int,
     dp_rank: int,
     n_first: int,
+    *,
+    wrap=identity,
 ) -> None:
     """Launches the slicing kernel (validated arguments assumed; see ``capture_routing``).
 
@@ -222,50 +255,46 @@ def capture_rows_triton(
     errors: (FAULT_SLOTS,) int32 - fault counter, see :mod:`moe_ops.capture.errors`
     stamps: (num_layers,) int32 - per-layer step stamps, or empty (no stamp)
     step: (1,) int32 - the current step, read on the device (unused without stamps)
+    wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
+        when torch.compile traces the op; see :mod:`moe_ops._library`)
     """
     n_src, top_k = topk_ids.shape
     n_dst = buffer.shape[0]
-    k_pad = next_power_of_2(top_k)
-    # Walk source rows when that reads nothing extra (this rank's block starts at row 0) or little
-    # (the whole source is at most 8 tiles of 1024 ids); otherwise walk this rank's window only.
-    source_order = n_first == 0 or n_src * k_pad <= 8 * _TILE_ELEMENTS
-    rows = n_src if source_order else min(n_src, n_dst)
-    block_m, num_warps = launch_config(rows, k_pad)
-    # At least one program, so a call whose counts overflow an empty source still records its fault.
-    grid = (max(1, triton.cdiv(rows, block_m)),)
-    id_max = id_limit(buffer.dtype)
-    with cpu_counter_lock(buffer.device):
-        _capture_rows_kernel[grid](
-            buffer,
-            topk_ids,
-            token_counts,
-            sizes,
-            errors,
-            stamps,
-            step,
-            n_src,
-            n_dst,
-            layer_id,
-            dp_rank,
-            n_first,
-            buffer.stride(0),
-            buffer.stride(1),
-            buffer.stride(2),
-            topk_ids.stride(0),
-            topk_ids.stride(1),
-            token_counts.stride(0),
-            sizes.stride(0),
-            top_k,
-            ID_MAX=id_max,
-            CHECK_HIGH=id_limit(topk_ids.dtype) > id_max,
-            K_PAD=k_pad,
-            BLOCK_M=block_m,
-            S_PAD=next_power_of_2(sizes.shape[0]),
-            SOURCE_ORDER=source_order,
-            HAS_OFFSET=n_first > 0,
-            STAMP=stamps.numel() > 0,
-            num_warps=num_warps,
-        )
+    grid, num_warps, constexprs = _capture_plan(
+        n_src, top_k, n_dst, n_first, sizes.shape[0], buffer.dtype, topk_ids.dtype, stamps.numel() > 0
+    )
+    stride_bm, stride_bl, stride_bk = buffer.stride()
+    stride_im, stride_ik = topk_ids.stride()
+    args = (
+        buffer,
+        topk_ids,
+        token_counts,
+        sizes,
+        errors,
+        stamps,
+        step,
+        n_src,
+        n_dst,
+        layer_id,
+        dp_rank,
+        n_first,
+        stride_bm,
+        stride_bl,
+        stride_bk,
+        stride_im,
+        stride_ik,
+        token_counts.stride(0),
+        sizes.stride(0),
+        top_k,
+    )
+    kernel = wrap(_capture_rows_kernel)[grid]
+    if buffer.device.type == "cpu":
+        # interpreted Triton updates the fault counter in Python (see capture.errors); on CUDA the
+        # kernel's atomics need no lock, and a context manager per launch is host time for nothing
+        with cpu_counter_lock(buffer.device):
+            kernel(*args, **constexprs, num_warps=num_warps)
+    else:
+        kernel(*args, **constexprs, num_warps=num_warps)
 
 
 def fault_delta(flags: torch.Tensor, n_bad: torch.Tensor | int) -> torch.Tensor:

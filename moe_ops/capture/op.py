@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .._triton import triton_runs_on
+from .._library import destination_op
+from .._triton import HAS_TRITON
 from ..layout import BatchLayout
 from .errors import FAULT_SLOTS, FaultCounter, capture_error_counter
 from .kernels import capture_rows_torch, capture_rows_triton
@@ -21,8 +22,7 @@ from .target import CaptureTarget
 __all__ = ["capture_into", "capture_routing", "target_tensors", "tp_world_size"]
 
 
-@torch.library.custom_op("moe_ops::capture_routing_", mutates_args=("buffer", "errors", "stamps"))
-def capture_routing_op(
+def _capture_schema(
     buffer: torch.Tensor,
     topk_ids: torch.Tensor,
     token_counts: torch.Tensor,
@@ -39,16 +39,22 @@ def capture_routing_op(
     ``sizes`` and ``n_first`` come from :func:`moe_ops.capture.window.plan_window`; ``stamps`` is
     empty when the target has no stamps. The public wrapper handles SEQUENCE_PARALLEL's gather.
     """
-    args = (buffer, topk_ids, token_counts, sizes, errors, stamps, step, layer_id, dp_rank, n_first)
-    if triton_runs_on(buffer.device):
-        capture_rows_triton(*args)
-    else:
-        capture_rows_torch(*args)
+    raise NotImplementedError  # the signature the schema is inferred from; the kernels run
 
 
-@capture_routing_op.register_fake
-def _(buffer, topk_ids, token_counts, sizes, errors, stamps, step, layer_id, dp_rank, n_first) -> None:
-    return None
+_MUTATES = ("buffer", "errors", "stamps")
+_SCHEMA = torch.library.infer_schema(_capture_schema, mutates_args=_MUTATES)
+# CUDA: the Triton kernel (inductor launches it from its own code under torch.compile); CPU: the
+# PyTorch twin, or the kernel itself where Triton is interpreted on the CPU (the test suite).
+capture_routing_op = destination_op(
+    "capture_routing_",
+    mutates=_MUTATES,
+    cuda=capture_rows_triton if HAS_TRITON else None,
+    cpu=capture_rows_torch,
+    interpreted=capture_rows_triton if HAS_TRITON else None,
+    traceable=capture_rows_triton if HAS_TRITON else None,
+    schema=_SCHEMA,
+)
 
 
 @torch._dynamo.assume_constant_result

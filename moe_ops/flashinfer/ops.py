@@ -3,7 +3,7 @@
 FlashInfer 0.7.2 registers none of these functions with PyTorch (its ``register_custom_op`` helper
 returns the function unchanged), so ``torch.compile`` cannot see that a call writes
 ``routing_replay_out`` (or ``output``): the write is either lost to a graph break or reordered
-against later reads. Each function below becomes a destination-passing ``torch.library.custom_op``
+against later reads. Each function below becomes a destination-passing op (``_library.destination_op``)
 that declares its output buffers as mutated and has a fake implementation, so an MoE layer that
 calls it traces with ``fullgraph=True`` and can be captured in a CUDA graph.
 
@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .._library import destination_op
 
 __all__ = [
     "SPECS",
@@ -515,9 +517,9 @@ def _register(spec: OpSpec):
     impl.__doc__ = (
         f"FlashInfer ``{spec.target}`` as a destination-passing custom op (see moe_ops.flashinfer.ops)."
     )
-    op = torch.library.custom_op(spec.qualname, impl, mutates_args=spec.mutates, schema=spec.schema())
-    op.register_fake(fake)
-    return op
+    # one kernel for both keys: on the CPU it raises the error that names the device
+    name = spec.qualname.partition("::")[2]
+    return destination_op(name, mutates=spec.mutates, cuda=impl, fake=fake, schema=spec.schema())
 
 
 for _spec in SPECS.values():

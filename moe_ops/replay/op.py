@@ -20,6 +20,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import once_differentiable
 
+from .._library import destination_op, reference_op
+from .._triton import HAS_TRITON
 from ..route.methods import RoutingMethod, method_from_value, validate_route_args
 from ..route.op import choose_triton
 from .kernels import (
@@ -136,8 +138,7 @@ def check_replay_errors(device: torch.device | str | int | None = None, *, raise
 
 
 # torch.library infers the schema from these annotations; it needs typing.Optional, not "X | None".
-@torch.library.custom_op("moe_ops::replay_routing_", mutates_args=("weights", "ids", "errors"))
-def replay_routing_op(
+def _forward_twin(
     router_logits: torch.Tensor,
     recorded_ids: torch.Tensor,
     bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
@@ -148,26 +149,24 @@ def replay_routing_op(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
-    use_triton: bool,
 ) -> None:
     """Writes every row's replayed (or live) ``weights`` and ``ids``; counts faulty rows in
     ``errors`` (contract in kernels.py)."""
-    args = (router_logits, recorded_ids, bias, weights, ids, errors, method, n_group, topk_group)
-    if use_triton:
-        replay_rows_triton(*args, routed_scaling_factor)
-    else:
-        replay_rows_torch(*args, routed_scaling_factor)
+    replay_rows_torch(
+        router_logits,
+        recorded_ids,
+        bias,
+        weights,
+        ids,
+        errors,
+        method,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+    )
 
 
-@replay_routing_op.register_fake
-def _(
-    router_logits, recorded_ids, bias, weights, ids, errors, method, n_group, topk_group, scale, use_triton
-):
-    return None
-
-
-@torch.library.custom_op("moe_ops::replay_routing_backward_", mutates_args=("grad_logits",))
-def replay_routing_backward_op(
+def _backward_twin(
     grad_weights: torch.Tensor,
     router_logits: torch.Tensor,
     weights: torch.Tensor,
@@ -175,19 +174,39 @@ def replay_routing_backward_op(
     grad_logits: torch.Tensor,
     method: int,
     routed_scaling_factor: float,
-    use_triton: bool,
 ) -> None:
     """Writes the gradient of the loss w.r.t. ``router_logits`` into ``grad_logits`` (every element)."""
-    args = (grad_weights, router_logits, weights, ids, grad_logits, method, routed_scaling_factor)
-    if use_triton:
-        replay_backward_triton(*args)
-    else:
-        replay_backward_torch(*args)
+    replay_backward_torch(
+        grad_weights, router_logits, weights, ids, grad_logits, method, routed_scaling_factor
+    )
 
 
-@replay_routing_backward_op.register_fake
-def _(grad_weights, router_logits, weights, ids, grad_logits, method, routed_scaling_factor, use_triton):
-    return None
+_FORWARD_MUTATES = ("weights", "ids", "errors")
+_BACKWARD_MUTATES = ("grad_logits",)
+_FORWARD_SCHEMA = torch.library.infer_schema(_forward_twin, mutates_args=_FORWARD_MUTATES)
+_BACKWARD_SCHEMA = torch.library.infer_schema(_backward_twin, mutates_args=_BACKWARD_MUTATES)
+# CUDA: the Triton kernels; CPU: the twins, or the kernels where Triton is interpreted on the CPU.
+# backend="torch" where a kernel would run takes the *_reference_ ops (moe_ops._library says why).
+# The launchers take no wrap= (replay/kernels.py keeps its signatures), so the ops stay opaque to
+# torch.compile.
+_FORWARD_TRITON = dict(cuda=replay_rows_triton, interpreted=replay_rows_triton) if HAS_TRITON else {}
+_BACKWARD_TRITON = dict(cuda=replay_backward_triton, interpreted=replay_backward_triton) if HAS_TRITON else {}
+replay_routing_op = destination_op(
+    "replay_routing_", mutates=_FORWARD_MUTATES, cpu=_forward_twin, schema=_FORWARD_SCHEMA, **_FORWARD_TRITON
+)
+replay_routing_reference_op = reference_op(
+    "replay_routing_", _forward_twin, mutates=_FORWARD_MUTATES, schema=_FORWARD_SCHEMA
+)
+replay_routing_backward_op = destination_op(
+    "replay_routing_backward_",
+    mutates=_BACKWARD_MUTATES,
+    cpu=_backward_twin,
+    schema=_BACKWARD_SCHEMA,
+    **_BACKWARD_TRITON,
+)
+replay_routing_backward_reference_op = reference_op(
+    "replay_routing_backward_", _backward_twin, mutates=_BACKWARD_MUTATES, schema=_BACKWARD_SCHEMA
+)
 
 
 def _errors_for(router_logits: torch.Tensor) -> torch.Tensor:
@@ -202,7 +221,10 @@ def _forward(router_logits, recorded_ids, bias, method, n_group, topk_group, sca
     n, k = recorded_ids.shape
     weights = torch.empty((n, k), dtype=dtype, device=router_logits.device)
     ids = torch.empty((n, k), dtype=torch.int32, device=router_logits.device)
-    torch.ops.moe_ops.replay_routing_(
+    forward_ = (
+        torch.ops.moe_ops.replay_routing_ if use_triton else torch.ops.moe_ops.replay_routing_reference_
+    )
+    forward_(
         router_logits,
         recorded_ids,
         bias,
@@ -213,7 +235,6 @@ def _forward(router_logits, recorded_ids, bias, method, n_group, topk_group, sca
         n_group,
         topk_group,
         scale,
-        use_triton,
     )
     return weights, ids
 
@@ -250,9 +271,12 @@ class ReplayRoutingFunction(torch.autograd.Function):
         if grad_weights is None:  # no gradient reached the weights (grads are not materialised)
             return None, None, None, None, None, None, None, None, None
         grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
-        torch.ops.moe_ops.replay_routing_backward_(
-            grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale, ctx.use_triton
+        backward_ = (
+            torch.ops.moe_ops.replay_routing_backward_
+            if ctx.use_triton
+            else torch.ops.moe_ops.replay_routing_backward_reference_
         )
+        backward_(grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale)
         return grad_logits, None, None, None, None, None, None, None, None
 
 

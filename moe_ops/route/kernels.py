@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._library import identity
 from .._triton import HAS_TRITON, interpreting, next_power_of_2
 from ..capture.errors import cpu_counter_lock
 from ..capture.kernels import capture_rows_torch
@@ -297,6 +298,7 @@ def route_rows_triton(
     *,
     block_m: int | None = None,
     num_warps: int | None = None,
+    wrap=identity,
 ) -> None:
     """Launches the router kernel (validated arguments assumed; see ``moe_ops.route``).
 
@@ -306,6 +308,8 @@ def route_rows_triton(
     ids: (n, top_k) int32 - written
     capture: where to record this rank's ids, or None
     block_m, num_warps: override :func:`launch_config` (tests and tuning)
+    wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
+        when torch.compile traces the op; see :mod:`moe_ops._library`)
 
     One launch, no host reads, no allocation: CUDA-graph capturable.
     """
@@ -334,53 +338,60 @@ def route_rows_triton(
         stride_c, stride_s = counts.stride(0), sizes.stride(0)
         s_pad = next_power_of_2(sizes.shape[0])
         stamped = stamps.numel() > 0
-    # the CPU lock: interpreted Triton updates the fault counter in Python (see capture.errors)
-    with cpu_counter_lock(router_logits.device):
-        _route_kernel[(programs,)](
-            router_logits,
-            router_logits if bias is None else bias,
-            weights,
-            ids,
-            buf,
-            counts,
-            sizes,
-            errors,
-            stamps,
-            step,
-            n_tokens,
-            num_experts // n_group,
-            n_group,
-            top_k,
-            topk_group,
-            float(routed_scaling_factor),
-            router_logits.stride(0),
-            router_logits.stride(1),
-            weights.stride(0),
-            weights.stride(1),
-            ids.stride(0),
-            ids.stride(1),
-            n_dst,
-            layer_id,
-            dp_rank,
-            n_first,
-            stride_bm,
-            stride_bl,
-            stride_bk,
-            stride_c,
-            stride_s,
-            METHOD=int(method),
-            HAS_BIAS=bias is not None,
-            GROUPED=n_group > 1,
-            CAPTURE=capture is not None,
-            BLOCK_M=block_m,
-            NG_PAD=ng_pad,
-            G_PAD=g_pad,
-            K_PAD=next_power_of_2(top_k),
-            S_PAD=s_pad,
-            HAS_OFFSET=n_first > 0,
-            STAMP=stamped,
-            num_warps=num_warps,
-        )
+    args = (
+        router_logits,
+        router_logits if bias is None else bias,
+        weights,
+        ids,
+        buf,
+        counts,
+        sizes,
+        errors,
+        stamps,
+        step,
+        n_tokens,
+        num_experts // n_group,
+        n_group,
+        top_k,
+        topk_group,
+        float(routed_scaling_factor),
+        router_logits.stride(0),
+        router_logits.stride(1),
+        weights.stride(0),
+        weights.stride(1),
+        ids.stride(0),
+        ids.stride(1),
+        n_dst,
+        layer_id,
+        dp_rank,
+        n_first,
+        stride_bm,
+        stride_bl,
+        stride_bk,
+        stride_c,
+        stride_s,
+    )
+    constexprs = dict(
+        METHOD=int(method),
+        HAS_BIAS=bias is not None,
+        GROUPED=n_group > 1,
+        CAPTURE=capture is not None,
+        BLOCK_M=block_m,
+        NG_PAD=ng_pad,
+        G_PAD=g_pad,
+        K_PAD=next_power_of_2(top_k),
+        S_PAD=s_pad,
+        HAS_OFFSET=n_first > 0,
+        STAMP=stamped,
+    )
+    kernel = wrap(_route_kernel)[(programs,)]
+    if router_logits.device.type == "cpu":
+        # interpreted Triton updates the fault counter in Python (see capture.errors); on CUDA the
+        # kernel's atomics need no lock, and a context manager per launch is host time for nothing
+        with cpu_counter_lock(router_logits.device):
+            kernel(*args, **constexprs, num_warps=num_warps)
+    else:
+        kernel(*args, **constexprs, num_warps=num_warps)
 
 
 # reference

@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from .._triton import triton_runs_on
+from .._library import destination_op, identity, reference_op
+from .._triton import HAS_TRITON, triton_runs_on
 from ..capture.op import capture_into, target_tensors
 from ..capture.target import CaptureTarget
 from ..layout import BatchLayout
@@ -26,8 +27,7 @@ BACKENDS = ("auto", "triton", "torch", "flashinfer")
 
 
 # torch.library infers the schema from these annotations; it needs typing.Optional, not "X | None".
-@torch.library.custom_op("moe_ops::route_", mutates_args=("weights", "ids"))
-def route_op(
+def _route(
     router_logits: torch.Tensor,
     bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
     weights: torch.Tensor,
@@ -36,25 +36,30 @@ def route_op(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
-    use_triton: bool,
+    *,
+    wrap=identity,
 ) -> None:
     """Writes every token's routing into ``weights`` and ``ids`` (see kernels.py)."""
-    args = (router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor)
-    if use_triton:
-        route_rows_triton(*args)
-    else:
-        route_rows_torch(*args)
+    route_rows_triton(
+        router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor, wrap=wrap
+    )
 
 
-@route_op.register_fake
-def _(router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor, use_triton):
-    return None
+def _route_twin(
+    router_logits: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> None:
+    """PyTorch twin of :func:`_route`."""
+    route_rows_torch(router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor)
 
 
-@torch.library.custom_op(
-    "moe_ops::route_capture_", mutates_args=("weights", "ids", "buffer", "errors", "stamps")
-)
-def route_capture_op(
+def _route_capture(
     router_logits: torch.Tensor,
     bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
     weights: torch.Tensor,
@@ -72,7 +77,8 @@ def route_capture_op(
     layer_id: int,
     dp_rank: int,
     n_first: int,
-    use_triton: bool,
+    *,
+    wrap=identity,
 ) -> None:
     """Routes and records this rank's ids into ``buffer[:, layer_id]`` in the same launch.
 
@@ -80,35 +86,73 @@ def route_capture_op(
     the rows are LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
     """
     capture = FusedCapture(buffer, token_counts, sizes, errors, stamps, step, layer_id, dp_rank, n_first)
-    args = (router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor, capture)
-    if use_triton:
-        route_rows_triton(*args)
-    else:
-        route_rows_torch(*args)
+    route_rows_triton(
+        router_logits,
+        bias,
+        weights,
+        ids,
+        method,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        capture,
+        wrap=wrap,
+    )
 
 
-@route_capture_op.register_fake
-def _(
-    router_logits,
-    bias,
-    weights,
-    ids,
-    buffer,
-    token_counts,
-    sizes,
-    errors,
-    stamps,
-    step,
-    method,
-    n_group,
-    topk_group,
-    routed_scaling_factor,
-    layer_id,
-    dp_rank,
-    n_first,
-    use_triton,
-):
-    return None
+def _route_capture_twin(
+    router_logits: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    buffer: torch.Tensor,
+    token_counts: torch.Tensor,
+    sizes: torch.Tensor,
+    errors: torch.Tensor,
+    stamps: torch.Tensor,
+    step: torch.Tensor,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    layer_id: int,
+    dp_rank: int,
+    n_first: int,
+) -> None:
+    """PyTorch twin of :func:`_route_capture`."""
+    capture = FusedCapture(buffer, token_counts, sizes, errors, stamps, step, layer_id, dp_rank, n_first)
+    route_rows_torch(
+        router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor, capture
+    )
+
+
+_ROUTE_MUTATES = ("weights", "ids")
+_CAPTURE_MUTATES = ("weights", "ids", "buffer", "errors", "stamps")
+_ROUTE_SCHEMA = torch.library.infer_schema(_route_twin, mutates_args=_ROUTE_MUTATES)
+_CAPTURE_SCHEMA = torch.library.infer_schema(_route_capture_twin, mutates_args=_CAPTURE_MUTATES)
+# CUDA: the Triton router (inductor launches it from its own code under torch.compile); CPU: the
+# twin, or the kernel where Triton is interpreted on the CPU. backend="torch" where the kernel would
+# run takes the *_reference op (moe_ops._library says why it is an op).
+_TRITON = dict(cuda=_route, interpreted=_route, traceable=_route)
+route_op = destination_op(
+    "route_",
+    mutates=_ROUTE_MUTATES,
+    cpu=_route_twin,
+    schema=_ROUTE_SCHEMA,
+    **(_TRITON if HAS_TRITON else {}),
+)
+route_reference_op = reference_op("route_", _route_twin, mutates=_ROUTE_MUTATES, schema=_ROUTE_SCHEMA)
+_TRITON_CAPTURE = dict(cuda=_route_capture, interpreted=_route_capture, traceable=_route_capture)
+route_capture_op = destination_op(
+    "route_capture_",
+    mutates=_CAPTURE_MUTATES,
+    cpu=_route_capture_twin,
+    schema=_CAPTURE_SCHEMA,
+    **(_TRITON_CAPTURE if HAS_TRITON else {}),
+)
+route_capture_reference_op = reference_op(
+    "route_capture_", _route_capture_twin, mutates=_CAPTURE_MUTATES, schema=_CAPTURE_SCHEMA
+)
 
 
 def choose_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
@@ -256,18 +300,24 @@ def route(
     weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=device)
     ids = torch.empty((n_tokens, top_k), dtype=torch.int32, device=device)
     route_args = (int(cfg.method), cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+    # the op runs the Triton kernel on CUDA (and on the CPU under the interpreter), the twin on the
+    # CPU otherwise; the reference ops run the twin everywhere
+    route_ = torch.ops.moe_ops.route_ if use_triton else torch.ops.moe_ops.route_reference_
     if capture is None:
-        torch.ops.moe_ops.route_(router_logits, bias, weights, ids, *route_args, use_triton)
+        route_(router_logits, bias, weights, ids, *route_args)
         return weights, ids
 
     capture.check_num_experts(cfg.num_experts)
     capture.check_ids(ids)
     if capture.layout == BatchLayout.SEQUENCE_PARALLEL:
-        torch.ops.moe_ops.route_(router_logits, bias, weights, ids, *route_args, use_triton)
+        route_(router_logits, bias, weights, ids, *route_args)
         capture_into(capture, ids)
         return weights, ids
     errors, stamps, step = target_tensors(capture)
-    torch.ops.moe_ops.route_capture_(
+    route_capture = (
+        torch.ops.moe_ops.route_capture_ if use_triton else torch.ops.moe_ops.route_capture_reference_
+    )
+    route_capture(
         router_logits,
         bias,
         weights,
@@ -282,6 +332,5 @@ def route(
         capture.layer_id,
         capture.dp_rank,
         capture.n_first,
-        use_triton,
     )
     return weights, ids

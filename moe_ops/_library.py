@@ -1,0 +1,187 @@
+"""The one registration helper of the package's destination-passing ops (``torch.ops.moe_ops.*``).
+
+Modelled on QuACK's ``cute_op``: an op is one call to :func:`destination_op` naming the kernel per
+device; the schema is inferred from the kernel's annotations (or given), the fake is generated (a
+destination-passing op writes its declared outputs and returns nothing, so the fake has nothing to
+do), and the PyTorch twin registers as the CPU kernel of the same op.
+
+Why ``torch.library.Library.define`` + ``impl`` per dispatch key rather than
+``torch.library.custom_op``: a ``custom_op`` call walks Python layers on every call (autograd_impl
+-> adinplaceorview_impl -> backend_impl, a dynamo-disable wrapper): 33 us per call on the H200's
+host, 11.8 us against 1.2 us for a ``Library.impl`` kernel on this repository's 2-core CI machine
+(an empty body, ``benchmarks/bench_capture.py --host`` measures both). What ``custom_op`` adds that
+these ops use is kept: the mutated arguments' version counters are bumped after the kernel (what
+its ADInplaceOrView layer does), and the fake. Its autograd layer is not needed: no op here has a
+differentiable output (replay's gradient is an ``autograd.Function`` over two ops).
+
+Kernels per key:
+
+* ``cuda`` - the Triton launcher;
+* ``cpu`` - the PyTorch twin, or the Triton launcher where the package interprets Triton on the
+  CPU (``TRITON_INTERPRET=1``, the test suite);
+* ``reference`` - the twin again, registered as its own op ``<name>reference_`` on every device,
+  for callers that ask for the reference where the main op would run Triton (``backend="torch"``
+  on CUDA, or on the CPU under the interpreter). It is an op, not a plain call, because the twins
+  update the CPU fault counters under a ``threading.Lock``, which dynamo cannot trace.
+
+``traceable``: a launcher that takes ``wrap=`` (a function applied to each ``@triton.jit`` kernel
+before it is launched). Where the installed torch has ``torch.library.wrap_triton`` (2.6+), the
+op's functionalisation runs the launcher with ``wrap=wrap_triton`` on CUDA tensors, so
+``torch.compile`` records the Triton kernel itself (``triton_kernel_wrapper_functional``) and
+inductor launches it from its generated code, not through the op's Python kernel and Triton's
+``JITFunction.run`` - what ``torch.library.triton_op`` does, on a ``Library`` op. Elsewhere (CPU,
+an older torch, ``torch.export`` with the decomposition disabled) the op stays opaque.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ._triton import interpreting
+
+__all__ = ["HAS_WRAP_TRITON", "LIB", "destination_op", "identity", "reference_op"]
+
+# the package's fragment of the moe_ops namespace; every op is defined through it
+LIB = torch.library.Library("moe_ops", "FRAGMENT")
+
+HAS_WRAP_TRITON = hasattr(torch.library, "wrap_triton") and hasattr(torch.library, "register_torch_dispatch")
+
+_bump = torch.autograd.graph.increment_version
+
+
+def identity(kernel):
+    """The eager ``wrap``: launch the ``@triton.jit`` kernel as it is."""
+    return kernel
+
+
+def _mutated_positions(schema: torch.FunctionSchema) -> tuple[int, ...]:
+    return tuple(
+        i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
+    )
+
+
+def _bumping(kernel: Callable, positions: tuple[int, ...]) -> Callable:
+    """``kernel``, then the version counters of the mutated arguments (custom_op's ADInplaceOrView
+    does the same): autograd then rejects a backward that saved a tensor this op overwrote."""
+
+    @functools.wraps(kernel)
+    def run(*args):
+        kernel(*args)
+        for i in positions:
+            t = args[i]
+            # inference tensors carry no version counter
+            if isinstance(t, torch.Tensor) and not t.is_inference():
+                _bump(t)
+
+    return run
+
+
+def _define(name: str, schema: str, mutates: tuple[str, ...]) -> tuple[int, ...]:
+    if not schema.rstrip().endswith("-> ()"):
+        raise ValueError(f"moe_ops::{name}: a destination-passing op returns nothing, got schema {schema}")
+    parsed = torch._C.parse_schema(f"moe_ops::{name}{schema}")
+    positions = _mutated_positions(parsed)
+    declared = {parsed.arguments[i].name for i in positions}
+    if declared != set(mutates):
+        raise ValueError(
+            f"moe_ops::{name}: schema mutates {sorted(declared)}, mutates= says {sorted(mutates)}"
+        )
+    LIB.define(name + schema)  # after the checks, so a bad declaration defines nothing
+    return positions
+
+
+def _schema_of(fn: Callable, mutates: tuple[str, ...], schema: str | None) -> str:
+    return schema if schema is not None else torch.library.infer_schema(fn, mutates_args=mutates)
+
+
+def _no_op_fake(*args, **kwargs) -> None:
+    """Fake of a destination-passing op: the outputs are the caller's tensors, nothing to make."""
+    return None
+
+
+def destination_op(
+    name: str,
+    *,
+    mutates: Iterable[str],
+    cuda: Callable | None = None,
+    cpu: Callable | None = None,
+    interpreted: Callable | None = None,
+    traceable: Callable | None = None,
+    fake: Callable | None = None,
+    schema: str | None = None,
+):
+    """Defines ``torch.ops.moe_ops.<name>`` and returns its packet.
+
+    Args:
+        name: the op's name in the ``moe_ops`` namespace (destination-passing: ends in ``_``).
+        mutates: names of the arguments the kernels write (must match the schema's ``(a!)``).
+        cuda: the CUDA kernel (the Triton launcher). None: no CUDA kernel (a call raises).
+        cpu: the CPU kernel (the PyTorch twin). None: ``cuda`` runs on the CPU too (an op whose
+            body is device-neutral torch code).
+        interpreted: the CPU kernel when Triton is interpreted on the CPU (``TRITON_INTERPRET=1``);
+            None: ``cpu``.
+        traceable: a launcher ``f(*op_args, wrap=...)`` (see the module docstring); None: the op is
+            opaque to torch.compile on every device.
+        fake: the fake kernel; None: a generated no-op (the op returns nothing).
+        schema: the schema, e.g. ``"(Tensor(a!) out, int n) -> ()"``; None: inferred from the
+            annotations of ``cuda`` (else ``cpu``).
+
+    The kernels receive the op's arguments positionally (defaults filled in by the dispatcher).
+    """
+    mutates = tuple(mutates)
+    first = cuda if cuda is not None else cpu
+    if first is None:
+        raise ValueError(f"moe_ops::{name}: pass cuda= or cpu=")
+    positions = _define(name, _schema_of(first, mutates, schema), mutates)
+    cpu_kernel = interpreted if (interpreted is not None and interpreting()) else (cpu or cuda)
+    if cuda is not None:
+        LIB.impl(name, _bumping(cuda, positions), "CUDA")
+    LIB.impl(name, _bumping(cpu_kernel, positions), "CPU")
+    torch.library.register_fake(f"moe_ops::{name}", fake or _no_op_fake, lib=LIB)
+    if traceable is not None and HAS_WRAP_TRITON:
+        _register_triton_decomposition(name, traceable)
+    return getattr(torch.ops.moe_ops, name)
+
+
+def reference_op(name: str, twin: Callable, *, mutates: Iterable[str], schema: str | None = None):
+    """Defines ``torch.ops.moe_ops.<name>reference_`` (``route_`` -> ``route_reference_``): ``twin``
+    on every device (see the module docstring for why the reference is an op of its own)."""
+    mutates = tuple(mutates)
+    op_name = f"{name.rstrip('_')}_reference_"
+    positions = _define(op_name, _schema_of(twin, mutates, schema), mutates)
+    kernel = _bumping(twin, positions)
+    LIB.impl(op_name, kernel, "CPU")
+    LIB.impl(op_name, kernel, "CUDA")
+    torch.library.register_fake(f"moe_ops::{op_name}", _no_op_fake, lib=LIB)
+    return getattr(torch.ops.moe_ops, op_name)
+
+
+def _register_triton_decomposition(name: str, launcher: Callable) -> None:
+    """Under functionalisation (torch.compile, export), CUDA calls of the op become the launcher's
+    ``wrap_triton`` kernels: inductor then launches them from its own code (torch.library.triton_op's
+    rule, on a Library op)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    known = (torch.Tensor, FunctionalTensor)
+
+    def decompose(mode, op, types, args, kwargs):
+        try:
+            from torch.export._trace import custom_triton_ops_decomposition_disabled
+
+            disabled = custom_triton_ops_decomposition_disabled()
+        except ImportError:  # pragma: no cover - torch builds without export
+            disabled = False
+        if any(not (issubclass(t, FakeTensor) or t in known) for t in types):
+            return NotImplemented  # a tensor subclass: let it handle the op
+        on_cuda = all(a.device.type == "cuda" for a in args if isinstance(a, torch.Tensor))
+        if disabled or not on_cuda:
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode:
+            launcher(*args, **kwargs, wrap=torch.library.wrap_triton)
+        return None
+
+    torch.library.register_torch_dispatch(f"moe_ops::{name}", FunctionalTensorMode, decompose, lib=LIB)
