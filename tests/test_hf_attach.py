@@ -414,6 +414,45 @@ def test_normalize_arch_accepts_display_names():
         normalize_arch("llama")
 
 
+def test_transformers_older_than_the_minimum_is_refused_naming_both_versions(monkeypatch):
+    from pathlib import Path
+
+    from moe_ops import RoutingReplayer
+    from moe_ops.integrations import hf
+
+    # the pure comparison, on strings: PEP 440 order, pre-releases of the minimum are older
+    for installed in ("5.2.0", "5.2.1", "5.10.0", "6.0", "5.2.0.post1", "5.2.0+cu130", "5.3.0.dev0"):
+        assert hf.check_transformers_version(installed, required="5.2.0") is None, installed
+    for installed in ("4.57.1", "5.1.9", "5.2.0rc1", "5.2.0.dev0", "5.0.0", "4.99.99"):
+        with pytest.raises(
+            ImportError, match=rf"transformers>=5\.2\.0 .* transformers {re.escape(installed)} is"
+        ):
+            hf.check_transformers_version(installed, required="5.2.0")
+    with pytest.raises(ValueError, match="installed must be a PEP 440 version string, got 'five'"):
+        hf.check_transformers_version("five")
+    # the hf extra declares the bound the code checks, and the installed transformers meets it
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert f'hf = ["transformers>={hf.MIN_TRANSFORMERS_VERSION}"]' in pyproject
+    hf.check_transformers_version(transformers.__version__)
+    # the real path on the installed transformers, with the minimum raised above it: attaching
+    # (capture and replay) and building a tiny model refuse, naming both, and wrap no router
+    model = build_tiny_model("olmoe")
+    capturer = capturer_for(model, 8)
+    monkeypatch.setattr(hf, "MIN_TRANSFORMERS_VERSION", "999")
+    message = (
+        rf"needs transformers>=999 .* but transformers {re.escape(transformers.__version__)} is installed"
+    )
+    with pytest.raises(ImportError, match=message):
+        attach_capture(model, capturer)
+    with pytest.raises(ImportError, match=message):
+        hf.attach_replay(model, RoutingReplayer(capturer.shape, 8, "cpu"))
+    with pytest.raises(ImportError, match=message):
+        build_tiny_model("olmoe")
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    monkeypatch.undo()
+    attach_capture(model, capturer).remove()
+
+
 def test_import_moe_ops_does_not_import_transformers():
     code = "import sys, moe_ops, moe_ops.integrations; sys.exit('transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

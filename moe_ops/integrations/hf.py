@@ -63,11 +63,50 @@ __all__ = [
     "attach_capture",
     "attach_replay",
     "build_tiny_model",
+    "check_transformers_version",
     "find_routers",
     "normalize_arch",
     "replay_rule",
     "tiny_config",
 ]
+
+
+# The oldest transformers on which tests/test_hf_attach.py and tests/test_replay_attach.py pass. In
+# 5.0-5.12 DeepSeek-V2 and GraniteMoE have no router module (the MoE block routes inline) and the
+# routers of DeepSeek-V3, GLM-4-MoE and dots1 return only the logits (4.57: 8 of the 12 have none);
+# 5.13-5.22 capture, but the compiled training step with replay fails (at 5.13: a data-dependent
+# guard in the grouped_mm backward), and GraniteMoE's replay test fails through 5.20 (5.21 untried).
+MIN_TRANSFORMERS_VERSION = "5.23"
+
+
+def check_transformers_version(installed: str, required: str = MIN_TRANSFORMERS_VERSION) -> None:
+    """ImportError naming both versions when transformers ``installed`` is older than ``required``.
+
+    PEP 440 order (``packaging``, a transformers dependency): a pre-release of ``required``
+    (``"5.2.0rc1"``, ``"5.2.0.dev0"``) is older than it, a local build (``"5.2.0+cu"``) is not.
+    ValueError naming ``installed`` for a string that is no version.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        have = Version(installed)
+    except (InvalidVersion, TypeError):
+        raise ValueError(f"installed must be a PEP 440 version string, got {installed!r}") from None
+    if have < Version(required):
+        raise ImportError(
+            f"moe_ops.integrations.hf needs transformers>={required} (the router modules of every "
+            f"supported architecture), but transformers {installed} is installed: "
+            f"pip install 'transformers>={required}'"
+        )
+
+
+def _check_loaded_transformers() -> None:
+    """:func:`check_transformers_version` on the transformers this process imported, if any (a
+    model of a supported ``model_type`` that is not from transformers needs no version)."""
+    transformers = sys.modules.get("transformers")
+    version = getattr(transformers, "__version__", None)
+    if isinstance(version, str):
+        check_transformers_version(version, MIN_TRANSFORMERS_VERSION)
 
 
 @dataclass(frozen=True)
@@ -325,12 +364,15 @@ def find_routers(
 ) -> tuple[str, list[tuple[int, str, nn.Module]]]:
     """The architecture of ``model`` and its routers as ``(decoder layer, module path, module)``.
 
-    Sorted by layer. ValueError for an unsupported ``config.model_type`` (listing the supported
-    ones), for a model without routers, for a router outside a ``layers.<i>`` path, and for two
-    routers in one decoder layer. ``caller`` names the function in the unsupported-model message.
+    Sorted by layer. ImportError when the imported transformers is older than
+    ``MIN_TRANSFORMERS_VERSION``; ValueError for an unsupported ``config.model_type`` (listing the
+    supported ones), for a model without routers, for a router outside a ``layers.<i>`` path, and
+    for two routers in one decoder layer. ``caller`` names the function in the unsupported-model
+    message.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_loaded_transformers()
     model_type = _model_type(model)
     arch = SUPPORTED_ARCHITECTURES.get(model_type)
     if arch is None:
@@ -822,6 +864,7 @@ def _transformers():
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("the transformers integration needs transformers: pip install 'moe-ops[hf]'") from e
+    check_transformers_version(transformers.__version__, MIN_TRANSFORMERS_VERSION)
     return transformers
 
 
