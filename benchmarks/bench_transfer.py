@@ -10,9 +10,14 @@ Each number is a ratio against a floor or peer measured in the same run:
   tokens (0.5 MB, where the host cost of ``snapshot()`` bounds the rate: 0.15 before the graphs),
   >= 0.8 from 8,192 tokens (an H200 copies about 54 GB/s device-to-pinned-host).
 - ``snapshot()`` host time: median ``time.perf_counter`` us per call at 1, 64, 1024, 8192 and 32768
-  tokens, with and without layer stamps, graphs against the direct launch. Target <= 20 us at any
-  size (72 us at 1,024 tokens before the graphs). On CPU the same table times the synchronous copy
-  (context, no target). With the pipelines' construction time (the graphs are captured there).
+  tokens, with and without layer stamps, for three pipelines: graphs with the runtime copy (the
+  default: ``cudaMemcpyAsync`` / ``cudaEventRecord`` through ctypes), graphs with torch's
+  ``copy_``, the direct launch with ``copy_``. ``idle_us`` times a call with nothing queued (the
+  host's own cost; target <= 20 us at any size, 72 us at 1,024 tokens before the graphs),
+  ``queued_us`` calls back to back behind the previous calls' copies, ``host_wait_us`` their
+  difference (the host waiting for the device while it enqueues). Neither waits for a ring slot.
+  On CPU the same table times the synchronous copy (context, no target). With the pipelines'
+  construction time (the graphs are captured there).
 - Compute-loop slowdown: a loop of GEMM "steps" with ``set_step`` each step, with and without a
   snapshot per step consumed one step later. Target <= 1.02x. Blocks of 25 steps, timed on the
   device, alternate A B / B A; the paired slowdown is the median over trials of (snapshot block /
@@ -29,14 +34,14 @@ Each number is a ratio against a floor or peer measured in the same run:
   same ledger with its lock swapped for a no-op (floor), and with ``land`` on a second thread (the
   engine's output thread). CPU.
 
-    python benchmarks/bench_transfer.py [--csv out.csv] [--quick]
+    python benchmarks/bench_transfer.py [--csv out.csv] [--quick] [--d2h-sizes 1024,8192,32768]
+    python -m benchmarks transfer --quick
 
 Without a GPU only the CPU sections run.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import queue
@@ -51,6 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import Table, device_us_per_call
+from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, sizes_option
 from moe_ops import (
     RoutingCapturer,
     RoutingLedger,
@@ -170,21 +176,32 @@ def d2h_bandwidth(sizes: list[int], reps: int, trials: int) -> Table:
 
 
 def snapshot_host_time(device: torch.device, sizes: list[int], reps: int) -> list[Table]:
-    """Host time of one ``snapshot()`` call (perf_counter around it), graphs vs direct launch.
+    """Host time of one ``snapshot()`` call (perf_counter around it), per pipeline variant.
 
-    Each repetition takes ``depth`` snapshots back to back (timed one by one), then synchronizes
-    the copy stream and releases them (untimed), so the launch queue never fills up behind the
-    larger copies. Every pipeline's rows are checked once per size.
+    Two numbers per size, neither of which waits on the ring (every slot is free at every timed
+    call; ``RingFullError`` would be raised, not waited for, with the default ``timeout=0``):
+
+    - ``idle_us``: nothing queued on either stream when the call starts (the copy stream
+      synchronized and the handle released outside the timed region before each call). The
+      host's own cost: the target applies to it.
+    - ``queued_us``: ``depth`` calls back to back (timed one by one; synchronize and release after
+      the group, untimed), so the 2nd..4th call finds the earlier copies still running
+      (``in_flight`` is the mean number of earlier copies of the group not finished when a call
+      started). ``host_wait_us = queued_us - idle_us``: what the host spends waiting for the device
+      while enqueuing behind running copies (the large-step, stamped rows of the previous table
+      measured this way only).
+
+    Every pipeline's rows are checked once per size.
     """
     cuda = device.type == "cuda"
     host = Table(
         f"snapshot() host time ({LAYERS}x{TOP_K} int32 -> {SHAPE.id_dtype}, ring 4, median us per call, "
         f"{device.type})",
-        ["tokens", "stamps", "graphs_us", "direct_us", "speedup", "target"],
+        ["tokens", "stamps", "pipeline", "idle_us", "queued_us", "host_wait_us", "in_flight", "target"],
     )
     build = Table(
         f"TransferPipeline construction ({max(sizes)} rows, ring 4, {device.type})",
-        ["stamps", "graphs", "cuda_graphs", "ms"],
+        ["stamps", "pipeline", "copy_path", "cuda_graphs", "ms"],
     )
     max_tokens = max(sizes)
     source = torch.randint(0, EXPERTS, (max_tokens, LAYERS, TOP_K), dtype=torch.int32, device=device)
@@ -194,55 +211,77 @@ def snapshot_host_time(device: torch.device, sizes: list[int], reps: int) -> lis
     want = source.cpu().numpy().astype(SHAPE.id_dtype)
     want_stamped = want.copy()
     want_stamped[:, (stamps != step).cpu().numpy()] = np.iinfo(SHAPE.id_dtype).max
-    modes = [True, False] if cuda else [False]
+    # name -> TransferPipeline kwargs: graphs with the runtime copy (the default), graphs with
+    # torch's copy_ (the previous default), the direct launch with torch's copy_ (before graphs)
+    variants = (
+        {
+            "graphs+cudart": {},
+            "graphs+copy_": {"cudart": False},
+            "direct+copy_": {"graphs": False, "cudart": False},
+        }
+        if cuda
+        else {"cpu": {}}
+    )
     pipes = {}
     for stamped in (False, True):
         kwargs = {"layer_stamps": stamps, "step_tensor": step} if stamped else {}
-        for graphs in modes:
+        for name, variant in variants.items():
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            pipe = TransferPipeline(source, SHAPE.id_dtype, depth=4, graphs=graphs, **kwargs)
+            pipe = TransferPipeline(source, SHAPE.id_dtype, depth=4, **variant, **kwargs)
             if cuda:
                 torch.cuda.synchronize()
             ms = (time.perf_counter() - start) * 1e3
-            build.add(stamped, graphs, sum(len(s.graphs) for s in pipe._slots), ms)
-            pipes[stamped, graphs] = pipe
+            build.add(stamped, name, pipe.copy_path, sum(len(s.graphs) for s in pipe._slots), ms)
+            pipes[stamped, name] = pipe
 
-    def per_call_us(pipe: TransferPipeline, n: int) -> float:
+    def idle_us(pipe: TransferPipeline, n: int) -> float:
         times = []
+        for _ in range(reps * pipe.depth):
+            pipe.synchronize()
+            start = time.perf_counter()
+            handle = pipe.snapshot(n)
+            times.append(time.perf_counter() - start)
+            handle.release()
+        return statistics.median(times) * 1e6
+
+    def queued_us(pipe: TransferPipeline, n: int) -> tuple[float, float]:
+        times, running = [], []
         for _ in range(reps):
             held = []
             for _ in range(pipe.depth):
+                running.append(sum(not h.ready() for h in held))  # untimed: before the clock starts
                 start = time.perf_counter()
                 held.append(pipe.snapshot(n))
                 times.append(time.perf_counter() - start)
             pipe.synchronize()
             for h in held:
                 h.release()
-        return statistics.median(times) * 1e6
+        return statistics.median(times) * 1e6, statistics.mean(running)
 
     for n in sizes:
         for stamped in (False, True):
-            us = {}
-            for graphs in modes:
-                pipe = pipes[stamped, graphs]
+            for name in variants:
+                pipe = pipes[stamped, name]
                 with pipe.snapshot(n) as h:
                     expected = (want_stamped if stamped else want)[:n]
                     assert np.array_equal(h.result(copy=False), expected), (
-                        f"snapshot rows wrong ({n}, {graphs})"
+                        f"snapshot rows wrong ({n}, {name})"
                     )
-                per_call_us(pipe, n)  # warm-up: caches, clocks
-                us[graphs] = per_call_us(pipe, n)
-            graphed = us.get(True, "")
-            host.add(
-                n,
-                stamped,
-                graphed,
-                us[False],
-                us[False] / graphed if cuda else "",
-                f"<= {SNAPSHOT_HOST_TARGET_US}" if cuda else "context (sync copy)",
-            )
+                queued_us(pipe, n)  # warm-up: caches, clocks
+                idle = idle_us(pipe, n)
+                queued, in_flight = queued_us(pipe, n)
+                host.add(
+                    n,
+                    stamped,
+                    name,
+                    idle,
+                    queued,
+                    queued - idle,
+                    in_flight,
+                    f"idle <= {SNAPSHOT_HOST_TARGET_US}" if cuda else "context (sync copy)",
+                )
     return [host, build]
 
 
@@ -474,33 +513,32 @@ def ledger_lock_cost(steps: int) -> Table:
     return table
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--csv", default=None)
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    args = parser.parse_args()
-    reps = 5 if args.quick else 20
+@benchmark(
+    "transfer",
+    cases=BENCH_CASES["transfer"],
+    needs="cpu",
+    options=[sizes_option("--d2h-sizes", BENCH_SIZES["transfer"], "D2H copy sizes in tokens")],
+)
+def transfer(cases, run) -> list[Table]:
+    """Bytes per step, D2H bandwidth, snapshot() host time, compute slowdown, store, wire, ledger."""
+    for case in cases:  # the module's constants are the measured shape: the case's test covers it
+        if case.shape != SHAPE:
+            raise ValueError(f"case {case.name}: shape {case.shape} is not the benchmark's {SHAPE}")
+    reps = 5 if run.quick else 20
     tables = [bytes_per_step()]
     if torch.cuda.is_available():
-        tables.append(
-            d2h_bandwidth([1024, STEP_TOKENS, REQUEST_TOKENS], reps=reps, trials=5 if args.quick else 9)
-        )
-        tables.extend(
-            snapshot_host_time(torch.device("cuda"), SNAPSHOT_SIZES, reps=25 if args.quick else 100)
-        )
+        tables.append(d2h_bandwidth(list(run.d2h_sizes), reps=reps, trials=5 if run.quick else 9))
+        tables.extend(snapshot_host_time(torch.device("cuda"), SNAPSHOT_SIZES, reps=25 if run.quick else 100))
         tables.append(narrow_kernel())
-        tables.append(compute_slowdown(steps=25, trials=8 if args.quick else 41, gemms=8))
+        tables.append(compute_slowdown(steps=25, trials=8 if run.quick else 41, gemms=8))
     else:
         print("no CUDA GPU: D2H bandwidth, narrowing kernel and compute slowdown not measured")
-        tables.extend(snapshot_host_time(torch.device("cpu"), SNAPSHOT_SIZES, reps=5 if args.quick else 25))
+        tables.extend(snapshot_host_time(torch.device("cpu"), SNAPSHOT_SIZES, reps=5 if run.quick else 25))
     tables.append(store_throughput(reps))
     tables.append(wire_throughput(reps))
-    tables.append(ledger_lock_cost(steps=500 if args.quick else 3000))
-    for t in tables:
-        if args.csv:
-            t.write_csv(args.csv)
-        t.print()
+    tables.append(ledger_lock_cost(steps=500 if run.quick else 3000))
+    return tables
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["transfer", *sys.argv[1:]]))
