@@ -57,7 +57,8 @@ def _written(out: torch.Tensor) -> tuple[bool, bool]:
         poisoned_base, poisoned_view = torch.isnan(base), torch.isnan(out)
     else:
         poisoned_base, poisoned_view = base == POISON, out == POISON
-    return not bool(poisoned_view.any()), int(poisoned_base.sum()) == base.numel() - out.numel()
+    gap = int(poisoned_base.sum()) - int(poisoned_view.sum())  # the poison left outside the view
+    return not bool(poisoned_view.any()), gap == base.numel() - out.numel()
 
 
 def run(case: ForwardCase, kernel, **launch):
