@@ -1,10 +1,11 @@
 """Replay cost: ``replay_routing`` forward and backward against the router and the PyTorch reference,
 and a compiled MoE layer of the reference model with replay on against live routing.
 
-Cases (``CASES``; each names the test that checks the same shapes): DeepSeek-V3 routing (256
-experts, top-8, 8 groups keep 4, routed scaling 2.5, bias) and RENORMALIZE 128/8, bf16 logits, at n
-in {1, 128, 4096, 16384}. The record is the router's choice for slightly different logits (the
-rollout's: logits + N(0, 0.1^2)), so it is not the trainer's top-k, as in a real replay.
+Cases (``CASES`` = ``BENCH_CASES["replay"]``, tests/strategies.py; each names the test that checks
+the same shapes): DeepSeek-V3 routing (256 experts, top-8, 8 groups keep 4, routed scaling 2.5,
+bias) and RENORMALIZE 128/8, bf16 logits, at n in ``BENCH_SIZES["replay"]`` = {1, 128, 4096, 16384}.
+The record is the router's choice for slightly different logits (the rollout's: logits + N(0,
+0.1^2)), so it is not the trainer's top-k, as in a real replay.
 
 Tables, every peer timed as one call inside a CUDA graph of ``GRAPH_CALLS`` = 61 calls (DeepSeek-V3's
 MoE layers each route once per step), peers interleaved trial by trial (benchmarks/harness.py):
@@ -29,7 +30,12 @@ MoE layers each route once per step), peers interleaved trial by trial (benchmar
 profiler) are reported for the op tables as context.
 
     python benchmarks/bench_replay.py [--csv out.csv] [--sizes 1,128,4096,16384]
-        [--layer-sizes 1,128,4096,16384] [--tables forward,backward,layer] [--dry-run]
+        [--layer-sizes 1,128,4096,16384] [--tables forward,backward,layer] [--launch-floor]
+        [--sweep-forward] [--sweep-backward] [--dry-run]
+    python -m benchmarks replay [the same flags]
+
+``--launch-floor`` adds do-nothing kernels with replay's two grids; ``--sweep-forward`` and
+``--sweep-backward`` time each kernel alone per (rows per program, warps), the default marked.
 
 ``--dry-run`` builds every case and peer on the CPU (small sizes, the "tiny" reference model, the
 PyTorch twins, nothing compiled or timed) and calls each once: a check that the benchmark runs,
@@ -38,7 +44,6 @@ for machines without a GPU.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import sys
@@ -50,46 +55,31 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
+from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, option, sizes_option, switch
 from moe_ops import RoutingMethod, replay_routing, route
 from moe_ops._triton import HAS_TRITON, next_power_of_2, triton_runs_on
 from moe_ops.models import ReferenceMoEModel, reference_config
-from moe_ops.replay.kernels import backward_launch_config, replay_backward_triton
-from moe_ops.route.kernels import launch_config, tile_shape
+from moe_ops.replay.kernels import (
+    backward_launch_config,
+    forward_launch_config,
+    replay_backward_triton,
+    replay_rows_triton,
+)
+from moe_ops.route.kernels import tile_shape
 from moe_ops.route.reference import weights_for_ids
 
 GRAPH_CALLS = 61  # DeepSeek-V3's MoE-bearing depth
 REF_CALLS = 8  # the eager reference is slow: a shorter graph
 LAYER_CALLS = 4  # a MoE layer step with dense experts takes milliseconds at 4096+ tokens
 ROLLOUT_NOISE = 0.1  # std of the rollout/trainer logit difference the record is drawn with
-SIZES = (1, 128, 4096, 16384)
 DRY_SIZES = (1, 8)
 TARGET_FORWARD = 1.0
 TARGET_BACKWARD_SPEEDUP = 5.0
 TARGET_LAYER = 1.02
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    method: RoutingMethod
-    # experts of the router
-    num_experts: int
-    # experts per token
-    top_k: int
-    # DEEPSEEK_V3 groups (None: no grouping) and groups kept per token
-    n_group: int | None = None
-    topk_group: int | None = None
-    routed_scaling_factor: float | None = None
-    # whether the router has a selection bias
-    has_bias: bool = False
-    # the test that checks replay_routing at this case's shapes and sizes
-    test: str = "tests/test_replay.py::test_benchmark_shapes_gpu"
-
-
-CASES = [
-    Case("deepseek-v3", RoutingMethod.DEEPSEEK_V3, 256, 8, 8, 4, 2.5, True),
-    Case("renormalize-128", RoutingMethod.RENORMALIZE, 128, 8),
-]
+# the routers measured (tests/strategies.py BenchRouter: a RouterConfig and the test that checks it)
+CASES = BENCH_CASES["replay"]
 
 
 @dataclass
@@ -109,7 +99,7 @@ class Inputs:
     # replay_routing / route backend: "triton" on a GPU, "torch" in the dry run
     backend: str
 
-    def kwargs(self, case: Case) -> dict:
+    def kwargs(self, case) -> dict:
         return dict(
             bias=self.bias,
             n_group=case.n_group,
@@ -118,7 +108,7 @@ class Inputs:
         )
 
 
-def make_inputs(case: Case, n: int, device: torch.device, backend: str) -> Inputs:
+def make_inputs(case, n: int, device: torch.device, backend: str) -> Inputs:
     g = torch.Generator(device=device).manual_seed(n)
     logits = torch.randn(n, case.num_experts, device=device, generator=g).to(torch.bfloat16)
     bias = torch.randn(case.num_experts, device=device, generator=g) * 0.1 if case.has_bias else None
@@ -140,7 +130,7 @@ def make_inputs(case: Case, n: int, device: torch.device, backend: str) -> Input
     )
 
 
-def _scale(case: Case) -> float:
+def _scale(case) -> float:
     return 1.0 if case.routed_scaling_factor is None else case.routed_scaling_factor
 
 
@@ -149,17 +139,17 @@ def _scale(case: Case) -> float:
 # ---------------------------------------------------------------------------------------------------
 
 
-def fwd_replay(case: Case, x: Inputs, compile: bool) -> Callable[[], object]:
+def fwd_replay(case, x: Inputs, compile: bool) -> Callable[[], object]:
     kw = x.kwargs(case)
     return lambda: replay_routing(x.logits, x.recorded, case.method, backend=x.backend, **kw)
 
 
-def fwd_route(case: Case, x: Inputs, compile: bool) -> Callable[[], object]:
+def fwd_route(case, x: Inputs, compile: bool) -> Callable[[], object]:
     kw = x.kwargs(case)
     return lambda: route(x.logits, case.top_k, case.method, backend=x.backend, **kw)
 
 
-def fb_replay(case: Case, x: Inputs, compile: bool) -> Callable[[], object]:
+def fb_replay(case, x: Inputs, compile: bool) -> Callable[[], object]:
     kw = x.kwargs(case)
 
     def step():
@@ -169,17 +159,17 @@ def fb_replay(case: Case, x: Inputs, compile: bool) -> Callable[[], object]:
     return step
 
 
-def _reference_weights(case: Case, x: Inputs) -> Callable[[torch.Tensor], torch.Tensor]:
+def _reference_weights(case, x: Inputs) -> Callable[[torch.Tensor], torch.Tensor]:
     ids = x.recorded.long()
     return lambda logits: weights_for_ids(logits.float(), ids, case.method, _scale(case))
 
 
-def fb_eager_reference(case: Case, x: Inputs, compile: bool) -> Callable[[], object]:
+def fb_eager_reference(case, x: Inputs, compile: bool) -> Callable[[], object]:
     ref = _reference_weights(case, x)
     return lambda: torch.autograd.grad(ref(x.trainable), x.trainable, x.grad_out)
 
 
-def fb_compiled_reference(case: Case, x: Inputs, compile: bool) -> Callable[[], object] | None:
+def fb_compiled_reference(case, x: Inputs, compile: bool) -> Callable[[], object] | None:
     if not compile:
         return None
     ref = torch.compile(_reference_weights(case, x), fullgraph=True, dynamic=False)
@@ -191,7 +181,7 @@ BACKWARD_PEERS = {"replay": fb_replay, "eager-ref": fb_eager_reference, "compile
 BACKWARD_REFERENCES = ("eager-ref", "compiled-ref")
 
 
-def check_forward(case: Case, x: Inputs) -> None:
+def check_forward(case, x: Inputs) -> None:
     """The benchmarked replay returns the record, and route's own weights when given route's ids."""
     _, ids = fwd_replay(case, x, False)()
     assert torch.equal(ids, x.recorded), "replay did not return the record"
@@ -218,15 +208,15 @@ if HAS_TRITON:
         pass
 
 
-def _replay_grids(case: Case, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
+def _replay_grids(case, n: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """((programs, warps) of the forward, (programs, warps) of the backward) at n tokens."""
     ng_pad, g_pad = tile_shape(case.num_experts, case.n_group or 1)
-    fwd_m, fwd_warps = launch_config(n, ng_pad, g_pad)
+    fwd_m, fwd_warps = forward_launch_config(n, ng_pad, g_pad)
     bwd_m, bwd_warps = backward_launch_config(n, next_power_of_2(case.num_experts))
     return (-(-n // fwd_m), fwd_warps), (-(-n // bwd_m), bwd_warps)
 
 
-def floor_peers(case: Case, x: Inputs) -> dict[str, Callable[[], object]]:
+def floor_peers(case, x: Inputs) -> dict[str, Callable[[], object]]:
     """``floor-1``: one do-nothing kernel with the backward's grid; ``floor-2``: two, with the
     forward's and the backward's grids (replay's launch structure, no work), on ``x.logits``."""
     (fwd_p, fwd_w), (bwd_p, bwd_w) = _replay_grids(case, x.logits.shape[0])
@@ -245,9 +235,11 @@ def floor_peers(case: Case, x: Inputs) -> dict[str, Callable[[], object]]:
 # rows per program x warps of the backward kernel that --sweep-backward times
 SWEEP_BLOCK_M = (1, 2, 4, 8, 16)
 SWEEP_WARPS = (1, 2, 4, 8)
+# rows per program of the forward kernel that --sweep-forward times (with SWEEP_WARPS)
+SWEEP_FORWARD_BLOCK_M = (1, 2, 4, 8, 16, 32)
 
 
-def sweep_peers(case: Case, x: Inputs, configs=None) -> dict[str, Callable[[], object]]:
+def sweep_peers(case, x: Inputs, configs=None) -> dict[str, Callable[[], object]]:
     """The backward kernel alone (one forward's saved tensors) per (block_m, num_warps), named
     ``bwd m=M w=W``; ``configs`` defaults to every SWEEP_BLOCK_M x SWEEP_WARPS pair."""
     weights, ids = replay_routing(x.logits, x.recorded, case.method, backend=x.backend, **x.kwargs(case))
@@ -344,7 +336,7 @@ def layer_peer(
 # ---------------------------------------------------------------------------------------------------
 
 
-def measure_ops(sizes: list[int], tables: set[str]) -> list[Table]:
+def measure_ops(sizes: list[int], tables: set[str], cases=CASES) -> list[Table]:
     dev = torch.device("cuda")
     cols = ["case", "n", "peer", "eager_us", "graph_us", "device_us", "graph_vs_replay"]
     forward = Table(
@@ -362,7 +354,7 @@ def measure_ops(sizes: list[int], tables: set[str]) -> list[Table]:
             "compiled-ref/replay",
         ],
     )
-    for case in CASES:
+    for case in cases:
         for n in sizes:
             # one compile per (case, n) of shared code: stay below dynamo's per-code cache limit
             torch._dynamo.reset()
@@ -409,7 +401,7 @@ def measure_ops(sizes: list[int], tables: set[str]) -> list[Table]:
     return [*out, summary]
 
 
-def measure_floor(sizes: list[int]) -> Table:
+def measure_floor(sizes: list[int], cases=CASES) -> Table:
     """Replay's forward and forward+backward against do-nothing kernels of the same grids, every
     peer one call of a GRAPH_CALLS-call CUDA graph, interleaved."""
     dev = torch.device("cuda")
@@ -417,7 +409,7 @@ def measure_floor(sizes: list[int]) -> Table:
         f"launch floor (do-nothing kernels with replay's grids; one call of a {GRAPH_CALLS}-call graph)",
         ["case", "n", "floor-1_us", "floor-2_us", "replay_fwd_us", "replay_fwd+bwd_us", "fwd+bwd - floor-2"],
     )
-    for case in CASES:
+    for case in cases:
         for n in sizes:
             x = make_inputs(case, n, dev, "triton")
             fns = floor_peers(case, x)
@@ -436,7 +428,7 @@ def measure_floor(sizes: list[int]) -> Table:
     return table
 
 
-def measure_sweep(sizes: list[int]) -> Table:
+def measure_sweep(sizes: list[int], cases=CASES) -> Table:
     """The backward kernel alone per launch configuration (one call of a GRAPH_CALLS-call graph);
     ``default`` marks backward_launch_config's choice."""
     dev = torch.device("cuda")
@@ -444,12 +436,55 @@ def measure_sweep(sizes: list[int]) -> Table:
         f"backward kernel launch sweep (one call of a {GRAPH_CALLS}-call graph)",
         ["case", "n", "block_m", "warps", "graph_us", "default"],
     )
-    for case in CASES:
+    for case in cases:
         for n in sizes:
             x = make_inputs(case, n, dev, "triton")
             default = backward_launch_config(n, next_power_of_2(case.num_experts))
             configs = [(m, w) for m in SWEEP_BLOCK_M for w in SWEEP_WARPS if m <= next_power_of_2(n)]
             fns = sweep_peers(case, x, configs)
+            graph = graph_calls_us(fns, calls=GRAPH_CALLS, trials=11)
+            for (m, w), name in zip(configs, fns):
+                table.add(case.name, n, m, w, graph[name], (m, w) == default)
+    return table
+
+
+def forward_sweep_peers(case, x: Inputs, configs=None) -> dict[str, Callable[[], object]]:
+    """The forward kernel alone per (block_m, num_warps), named ``fwd m=M w=W``, into fixed
+    outputs; ``configs`` defaults to every SWEEP_BLOCK_M x SWEEP_WARPS pair."""
+    n, k = x.recorded.shape
+    dev = x.logits.device
+    weights = torch.empty(n, k, dtype=torch.float32, device=dev)
+    ids = torch.empty(n, k, dtype=torch.int32, device=dev)
+    errors = torch.zeros(2, dtype=torch.int32, device=dev)
+    method, scale = int(case.method), _scale(case)
+    n_group, topk_group = (case.n_group, case.topk_group) if case.n_group else (1, 1)
+    configs = configs or [(m, w) for m in SWEEP_BLOCK_M for w in SWEEP_WARPS]
+
+    def peer(m, w):
+        return lambda: replay_rows_triton(
+            x.logits, x.recorded, x.bias, weights, ids, errors, method, n_group, topk_group, scale,
+            block_m=m, num_warps=w,
+        )  # fmt: skip
+
+    return {f"fwd m={m} w={w}": peer(m, w) for m, w in configs}
+
+
+def measure_forward_sweep(sizes: list[int], cases=CASES) -> Table:
+    """The forward kernel alone per launch configuration (one call of a GRAPH_CALLS-call graph);
+    ``default`` marks forward_launch_config's choice."""
+    dev = torch.device("cuda")
+    table = Table(
+        f"forward kernel launch sweep (one call of a {GRAPH_CALLS}-call graph)",
+        ["case", "n", "block_m", "warps", "graph_us", "default"],
+    )
+    for case in cases:
+        for n in sizes:
+            x = make_inputs(case, n, dev, "triton")
+            default = forward_launch_config(n, *tile_shape(case.num_experts, case.n_group or 1))
+            configs = [(m, w) for m in SWEEP_FORWARD_BLOCK_M for w in SWEEP_WARPS if m <= next_power_of_2(n)]
+            if default not in configs:
+                configs.append(default)
+            fns = forward_sweep_peers(case, x, configs)
             graph = graph_calls_us(fns, calls=GRAPH_CALLS, trials=11)
             for (m, w), name in zip(configs, fns):
                 table.add(case.name, n, m, w, graph[name], (m, w) == default)
@@ -500,11 +535,11 @@ def measure_layer(sizes: list[int]) -> Table:
     return table
 
 
-def dry_run(sizes: list[int], compile: bool = False) -> Table:
+def dry_run(sizes: list[int], compile: bool = False, cases=CASES) -> Table:
     """Builds every case and peer on the CPU and calls each once (no timing); returns what ran."""
     dev = torch.device("cpu")
     table = Table("dry run (cpu, PyTorch twins, not timed)", ["table", "case", "n", "peer", "output"])
-    for case in CASES:
+    for case in cases:
         for n in sizes:
             x = make_inputs(case, n, dev, "torch")
             check_forward(case, x)
@@ -521,6 +556,9 @@ def dry_run(sizes: list[int], compile: bool = False) -> Table:
                 for name, fn in sweep_peers(case, x, [(1, 1)]).items():  # the twin's forward
                     fn()
                     table.add("sweep", case.name, n, name, ())
+                for name, fn in forward_sweep_peers(case, x, [(1, 1), (8, 4)]).items():
+                    fn()
+                    table.add("sweep", case.name, n, name, ())
             else:
                 table.add("floor", case.name, n, "skipped", "no Triton on cpu: TRITON_INTERPRET=1 runs it")
     block = make_block(reference_config("tiny", dtype=torch.float32, num_layers=2), dev)
@@ -532,44 +570,37 @@ def dry_run(sizes: list[int], compile: bool = False) -> Table:
     return table
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--csv", default=None)
-    parser.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    parser.add_argument("--layer-sizes", default=",".join(map(str, SIZES)))
-    parser.add_argument("--tables", default="forward,backward,layer")
-    parser.add_argument(
-        "--launch-floor",
-        action="store_true",
-        help="also time do-nothing kernels with replay's grids (the floor of two launches in a graph)",
-    )
-    parser.add_argument(
-        "--sweep-backward",
-        action="store_true",
-        help="also time the backward kernel alone for every (rows per program, warps) pair",
-    )
-    parser.add_argument("--dry-run", action="store_true", help="build and call every peer on the CPU")
-    args = parser.parse_args(argv)
-    if args.dry_run:
-        dry_run(list(DRY_SIZES)).print()
-        return
-    if not torch.cuda.is_available():
-        print("bench_replay needs a CUDA GPU; nothing measured (--dry-run checks the benchmark on CPU)")
-        return
-    tables = set(args.tables.split(","))
-    sizes = [int(s) for s in args.sizes.split(",")]
-    out = measure_ops(sizes, tables) if tables & {"forward", "backward"} else []
-    if args.launch_floor:
-        out.append(measure_floor(sizes))
-    if args.sweep_backward:
-        out.append(measure_sweep(sizes))
+@benchmark(
+    "replay",
+    cases=CASES,
+    options=[
+        sizes_option("--sizes", BENCH_SIZES["replay"]),
+        sizes_option("--layer-sizes", BENCH_SIZES["replay"]),
+        option("--tables", "forward,backward,layer", help="comma-separated: forward, backward, layer"),
+        switch("--launch-floor", "also time do-nothing kernels with replay's grids (two launches' floor)"),
+        switch("--sweep-backward", "also time the backward kernel alone per (rows per program, warps)"),
+        switch("--sweep-forward", "also time the forward kernel alone per (rows per program, warps)"),
+    ],
+    dry_run=lambda cases, run: dry_run(list(DRY_SIZES), cases=cases),
+)
+def replay(cases, run) -> list[Table]:
+    """replay_routing forward/backward against the router and the reference; a compiled MoE layer."""
+    tables = set(run.tables.split(","))
+    unknown = tables - {"forward", "backward", "layer"}
+    if unknown:
+        raise ValueError(f"--tables takes forward, backward and layer, got {', '.join(sorted(unknown))}")
+    sizes = list(run.sizes)
+    out = measure_ops(sizes, tables, cases) if tables & {"forward", "backward"} else []
+    if run.launch_floor:
+        out.append(measure_floor(sizes, cases))
+    if run.sweep_forward:
+        out.append(measure_forward_sweep(sizes, cases))
+    if run.sweep_backward:
+        out.append(measure_sweep(sizes, cases))
     if "layer" in tables:
-        out.append(measure_layer([int(s) for s in args.layer_sizes.split(",")]))
-    for t in out:
-        if args.csv:
-            t.write_csv(args.csv)
-        t.print()
+        out.append(measure_layer(list(run.layer_sizes)))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["replay", *sys.argv[1:]]))

@@ -1483,6 +1483,35 @@ def backward_cases(draw, max_tokens: int = 12, max_experts: int = 70, max_top_k:
     )
 
 
+@dataclass
+class ForwardCase:
+    """One call of the replay forward kernel: a recorded routing of every row kind, the logits in a
+    drawn layout, and poisoned output buffers in drawn layouts."""
+
+    # logits, record and row kinds (see recorded_cases)
+    recorded: RecordedCase
+    # layout of router_logits, of the recorded ids and of both outputs (BACKWARD_ROW_LAYOUTS)
+    logits_layout: str
+    ids_layout: str
+    out_layout: str
+    # rows per program and warps of the kernel launch (None: its default launch configuration)
+    block_m: int | None
+    num_warps: int | None
+
+
+@st.composite
+def forward_cases(draw, max_tokens: int = 12):
+    """A :class:`ForwardCase` of any method (small: the kernel runs interpreted on CPU)."""
+    return ForwardCase(
+        recorded=draw(recorded_cases(max_tokens=max_tokens, kinds=("normal", "ties", "special"))),
+        logits_layout=draw(st.sampled_from(BACKWARD_ROW_LAYOUTS)),
+        ids_layout=draw(st.sampled_from(BACKWARD_ROW_LAYOUTS)),
+        out_layout=draw(st.sampled_from(BACKWARD_ROW_LAYOUTS)),
+        block_m=draw(st.sampled_from([None, 1, 2, 8])),
+        num_warps=draw(st.sampled_from([None, 1, 4])),
+    )
+
+
 # Benchmark cases (benchmarks/): every shape a benchmark measures, defined once here with the test
 # that checks the library at that shape, so a benchmark never measures a shape no test covers
 # ---------------------------------------------------------------------------------------------------

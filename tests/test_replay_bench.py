@@ -37,18 +37,19 @@ def test_dry_run_builds_and_calls_every_peer(bench):
         for case in bench.CASES:  # conftest interprets Triton on CPU: the Triton-only peers run too
             assert ("floor", case.name, n, "floor-1") in ran and ("floor", case.name, n, "floor-2") in ran
             assert ("sweep", case.name, n, "bwd m=1 w=1") in ran
+            assert ("sweep", case.name, n, "fwd m=8 w=4") in ran
 
 
 def test_floor_grids_are_the_replay_launches(bench):
-    """The do-nothing peers launch the grids replay launches: the forward's (router) and the
+    """The do-nothing peers launch the grids replay launches: the forward's and the
     backward's launch configurations at the benchmark's sizes."""
-    from moe_ops.replay.kernels import backward_launch_config
-    from moe_ops.route.kernels import launch_config, tile_shape
+    from moe_ops.replay.kernels import backward_launch_config, forward_launch_config
+    from moe_ops.route.kernels import tile_shape
 
     for case in bench.CASES:
         for n in (1, 128, 4096):
             (fwd_p, fwd_w), (bwd_p, bwd_w) = bench._replay_grids(case, n)
-            fwd_m, want_fwd_w = launch_config(n, *tile_shape(case.num_experts, case.n_group or 1))
+            fwd_m, want_fwd_w = forward_launch_config(n, *tile_shape(case.num_experts, case.n_group or 1))
             bwd_m, want_bwd_w = backward_launch_config(n, 1 << (case.num_experts - 1).bit_length())
             assert (fwd_p, fwd_w) == (-(-n // fwd_m), want_fwd_w)
             assert (bwd_p, bwd_w) == (-(-n // bwd_m), want_bwd_w)

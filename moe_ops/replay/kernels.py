@@ -48,6 +48,7 @@ __all__ = [
     "REPLAY_FAULT_OUT_OF_RANGE",
     "REPLAY_FAULT_REPEATED",
     "backward_launch_config",
+    "forward_launch_config",
     "replay_backward_torch",
     "replay_backward_triton",
     "replay_rows_torch",
@@ -78,6 +79,29 @@ def backward_launch_config(n_tokens: int, e_pad: int) -> tuple[int, int]:
         # The interpreter pays per program and per operation, hardly per element: few programs.
         return min(next_power_of_2(n_tokens), 64), 1
     return max(1, min(next_power_of_2(n_tokens), _BACKWARD_TILE // e_pad)), _BACKWARD_WARPS
+
+
+# Forward tile: up to 1024 logits per program (the live branch's register tile of BLOCK_M rows, and
+# DEFAULT's row denominator), 4 warps: at RENORMALIZE 128/8 that is 8 rows per program, 512 programs
+# at 4096 tokens (the backward's grid, 1.06 us as a do-nothing kernel in the 61-call graph, H200)
+# where the router's configuration launches 2048 programs of one warp (about 1.9 us of launch
+# floor). A recorded block reads 4 * k bytes of ids and k gathered logits per row, so its work does
+# not grow with the tile. Rows wider than the tile keep the router's configuration (one row).
+# `benchmarks/bench_replay.py --sweep-forward` times the alternatives; not yet timed on a GPU.
+_FORWARD_TILE = 1024
+_FORWARD_WARPS = 4
+
+
+def forward_launch_config(n_tokens: int, ng_pad: int, g_pad: int) -> tuple[int, int]:
+    """(rows per program, warps) of the forward kernel for a ``(ng_pad, g_pad)`` expert tile
+    (:func:`moe_ops.route.kernels.tile_shape`)."""
+    if interpreting():
+        # The interpreter pays per program and per operation, hardly per element: few programs.
+        return min(next_power_of_2(n_tokens), 64), 1
+    e_tile = ng_pad * g_pad
+    if e_tile > _FORWARD_TILE:
+        return launch_config(n_tokens, ng_pad, g_pad)
+    return max(1, min(next_power_of_2(n_tokens), _FORWARD_TILE // e_tile)), _FORWARD_WARPS
 
 
 def replay_weights(x: torch.Tensor, ids: torch.Tensor, method: RoutingMethod, scale: float) -> torch.Tensor:
@@ -256,6 +280,61 @@ if HAS_TRITON:
         ids = topk_rounds(okey, expert3, BLOCK_M, K_PAD)
         return ids
 
+    @triton.jit
+    def _gathered_weights(
+        logits_ptr,
+        row_off,
+        ids,
+        ok,
+        rows_ok,
+        group_size,
+        n_group,
+        scale,
+        stride_le,
+        METHOD: tl.constexpr,
+        NG_PAD: tl.constexpr,
+        G_PAD: tl.constexpr,
+    ):
+        """(BLOCK_M, K_PAD) float32: the method's weights at ``ids`` (the router kernel's formulas),
+        from the k gathered logits of each row; DEFAULT alone also reads the whole row (its softmax
+        denominator). ``row_off``, ``rows_ok``: (BLOCK_M, K_PAD), each row's value in every column;
+        only cells where ``ok`` (within the ``rows_ok`` rows) are read or valid."""
+        xs = tl.load(logits_ptr + row_off + ids.to(tl.int64) * stride_le, mask=ok, other=0.0)
+        xs = xs.to(tl.float32)
+        if METHOD == _TOPK:
+            w = xs
+        elif METHOD == _DEFAULT:
+            # softmax over every expert, read at the chosen ones
+            grp = tl.arange(0, NG_PAD)
+            col = tl.arange(0, G_PAD)
+            expert3 = (grp[:, None] * group_size + col[None, :])[None, :, :]
+            # one column of the per-row values (they are equal across the columns)
+            row_ok1 = tl.max(rows_ok.to(tl.int32), axis=1, keep_dims=True) > 0
+            row_off1 = tl.max(row_off, axis=1, keep_dims=True)
+            ok3 = row_ok1[:, :, None] & ((grp[:, None] < n_group) & (col[None, :] < group_size))[None, :, :]
+            x = tl.load(logits_ptr + row_off1[:, :, None] + expert3 * stride_le, mask=ok3, other=0.0)
+            x = x.to(tl.float32)
+            x_max = tl.max(tl.max(tl.where(ok3, x, float("-inf")), axis=2), axis=1, keep_dims=True)
+            x_max = tl.where(row_ok1, x_max, 0.0)
+            ex = tl.where(ok3, tl.exp(x - x_max[:, :, None]), 0.0)
+            z = tl.where(row_ok1, tl.sum(tl.sum(ex, axis=2), axis=1, keep_dims=True), 1.0)
+            w = tl.exp(xs - x_max) / z
+        elif METHOD == _RENORMALIZE or METHOD == _RENORMALIZE_NAIVE:  # noqa: SIM109 - no `in` in Triton
+            # softmax over the k chosen logits only
+            xs_max = tl.where(rows_ok, tl.max(tl.where(ok, xs, float("-inf")), axis=1, keep_dims=True), 0.0)
+            ex = tl.where(ok, tl.exp(xs - xs_max), 0.0)
+            w = ex / tl.where(rows_ok, tl.sum(ex, axis=1, keep_dims=True), 1.0)
+        else:
+            s = tl.sigmoid(xs)
+            total = tl.sum(tl.where(ok, s, 0.0), axis=1, keep_dims=True)
+            if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
+                w = s * scale / (total + _SUM_EPSILON)
+            elif METHOD == _SIGMOID_RENORM:
+                w = s / tl.maximum(total, _SUM_EPSILON)
+            else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
+                w = s
+        return w
+
     # As in the router: nothing that changes per step or per layer is a specialisation key (the
     # token count, top_k, the group shape and the row strides are runtime ints).
     @triton.jit(
@@ -301,93 +380,76 @@ if HAS_TRITON:
         G_PAD: tl.constexpr,
         K_PAD: tl.constexpr,
     ):
+        # The recorded rows' path works in the layout of one (BLOCK_M, K_PAD) tile: every per-row
+        # value is a keep_dims reduction of it broadcast over the columns, so the path has one load
+        # of the record, one gather, two stores and no layout conversion (TTGIR at 128/8; (BLOCK_M,)
+        # or (BLOCK_M, 1) tensors took layouts of their own: 9 converts, each a shared-memory round
+        # trip). The live rows' path is a branch that stores its own rows and yields nothing, so the
+        # live tile's layout cannot leak into the recorded path (when the branch yielded the ids, the
+        # gather's addresses and the id store were converted from it, and a (BLOCK_M, K_PAD, K_PAD)
+        # pair test loaded the record in four layouts).
         pid = tl.program_id(0)
-        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        kcol = tl.arange(0, K_PAD)[None, :]
+        rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)[:, None] + kcol * 0
         row_ok = rows < n_tokens
         rows64 = rows.to(tl.int64)
-        kcol = tl.arange(0, K_PAD)
         k_ok = kcol < top_k
-        out_ok = row_ok[:, None] & k_ok[None, :]
+        out_ok = row_ok & k_ok
         num_experts = n_group * group_size
 
         # Classify each row from its recorded ids alone (k loads per row); masked cells read -1.
-        rec = tl.load(
-            rec_ptr + rows64[:, None] * stride_rm + kcol[None, :] * stride_rk, mask=out_ok, other=-1
-        )
+        rec = tl.load(rec_ptr + rows64 * stride_rm + kcol * stride_rk, mask=out_ok, other=-1)
         rec = rec.to(tl.int64)  # int64: a wide id never wraps into range, uint8 never reads as -1
-        row_live = tl.min((rec == -1).to(tl.int32), axis=1) == 1
+        row_live = tl.min((rec == -1).to(tl.int32), axis=1, keep_dims=True) == 1
         bad = out_ok & ((rec < 0) | (rec >= num_experts))
-        out_of_range = row_ok & ~row_live & (tl.max(bad.to(tl.int32), axis=1) > 0)
-        pair_ok = (kcol[:, None] < kcol[None, :]) & k_ok[None, :]
-        pairs = (rec[:, :, None] == rec[:, None, :]) & pair_ok[None, :, :]
-        repeated = row_ok & ~row_live & (tl.max(tl.max(pairs.to(tl.int32), axis=2), axis=1) > 0)
+        out_of_range = row_ok & ~row_live & (tl.max(bad.to(tl.int32), axis=1, keep_dims=True) > 0)
+        # an id twice: column j against the columns after it, j taken out of the tile by a reduction
+        # (2 * (K_PAD - 1) row reductions, each within the threads that hold a row)
+        dup = tl.zeros([BLOCK_M, K_PAD], dtype=tl.int32)
+        for j in tl.static_range(K_PAD - 1):
+            rec_j = tl.sum(tl.where(kcol == j, rec, 0), axis=1, keep_dims=True)
+            same = out_ok & (kcol > j) & (rec == rec_j)
+            dup = tl.maximum(dup, tl.max(same.to(tl.int32), axis=1, keep_dims=True))
+        repeated = row_ok & ~row_live & (dup > 0)
         faulty = out_of_range | repeated
         need_live = row_ok & (row_live | faulty)
-        ids = tl.where(need_live[:, None], 0, rec).to(tl.int32)  # only in-range ids stay
 
+        # Recorded rows: weights from the k gathered logits (DEFAULT: and its row's denominator).
         row_off = rows64 * stride_lm
-        # Live routing only where a block holds a row that needs it: the full row, the keys and the
-        # top-k rounds are skipped for fully recorded blocks (the common case of a replay).
-        if tl.max(need_live.to(tl.int32), axis=0) > 0:
+        w_dst = weights_ptr + rows64 * stride_wm + kcol * stride_wk
+        ids_dst = ids_ptr + rows64 * stride_im + kcol * stride_ik
+        keep = row_ok & ~need_live
+        keep_ok = keep & k_ok  # only in-range, distinct ids are ever addresses
+        ids = rec.to(tl.int32)
+        w = _gathered_weights(
+            logits_ptr, row_off, ids, keep_ok, keep, group_size, n_group, scale, stride_le,
+            METHOD, NG_PAD, G_PAD,
+        )  # fmt: skip
+        tl.store(w_dst, w, mask=keep_ok)
+        tl.store(ids_dst, ids, mask=keep_ok)
+
+        # Live rows, only where a block holds one: the full row, the keys and the top-k rounds are
+        # skipped for fully recorded blocks (the common case of a replay).
+        if tl.max(need_live.to(tl.int32)) > 0:
+            live_rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
             live_ids = _live_topk(
-                logits_ptr,
-                bias_ptr,
-                row_off,
-                row_ok,
-                group_size,
-                n_group,
-                topk_group,
-                stride_le,
-                METHOD,
-                HAS_BIAS,
-                GROUPED,
-                BLOCK_M,
-                NG_PAD,
-                G_PAD,
-                K_PAD,
-            )
-            ids = tl.where(need_live[:, None], live_ids, ids)
-
-        # Weights gathered from the dense logits at the final ids (the router kernel's formulas).
-        xs = tl.load(logits_ptr + row_off[:, None] + ids.to(tl.int64) * stride_le, mask=out_ok, other=0.0)
-        xs = xs.to(tl.float32)
-        if METHOD == _TOPK:
-            w = xs
-        elif METHOD == _DEFAULT:
-            # softmax over every expert, read at the chosen ones
-            grp = tl.arange(0, NG_PAD)
-            col = tl.arange(0, G_PAD)
-            expert3 = (grp[:, None] * group_size + col[None, :])[None, :, :]
-            ok3 = row_ok[:, None, None] & ((grp[:, None] < n_group) & (col[None, :] < group_size))[None, :, :]
-            x = tl.load(logits_ptr + row_off[:, None, None] + expert3 * stride_le, mask=ok3, other=0.0)
-            x = x.to(tl.float32)
-            x_max = tl.max(tl.max(tl.where(ok3, x, float("-inf")), axis=2), axis=1)
-            x_max = tl.where(row_ok, x_max, 0.0)
-            z = tl.sum(tl.sum(tl.where(ok3, tl.exp(x - x_max[:, None, None]), 0.0), axis=2), axis=1)
-            z = tl.where(row_ok, z, 1.0)
-            w = tl.exp(xs - x_max[:, None]) / z[:, None]
-        elif METHOD == _RENORMALIZE or METHOD == _RENORMALIZE_NAIVE:  # noqa: SIM109 - no `in` in Triton
-            xs_max = tl.max(tl.where(out_ok, xs, float("-inf")), axis=1)
-            xs_max = tl.where(row_ok, xs_max, 0.0)
-            ex = tl.where(out_ok, tl.exp(xs - xs_max[:, None]), 0.0)
-            w = ex / tl.where(row_ok, tl.sum(ex, axis=1), 1.0)[:, None]
-        else:
-            s = tl.sigmoid(xs)
-            total = tl.sum(tl.where(out_ok, s, 0.0), axis=1)
-            if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
-                w = s * scale / (total + _SUM_EPSILON)[:, None]
-            elif METHOD == _SIGMOID_RENORM:
-                w = s / tl.maximum(total, _SUM_EPSILON)[:, None]
-            else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
-                w = s
-
-        tl.store(weights_ptr + rows64[:, None] * stride_wm + kcol[None, :] * stride_wk, w, mask=out_ok)
-        tl.store(ids_ptr + rows64[:, None] * stride_im + kcol[None, :] * stride_ik, ids, mask=out_ok)
-        # Last: a branch with atomics, one pair per program that saw a faulty row.
-        n_faulty = tl.sum(faulty.to(tl.int32), axis=0)
+                logits_ptr, bias_ptr, live_rows.to(tl.int64) * stride_lm, live_rows < n_tokens,
+                group_size, n_group, topk_group, stride_le,
+                METHOD, HAS_BIAS, GROUPED, BLOCK_M, NG_PAD, G_PAD, K_PAD,
+            )  # fmt: skip
+            live_ok = need_live & k_ok
+            lw = _gathered_weights(
+                logits_ptr, row_off, live_ids, live_ok, need_live, group_size, n_group, scale,
+                stride_le, METHOD, NG_PAD, G_PAD,
+            )  # fmt: skip
+            tl.store(w_dst, lw, mask=live_ok)
+            tl.store(ids_dst, live_ids, mask=live_ok)
+        # Last: a branch with atomics, one pair per program that saw a faulty row. The per-row values
+        # are repeated over the K_PAD columns: column 0 counts the rows.
+        n_faulty = tl.sum(tl.where(kcol == 0, faulty, False).to(tl.int32))
         if n_faulty > 0:
-            flags = tl.where(tl.max(out_of_range.to(tl.int32), axis=0) > 0, _OUT_OF_RANGE, 0)
-            flags |= tl.where(tl.max(repeated.to(tl.int32), axis=0) > 0, _REPEATED, 0)
+            flags = tl.where(tl.max(out_of_range.to(tl.int32)) > 0, _OUT_OF_RANGE, 0)
+            flags |= tl.where(tl.max(repeated.to(tl.int32)) > 0, _REPEATED, 0)
             tl.atomic_add(errors_ptr, n_faulty)
             tl.atomic_or(errors_ptr + 1, flags)
 
@@ -549,16 +611,16 @@ def replay_rows_triton(
 ) -> None:
     """Launches the forward kernel (arguments as :func:`replay_rows_torch`; ``weights`` float32).
 
-    block_m, num_warps: override the launch configuration (tests and tuning). The default is the
-    router's (:func:`moe_ops.route.kernels.launch_config`): a block that needs live routing holds
-    the same register tile as the router.
+    block_m, num_warps: override the launch configuration (tests and tuning); the default is
+    :func:`forward_launch_config`. A block that needs live routing holds a (block_m, NG_PAD, G_PAD)
+    register tile of logits, as the router does.
 
     One launch, no host reads, no allocation: CUDA-graph capturable.
     """
     n_tokens, num_experts = router_logits.shape
     top_k = recorded_ids.shape[1]
     ng_pad, g_pad = tile_shape(num_experts, n_group)
-    default_m, default_warps = launch_config(n_tokens, ng_pad, g_pad)
+    default_m, default_warps = forward_launch_config(n_tokens, ng_pad, g_pad)
     block_m = block_m or default_m
     num_warps = num_warps or default_warps
     programs = triton.cdiv(n_tokens, block_m)
