@@ -697,7 +697,7 @@ def _monolithic(case: DistCase, max_num_tokens: int, check_at_plan: bool) -> lis
     go to the experts' routing-replay scratch and the experts' capture step records this rank's
     rows. ``check_at_plan`` gives the step the experts' dispatch config, so the plan checks the
     scratch; without it, the experts' own per-call check is the one that fires."""
-    from moe_ops.flashinfer import LayerCapture
+    from moe_ops import LayerCapture
 
     parallel = case.parallel
     groups = _groups(parallel)
