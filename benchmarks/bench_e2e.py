@@ -46,9 +46,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import Table
-from graphs import RunnerMode, StepRunner
 from moe_ops import RoutingCapturer
 from moe_ops.demo import greedy_step, step_inputs
+from moe_ops.graphs import RunnerMode, StepRunner
 from moe_ops.models import ReferenceMoEModel, reference_config
 
 POSITION = 64  # decode position of every request

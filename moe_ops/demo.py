@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from graphs import CompileCounters, RunnerMode, StepInput, StepRunner
+from moe_ops.graphs import CompileCounters, RunnerMode, StepInput, StepRunner
 
 from .capture.capturer import RoutingCapturer
 from .models.reference import ReferenceMoEModel, reference_config

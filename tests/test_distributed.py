@@ -120,7 +120,7 @@ def _rollout(case: DistCase, compiled: bool = False) -> list[dict]:
     """Runs ``case``'s steps on this rank: plan (one per distinct padding), begin, route and
     capture every MoE layer. Returns per step this rank's capture buffer, the routed ids per layer,
     the fault count and the plan; ``compiled`` also reports what torch.compile counted."""
-    from graphs import CompileCounters
+    from moe_ops.graphs import CompileCounters
 
     parallel = case.parallel
     groups = _groups(parallel)

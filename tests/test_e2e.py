@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from strategies import serving_requests
 
-from graphs import RunnerMode
 from moe_ops.cli import main
 from moe_ops.demo import expert_load, plot_expert_load, reference_routing, serve, synthetic_requests, verify
+from moe_ops.graphs import RunnerMode
 from moe_ops.models import ReferenceMoEModel, reference_config
 from moe_ops.wire import encode_routing, encode_routing_bytes
 

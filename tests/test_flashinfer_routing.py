@@ -12,10 +12,10 @@ import pytest
 import torch
 from strategies import POISON
 
-from graphs import CompileCounters, count_graph_breaks
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, check_capture_errors, route
 from moe_ops.flashinfer import ops, route_flashinfer
 from moe_ops.flashinfer.routing import _replay_scratch, _scratch
+from moe_ops.graphs import CompileCounters, count_graph_breaks
 
 # DeepSeek-V3's router: 256 experts in 8 groups, 4 groups kept, 8 experts, weights scaled by 2.5
 NUM_EXPERTS, TOP_K, N_GROUP, TOPK_GROUP, SCALE = 256, 8, 8, 4, 2.5

@@ -11,6 +11,7 @@ from .monolithic import (
     unbind_routing_capture,
 )
 from .op import capture_routing
+from .step import StepCapturer
 from .target import CaptureTarget, RoutingCapturerLike
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "RoutingCapturerLike",
     "RoutingReplayExperts",
     "RoutingReplayLayer",
+    "StepCapturer",
     "bind_routing_capture",
     "capture_error_counter",
     "capture_routing",
