@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..capture.step import StepCapturer
+from ..capture.step import StepCapturer, check_step_capturer
 from .compile import compile_step, mark_rows_dynamic
 
 __all__ = ["DEFAULT_CAPTURE_SIZES", "RunnerMode", "RunnerStats", "StepInput", "StepRunner"]
@@ -157,16 +157,8 @@ class StepRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.capture_sizes = _check_sizes(capture_sizes)
-        if capturer is not None and not isinstance(capturer, StepCapturer):
-            missing = [
-                n
-                for n in ("set_step", "clear_counts", "dp_size", "max_num_tokens")
-                if not hasattr(capturer, n)
-            ]
-            raise TypeError(
-                "capturer must be a StepCapturer (set_step, clear_counts, dp_size, max_num_tokens) or "
-                f"None; {type(capturer).__name__} lacks {', '.join(missing)}"
-            )
+        if capturer is not None:
+            check_step_capturer(capturer)
         max_rows = None if capturer is None else capturer.max_num_tokens
         padded = capturer is not None and self.mode != RunnerMode.EAGER
         if padded and self.capture_sizes[-1] > max_rows:

@@ -14,7 +14,10 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-__all__ = ["StepCapturer"]
+__all__ = ["STEP_CAPTURER_MEMBERS", "StepCapturer", "check_step_capturer"]
+
+# the members of StepCapturer, in the order errors list them
+STEP_CAPTURER_MEMBERS = ("set_step", "clear_counts", "dp_size", "max_num_tokens")
 
 
 @runtime_checkable
@@ -41,3 +44,13 @@ class StepCapturer(Protocol):
     def clear_counts(self, *, stream: torch.cuda.Stream | None = None) -> None:
         """Zeroes the live counts in place, so that the next forward records nothing."""
         ...
+
+
+def check_step_capturer(capturer: object, what: str = "capturer") -> None:
+    """TypeError naming the missing members when ``capturer`` is not a :class:`StepCapturer`."""
+    if not isinstance(capturer, StepCapturer):
+        missing = [name for name in STEP_CAPTURER_MEMBERS if not hasattr(capturer, name)]
+        raise TypeError(
+            f"{what} must be a StepCapturer ({', '.join(STEP_CAPTURER_MEMBERS)}); "
+            f"{type(capturer).__name__} lacks {', '.join(missing)}"
+        )
