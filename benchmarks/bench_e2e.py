@@ -53,9 +53,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import Table
 from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, option, sizes_option
-from graphs import RunnerMode, StepRunner
 from moe_ops import RoutingCapturer
 from moe_ops.demo import greedy_step, step_inputs
+from moe_ops.graphs import RunnerMode, StepRunner
 from moe_ops.models import ReferenceMoEModel, reference_config
 
 POSITION = 64  # decode position of every request
@@ -95,11 +95,9 @@ def cuda_time_us(fn: Callable[[], object], repeats: int, trials: int) -> float:
 
 def auto_routes_with_flashinfer(device: torch.device) -> bool:
     """Whether backend="auto" sends DeepSeek-V3 routing without capture to FlashInfer here."""
-    try:
-        from moe_ops.flashinfer.backends import routing_backend
-        from moe_ops.route import RoutingMethod
-    except ImportError:
-        return False
+    from moe_ops.route import RoutingMethod
+    from moe_ops.route.policy import routing_backend
+
     return routing_backend(RoutingMethod.DEEPSEEK_V3, device).backend == "flashinfer"
 
 

@@ -11,8 +11,9 @@ size that holds the batch, padding the rows up to it::
 
 Per step, :meth:`StepRunner.step`:
 
-1. writes this step's real row counts into the capturer's ``token_counts`` in place
-   (``capturer.set_step``), on the step's stream, before anything runs;
+1. writes this step's real row counts into the capturer's live counts in place
+   (``capturer.set_step``; the runner talks to the capturer through
+   :class:`~moe_ops.capture.step.StepCapturer` only), on the step's stream, before anything runs;
 2. copies the inputs into static buffers (rows ``[0, n)``) and fills rows ``[n, size)`` with each
    input's ``pad_value`` (e.g. the dummy KV slot, so padding rows never touch a request's cache);
 3. runs the step in its mode and returns the outputs' rows ``[0, n)``: padding rows never reach an
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..capture.step import StepCapturer, check_step_capturer
 from .compile import compile_step, mark_rows_dynamic
 
 __all__ = ["DEFAULT_CAPTURE_SIZES", "RunnerMode", "RunnerStats", "StepInput", "StepRunner"]
@@ -119,8 +121,10 @@ class StepRunner:
         capture_sizes: the padded sizes; a batch runs at the smallest size that holds it and
             eagerly (unpadded) above the largest. Ignored in ``eager`` mode.
         device: where the static buffers live and the step runs.
-        capturer: a ``RoutingCapturer`` (anything with ``set_step(token_counts)``, ``token_counts``
-            and ``dp_size``); its live counts are set before each step. None: no capture.
+        capturer: a :class:`~moe_ops.capture.step.StepCapturer` (``moe_ops.RoutingCapturer``):
+            the runner sets its live counts before each step (``set_step``), zeroes them before
+            warm-up and capture runs (``clear_counts``) and reads ``dp_size`` and
+            ``max_num_tokens``, nothing else. None: no capture.
 
     The capture sizes must fit the capturer's buffer (``max_num_tokens``), since its LOCAL capture
     sees the padded rows. Graph modes capture lazily (on first use of a size) or all at once with
@@ -135,7 +139,7 @@ class StepRunner:
         mode: RunnerMode | str = RunnerMode.EAGER,
         capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES,
         device: torch.device | str = "cpu",
-        capturer: Any = None,
+        capturer: StepCapturer | None = None,
     ):
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -153,9 +157,11 @@ class StepRunner:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.capture_sizes = _check_sizes(capture_sizes)
-        max_rows = getattr(capturer, "max_num_tokens", None)
+        if capturer is not None:
+            check_step_capturer(capturer)
+        max_rows = None if capturer is None else capturer.max_num_tokens
         padded = capturer is not None and self.mode != RunnerMode.EAGER
-        if padded and max_rows is not None and self.capture_sizes[-1] > max_rows:
+        if padded and self.capture_sizes[-1] > max_rows:
             raise ValueError(
                 f"capture_sizes go up to {self.capture_sizes[-1]} rows, but the capturer's buffer "
                 f"holds max_num_tokens={max_rows}; drop the larger sizes or grow the buffer"
@@ -287,7 +293,7 @@ class StepRunner:
                 raise ValueError("token_counts given but the runner has no capturer")
             return
         if token_counts is None:
-            dp_size = getattr(self.capturer, "dp_size", 1)
+            dp_size = self.capturer.dp_size
             if dp_size != 1:
                 raise ValueError(f"token_counts is required: the capturer has dp_size={dp_size} ranks")
             token_counts = [n]
@@ -305,7 +311,7 @@ class StepRunner:
         if self.capturer is not None:
             # Count 0 records nothing, whatever the layout: warm-up and capture runs leave the
             # capture buffer as it was.
-            self.capturer.token_counts.zero_()
+            self.capturer.clear_counts()
 
     def _views(self, size: int) -> list[torch.Tensor]:
         views = [buf[:size] for buf in self._buffers]

@@ -8,9 +8,15 @@ route -> capture -> transfer -> store -> wire.
 from .capture import (
     CaptureFaultError,
     CaptureTarget,
+    LayerCapture,
+    MoEDispatchConfig,
+    RoutingReplayExperts,
+    RoutingReplayLayer,
+    bind_routing_capture,
     capture_error_counter,
     capture_routing,
     check_capture_errors,
+    unbind_routing_capture,
 )
 from .capture.capturer import RoutingCapturer
 from .guards import UnsupportedConfigError, validate_serving_config
@@ -54,11 +60,15 @@ __all__ = [
     "CaptureFaultError",
     "CaptureTarget",
     "FinishedRouting",
+    "LayerCapture",
+    "MoEDispatchConfig",
     "RingFullError",
     "RoutingCapturer",
     "RoutingLedger",
     "RoutingMethod",
     "RoutingMismatch",
+    "RoutingReplayExperts",
+    "RoutingReplayLayer",
     "RoutingReplayer",
     "RoutingShape",
     "ScheduledStep",
@@ -69,6 +79,7 @@ __all__ = [
     "attach_capture",
     "attach_replay",
     "backends",
+    "bind_routing_capture",
     "capture_error_counter",
     "capture_routing",
     "check_capture_errors",
@@ -83,5 +94,6 @@ __all__ = [
     "resolve_routing_shape",
     "route",
     "routing_mismatch",
+    "unbind_routing_capture",
     "validate_serving_config",
 ]

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return main_demo(args)
     if args.command == "inspect":
-        from .demo import main_inspect
+        from .demo.inspect import main_inspect
 
         return main_inspect(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse rejects unknown commands

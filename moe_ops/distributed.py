@@ -58,7 +58,7 @@ import torch
 
 from ._library import destination_op
 from .capture.errors import FAULT_SLOT, FAULT_SOURCE_SHORT, cpu_counter_lock
-from .flashinfer.experts import MoEDispatchConfig
+from .capture.monolithic import MoEDispatchConfig
 from .layout import BatchLayout, layout_from_value
 from .route import RoutingMethod, route
 from .wire import decode_routing, encode_routing

@@ -8,8 +8,8 @@ import pytest
 import torch
 from capture_models import TinyRouted, layout_inputs
 
-from graphs import CompileCounters, count_graph_breaks
 from moe_ops import BatchLayout
+from moe_ops.graphs import CompileCounters, count_graph_breaks
 
 LAYOUTS = [BatchLayout.LOCAL, BatchLayout.GATHERED, BatchLayout.SHARDED]
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]

@@ -8,8 +8,8 @@ import torch
 from capture_models import TinyRouted, layout_inputs
 from strategies import POISON
 
-from graphs import CompileCounters
 from moe_ops import BatchLayout, capture_routing, check_capture_errors
+from moe_ops.graphs import CompileCounters
 
 pytestmark = pytest.mark.gpu
 

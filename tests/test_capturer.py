@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import POISON
 
-from graphs import CompileCounters
 from moe_ops import BatchLayout, RoutingCapturer, RoutingShape, check_capture_errors
+from moe_ops.graphs import CompileCounters
 
 # model layers 0..4; 0 and 3 are dense
 SHAPE = RoutingShape(num_layers=3, num_experts=64, top_k=2, moe_layers=(1, 2, 4), num_model_layers=5)

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import routing_arrays, serving_requests
 
-import moe_ops.demo_train as demo_train
+import moe_ops.demo.train as demo_train
 from moe_ops.cli import main
 from moe_ops.demo import serve, synthetic_requests
-from moe_ops.demo_train import (
+from moe_ops.demo.train import (
     LOGPROB_TOL,
     TrainCheck,
     perturb_routers,

@@ -120,7 +120,7 @@ def _rollout(case: DistCase, compiled: bool = False) -> list[dict]:
     """Runs ``case``'s steps on this rank: plan (one per distinct padding), begin, route and
     capture every MoE layer. Returns per step this rank's capture buffer, the routed ids per layer,
     the fault count and the plan; ``compiled`` also reports what torch.compile counted."""
-    from graphs import CompileCounters
+    from moe_ops.graphs import CompileCounters
 
     parallel = case.parallel
     groups = _groups(parallel)
@@ -697,7 +697,7 @@ def _monolithic(case: DistCase, max_num_tokens: int, check_at_plan: bool) -> lis
     go to the experts' routing-replay scratch and the experts' capture step records this rank's
     rows. ``check_at_plan`` gives the step the experts' dispatch config, so the plan checks the
     scratch; without it, the experts' own per-call check is the one that fires."""
-    from moe_ops.flashinfer import LayerCapture
+    from moe_ops import LayerCapture
 
     parallel = case.parallel
     groups = _groups(parallel)

@@ -13,9 +13,10 @@ import torch
 from hypothesis import given, settings
 from strategies import serving_requests
 
-from graphs import RunnerMode
 from moe_ops.cli import main
 from moe_ops.demo import expert_load, plot_expert_load, reference_routing, serve, synthetic_requests, verify
+from moe_ops.demo.inspect import read_routing_file
+from moe_ops.graphs import RunnerMode
 from moe_ops.models import ReferenceMoEModel, reference_config
 from moe_ops.wire import encode_routing, encode_routing_bytes
 
@@ -166,6 +167,44 @@ def test_inspect_reads_the_wire_formats(tmp_path, capsys, form):
         np.save(path, routing)
     assert main(["inspect", str(path)]) == 0
     assert "5 tokens x 3 MoE layers x top-4" in capsys.readouterr().out
+
+
+def test_inspect_marks_guessed_values_as_guessed(tmp_path, capsys):
+    """A bare array carries the ids only: its layer indices and expert count are guessed, and the
+    summary says so; a routing.npz says what it read."""
+    routing = np.array([[[3, 1]], [[0, 2]], [[3, 0]]], dtype=np.uint8)  # 3 tokens, 1 layer, top-2
+    bare = tmp_path / "bare.npy"
+    np.save(bare, routing)
+    read = read_routing_file(str(bare))
+    assert read.guessed == {"moe_layers", "num_experts"}
+    assert read.moe_layers == (0,) and read.num_experts == 4 and read.tokens is None
+    assert main(["inspect", str(bare)]) == 0
+    text = capsys.readouterr().out
+    assert "experts: 4 (guessed: largest id + 1; the file does not say)" in text
+    assert (
+        "MoE layers (model index): [0] (guessed: the columns numbered from 0; the file does not say)" in text
+    )
+    assert "read from the file: routing; guessed: moe_layers, num_experts" in text
+
+    npz = tmp_path / "routing.npz"
+    tokens = np.arange(4, dtype=np.int64)
+    np.savez(npz, routing=routing, tokens=tokens, moe_layers=np.array([5]), num_experts=np.int64(8))
+    read = read_routing_file(str(npz))
+    assert read.guessed == frozenset() and read.moe_layers == (5,) and read.num_experts == 8
+    assert read.prompt_len is None and np.array_equal(read.tokens, tokens)
+    assert main(["inspect", str(npz)]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "experts: 8 (read from the file)" in text
+        and "MoE layers (model index): [5] (read from the file)" in text
+    )
+    assert "4 tokens (prompt length not in the file)" in text and "(guessed" not in text
+    assert "read from the file: routing, moe_layers, num_experts, tokens; guessed: nothing" in text
+
+    wrong = tmp_path / "wrong.npz"
+    np.savez(wrong, routing=routing, moe_layers=np.array([1, 2]))
+    with pytest.raises(ValueError, match="moe_layers has 2 entries but routing has 1 layer columns"):
+        read_routing_file(str(wrong))
 
 
 def test_inspect_rejects_what_is_not_routing(tmp_path, capsys):

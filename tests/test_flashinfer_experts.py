@@ -19,10 +19,8 @@ import torch
 from hypothesis import given, settings
 from strategies import PAD_ID, POISON, replay_cases
 
-from graphs import CompileCounters, count_graph_breaks
-from moe_ops import BatchLayout
-from moe_ops.flashinfer import (
-    FlashInferExperts,
+from moe_ops import (
+    BatchLayout,
     LayerCapture,
     MoEDispatchConfig,
     RoutingReplayExperts,
@@ -30,6 +28,8 @@ from moe_ops.flashinfer import (
     bind_routing_capture,
     unbind_routing_capture,
 )
+from moe_ops.flashinfer import FlashInferExperts
+from moe_ops.graphs import CompileCounters, count_graph_breaks
 
 E, H, INTER = 16, 256, 128  # experts, hidden size, intermediate size of the tiny layers
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from strategies import POISON
 
-from graphs import CompileCounters, count_graph_breaks
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, check_capture_errors, route
 from moe_ops.flashinfer import ops, route_flashinfer
 from moe_ops.flashinfer.routing import _replay_scratch, _scratch
+from moe_ops.graphs import CompileCounters, count_graph_breaks
 
 # DeepSeek-V3's router: 256 experts in 8 groups, 4 groups kept, 8 experts, weights scaled by 2.5
 NUM_EXPERTS, TOP_K, N_GROUP, TOPK_GROUP, SCALE = 256, 8, 8, 4, 2.5
@@ -273,7 +273,7 @@ def test_fused_topk_replay_matches_reference(fused_topk_device, n):
         )
         assert torch.equal(rows_as_sets(our_ids.cpu()), rows_as_sets(tri_ids)), f"route(backend={backend!r})"
     # backend="auto" routes with the Triton router (measured faster than this kernel with its weight
-    # cast; moe_ops.flashinfer.backends.PREFER_FLASHINFER_ROUTING), id for id
+    # cast; moe_ops.route.policy.PREFER_FLASHINFER_ROUTING), id for id
     kw = dict(bias=bias, n_group=N_GROUP, topk_group=TOPK_GROUP, routed_scaling_factor=SCALE)
     auto_w, auto_ids = route(logits, TOP_K, RoutingMethod.DEEPSEEK_V3, **kw)
     tri_w, tri_ids2 = route(logits, TOP_K, RoutingMethod.DEEPSEEK_V3, backend="triton", **kw)

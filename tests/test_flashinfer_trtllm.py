@@ -24,8 +24,8 @@ from test_flashinfer_routing import (
     separated_logits,
 )
 
-from moe_ops import check_capture_errors
-from moe_ops.flashinfer import FlashInferExperts, LayerCapture, MoEDispatchConfig, ops
+from moe_ops import LayerCapture, MoEDispatchConfig, check_capture_errors
+from moe_ops.flashinfer import FlashInferExperts, ops
 
 pytestmark = pytest.mark.gpu
 

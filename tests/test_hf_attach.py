@@ -34,8 +34,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import hf_batches
 
-from graphs import CompileCounters
 from moe_ops import RoutingCapturer, RoutingShape, resolve_routing_shape
+from moe_ops.graphs import CompileCounters
 from moe_ops.integrations import (
     SUPPORTED_ARCHITECTURES,
     attach_capture,

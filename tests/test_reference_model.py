@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import POISON
 
-from graphs import count_graph_breaks
 from moe_ops import RoutingCapturer, RoutingMethod
+from moe_ops.graphs import count_graph_breaks
 from moe_ops.models import PRESETS, ReferenceMoEModel, reference_config
 
 # 3 layers (1 dense), 16 experts: small enough for many eager examples

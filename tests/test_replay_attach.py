@@ -17,7 +17,6 @@ import pytest
 import torch
 from strategies import distinct_rows
 
-from graphs import CompileCounters
 from moe_ops import (
     RoutingCapturer,
     RoutingReplayer,
@@ -29,6 +28,7 @@ from moe_ops import (
     replay_batch,
     resolve_routing_shape,
 )
+from moe_ops.graphs import CompileCounters
 from moe_ops.integrations.hf import REPLAY_RULES, SUPPORTED_ARCHITECTURES, build_tiny_model
 from moe_ops.models import ReferenceMoEModel, reference_config
 from moe_ops.replay import check_replay_errors

@@ -8,8 +8,8 @@ import torch
 from gpu_helpers import skip_unless_triton_runs
 from strategies import MODEL_ROUTERS
 
-from graphs import CompileCounters, mark_rows_dynamic
 from moe_ops import RoutingMethod, replay_routing, routing_mismatch
+from moe_ops.graphs import CompileCounters, mark_rows_dynamic
 from moe_ops.replay import check_replay_errors
 
 BACKENDS = [

@@ -8,8 +8,8 @@ import pytest
 import torch
 from strategies import MODEL_ROUTERS
 
-from graphs import CompileCounters
 from moe_ops import replay_routing, routing_mismatch
+from moe_ops.graphs import CompileCounters
 from moe_ops.replay import check_replay_errors
 
 pytestmark = pytest.mark.gpu

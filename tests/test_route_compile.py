@@ -10,8 +10,8 @@ from capture_models import layout_inputs
 from gpu_helpers import skip_unless_triton_runs
 from route_models import RoutedMoE
 
-from graphs import CompileCounters, count_graph_breaks
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
+from moe_ops.graphs import CompileCounters, count_graph_breaks
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 # every layout on CPU; on CUDA (an inductor compile each) LOCAL and SHARDED here, GATHERED in the

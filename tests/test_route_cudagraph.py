@@ -10,8 +10,8 @@ from route_models import RoutedMoE
 from routing_checks import check_routing
 from strategies import MODEL_ROUTERS, POISON
 
-from graphs import CompileCounters
 from moe_ops import BatchLayout, CaptureTarget, check_capture_errors, route
+from moe_ops.graphs import CompileCounters
 
 pytestmark = pytest.mark.gpu
 

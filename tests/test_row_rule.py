@@ -462,7 +462,8 @@ class _Capturer:
 
 def _experts_capture(case, cap, ids) -> None:
     """The monolithic experts' dispatch: the kernel writes routing_replay_out, the experts capture."""
-    from moe_ops.flashinfer import FlashInferExperts, LayerCapture, MoEDispatchConfig
+    from moe_ops import LayerCapture, MoEDispatchConfig
+    from moe_ops.flashinfer import FlashInferExperts
 
     n = ids.shape[0]
     dp = len(case.counts)

@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from strategies import POISON, step_row_counts
 
-from graphs import CompileCounters, RunnerMode, StepInput, StepRunner
 from moe_ops import RoutingCapturer, RoutingShape
+from moe_ops.capture import StepCapturer
+from moe_ops.graphs import CompileCounters, RunnerMode, StepInput, StepRunner
 
 SHAPE = RoutingShape(num_layers=2, num_experts=64, top_k=3, moe_layers=(0, 2), num_model_layers=3)
 SIZES = (1, 2, 4, 8, 16)
@@ -225,3 +226,71 @@ def test_lazy_capture_runs_the_real_step_once(cuda_device):
     )
     runner.step(torch.tensor([5, 6, 7]), torch.tensor([0, 1, 1]))
     assert calls[:DUMMY].tolist() == [1, 2, 0, 0, 0], "real rows ran more than once (or not at all)"
+
+
+class ProtocolOnly:
+    """A real RoutingCapturer behind exactly the StepCapturer members, and nothing else: a runner
+    that reached for any other attribute (token_counts, buffer, ...) fails here."""
+
+    def __init__(self, capturer: RoutingCapturer):
+        self._capturer = capturer
+        self.dp_size = capturer.dp_size
+        self.max_num_tokens = capturer.max_num_tokens
+
+    def set_step(self, token_counts, shard_sizes=None, *, stream=None):
+        self._capturer.set_step(token_counts, shard_sizes, stream=stream)
+
+    def clear_counts(self, *, stream=None):
+        self._capturer.clear_counts(stream=stream)
+
+
+def test_the_runner_talks_to_the_capturer_through_the_protocol_only():
+    capturer = RoutingCapturer(SHAPE, 48, "cpu")
+    state = torch.zeros(STATE_SLOTS, dtype=torch.int64)
+    wrapped = ProtocolOnly(capturer)
+    assert isinstance(wrapped, StepCapturer) and isinstance(capturer, StepCapturer)
+    runner = StepRunner(
+        toy_step(capturer, state),
+        INPUTS,
+        mode="compiled",
+        capture_sizes=SIZES,
+        device="cpu",
+        capturer=wrapped,
+    )
+    capturer.set_step([7])
+    capturer.buffer.fill_(POISON)
+    runner.warm_up((4,))
+    assert capturer.token_counts.tolist() == [0] and capturer.num_tokens == 0, "warm-up must clear the counts"
+    assert (capturer.buffer == POISON).all(), "warm-up recorded padding rows"
+    tokens = torch.tensor([3, 1, 4], dtype=torch.int64)
+    runner.step(tokens, torch.tensor([0, 1, 2], dtype=torch.int64))
+    assert capturer.token_counts.tolist() == [3] and capturer.num_tokens == 3
+    assert torch.equal(capturer.buffer[:3], expected_ids(tokens))
+    assert (capturer.buffer[3:] == POISON).all()
+
+
+def test_a_capturer_without_the_protocol_is_refused_naming_what_it_lacks():
+    capturer = RoutingCapturer(SHAPE, 48, "cpu")
+
+    class NoClear:
+        dp_size, max_num_tokens = 1, 48
+        set_step = capturer.set_step
+
+    with pytest.raises(TypeError, match=r"capturer must be a StepCapturer .* NoClear lacks clear_counts"):
+        StepRunner(lambda t, s: t, INPUTS, mode="eager", capturer=NoClear())
+
+
+def test_clear_counts_zeroes_the_live_counts_only():
+    capturer = RoutingCapturer(SHAPE, 8, "cpu", dp_size=2, dp_rank=1, shards_per_rank=2)
+    capturer.set_step([3, 5], [1, 2, 2, 3])
+    step, stamps = capturer.step, capturer.layer_stamps.clone()
+    counts_ptr = capturer.token_counts.data_ptr()
+    capturer.clear_counts()
+    assert capturer.token_counts.tolist() == [0, 0] and capturer.num_tokens == 0
+    assert capturer.token_counts.data_ptr() == counts_ptr, "the counts' address is baked into graphs"
+    assert capturer.shard_sizes.tolist() == [1, 2, 2, 3] and capturer.step == step
+    assert capturer.step_tensor.tolist() == [step] and torch.equal(capturer.layer_stamps, stamps)
+    ids = torch.zeros(5, SHAPE.top_k, dtype=torch.int32)
+    capturer.buffer.fill_(POISON)
+    capturer.capture(0, ids)
+    assert (capturer.buffer == POISON).all(), "a capture after clear_counts recorded rows"

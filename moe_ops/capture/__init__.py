@@ -1,13 +1,31 @@
-"""Capture: the routing-replay capture op and its device-side fault counters."""
+"""Capture: the routing-replay capture op, its device-side fault counters, and the monolithic capture
+contract (experts kernels that route inside the kernel, :mod:`.monolithic`)."""
 
 from .errors import CaptureFaultError, capture_error_counter, check_capture_errors
+from .monolithic import (
+    LayerCapture,
+    MoEDispatchConfig,
+    RoutingReplayExperts,
+    RoutingReplayLayer,
+    bind_routing_capture,
+    unbind_routing_capture,
+)
 from .op import capture_routing
-from .target import CaptureTarget
+from .step import StepCapturer
+from .target import CaptureTarget, RoutingCapturerLike
 
 __all__ = [
     "CaptureFaultError",
     "CaptureTarget",
+    "LayerCapture",
+    "MoEDispatchConfig",
+    "RoutingCapturerLike",
+    "RoutingReplayExperts",
+    "RoutingReplayLayer",
+    "StepCapturer",
+    "bind_routing_capture",
     "capture_error_counter",
     "capture_routing",
     "check_capture_errors",
+    "unbind_routing_capture",
 ]

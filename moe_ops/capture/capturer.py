@@ -237,6 +237,23 @@ class RoutingCapturer:
         self.num_tokens = num_tokens
         self._stepped = True
 
+    def clear_counts(self, *, stream: torch.cuda.Stream | None = None) -> None:
+        """Zeroes ``token_counts`` in place: until the next :meth:`set_step` every capture records
+        nothing (a count of 0 selects no row in any layout), e.g. for warm-up and CUDA-graph
+        capture runs on padding rows. ``num_tokens`` becomes 0; the step number, the stamps and
+        ``shard_sizes`` stay as they are.
+
+        Args:
+            stream: the stream the next forward runs on (default: the current stream); the zeroing
+                is enqueued there, with no host sync.
+        """
+        if self.device.type == "cuda":
+            with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream(self.device)):
+                self.token_counts.zero_()
+        else:
+            self.token_counts.zero_()
+        self.num_tokens = 0
+
     def _step_counts(self, token_counts) -> tuple[list[int] | torch.Tensor, int | None]:
         if (
             isinstance(token_counts, torch.Tensor)

@@ -21,7 +21,14 @@ from .errors import FaultCounter
 from .kernels import id_limit
 from .window import plan_window
 
-__all__ = ["BUFFER_DTYPES", "ID_DTYPES", "CaptureTarget", "RoutingCapturerLike", "check_buffer"]
+__all__ = [
+    "BUFFER_DTYPES",
+    "ID_DTYPES",
+    "CaptureTarget",
+    "RoutingCapturerLike",
+    "check_buffer",
+    "check_capturer",
+]
 
 BUFFER_DTYPES = (torch.int16, torch.int32, torch.int64)
 # Integer dtypes the kernels read ids in. Quantised, bit-packed and sub-byte integer dtypes
@@ -92,6 +99,19 @@ class RoutingCapturerLike(Protocol):
     token_counts: torch.Tensor
     dp_rank: int
     shard_sizes: torch.Tensor | None
+
+
+_CAPTURER_FIELDS = ("buffer", "token_counts", "dp_rank", "shard_sizes")
+
+
+def check_capturer(capturer: object, what: str = "capturer") -> None:
+    """TypeError naming the missing attributes when ``capturer`` is not :class:`RoutingCapturerLike`."""
+    missing = [name for name in _CAPTURER_FIELDS if not hasattr(capturer, name)]
+    if missing:
+        raise TypeError(
+            f"{what} must have the attributes {', '.join(_CAPTURER_FIELDS)} (RoutingCapturerLike); "
+            f"{type(capturer).__name__} lacks {', '.join(missing)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -189,14 +209,7 @@ class CaptureTarget:
         rule reads them; see :mod:`moe_ops.capture.window`), never to the other layouts; the
         capturer's fault counter and stamps, when it has them, come along.
         """
-        missing = [
-            n for n in ("buffer", "token_counts", "dp_rank", "shard_sizes") if not hasattr(capturer, n)
-        ]
-        if missing:
-            raise TypeError(
-                "capturer must have the attributes buffer, token_counts, dp_rank, shard_sizes "
-                f"(RoutingCapturerLike); {type(capturer).__name__} lacks {', '.join(missing)}"
-            )
+        check_capturer(capturer)
         layout = layout_from_value(layout)
         uses_sizes = layout in (BatchLayout.GATHERED, BatchLayout.SHARDED)
         return cls(

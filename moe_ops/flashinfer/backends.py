@@ -1,8 +1,9 @@
-"""Which backend each routing method and each wrapped FlashInfer kernel uses on this machine, and why.
+"""Where FlashInfer's kernels run on this machine, and the report of which backend runs what, and why.
 
 ``moe_ops.backends()`` returns a :class:`BackendsReport`; ``moe-ops backends`` prints it. The same
 checks gate the ops at run time (:func:`kernel_support`) and ``route(..., backend="auto")``
-(:func:`routing_backend`), so the report says exactly what a call would do.
+(:func:`moe_ops.route.policy.routing_backend`, route's own policy, which asks
+:func:`fused_topk_support` here), so the report says exactly what a call would do.
 
 FlashInfer is imported only when a CUDA device exists (its architecture lists live in its modules);
 on a machine without CUDA nothing is imported beyond the package metadata.
@@ -19,33 +20,23 @@ from dataclasses import dataclass
 
 import torch
 
+from ..route.methods import RoutingMethod
+from ..route.policy import BackendLine, routing_backend
+
 __all__ = [
     "DEEPSEEK_V3",
-    "BackendLine",
     "BackendsReport",
     "Support",
     "backends",
     "flashinfer_version",
     "fused_topk_support",
     "kernel_support",
-    "routing_backend",
     "trtllm_moe_support",
 ]
 
-# RoutingMethod.DEEPSEEK_V3 of moe_ops.route; FlashInfer's RoutingMethodType.DeepSeekV3 is
-# 2 as well (checked in tests/test_flashinfer_ops.py).
-DEEPSEEK_V3 = 2
-
-# backend="auto" for DEEPSEEK_V3 on an H200 (bf16 logits, 256 experts, k 8, 8 groups keep 4; us per
-# call inside a 61-call CUDA graph, benchmarks/bench_routing.py). The first Triton router lost to
-# FlashInfer's fused_topk_deepseek without capture (6.25 / 6.48 / 18.4 us at n = 1 / 128 / 4096
-# against 3.98 / 4.47 / 13.8, single-call graphs), so auto used FlashInfer then. The current one
-# routes in 2.99 / 3.28 / 9.13 us; the bare FlashInfer kernel takes 2.65 / 2.99 / 12.2, and
-# route(backend="flashinfer") - that kernel plus the cast of its bf16 weights to float32 - 4.65 /
-# 5.97 / 15.7 (a 32-call graph). With capture the Triton router's fused capture wins by more (2.98 /
-# 3.27 / 9.43 against 5.65 / 7.85 / 17.3 for the kernel's replay rows + the capture op). So auto
-# uses the Triton router; backend="flashinfer" still runs the FlashInfer kernel on request.
-PREFER_FLASHINFER_ROUTING = False
+# the one routing method FlashInfer's fused_topk_deepseek implements; its RoutingMethodType.DeepSeekV3
+# has the same value (checked in tests/test_flashinfer_ops.py)
+DEEPSEEK_V3 = int(RoutingMethod.DEEPSEEK_V3)
 
 _INSTALL_HINT = "flashinfer not installed (pip install 'moe-ops[flashinfer]')"
 
@@ -57,18 +48,6 @@ class Support:
     # True when the kernel can run on the device asked about
     ok: bool
     # why (not), e.g. "trtllm MoE: needs SM100/SM103, found SM90"
-    reason: str
-
-
-@dataclass(frozen=True)
-class BackendLine:
-    """One row of the report: a routing method or a kernel, the backend it uses, and why."""
-
-    # a routing method name (DEEPSEEK_V3) or a FlashInfer function name (trtllm_bf16_moe)
-    subject: str
-    # "flashinfer", "triton", "torch" or "unavailable"
-    backend: str
-    # one line: what runs, or what is missing
     reason: str
 
 
@@ -209,50 +188,6 @@ def kernel_support(name: str, device: torch.device | str | int | None = None) ->
     return trtllm_moe_support(device)
 
 
-def _triton_line(method_name: str, device: torch.device | str | int | None, why_not: str) -> BackendLine:
-    from .._triton import HAS_TRITON
-
-    if _cuda_device(device) is not None and HAS_TRITON:
-        return BackendLine(method_name, "triton", f"Triton router ({why_not})")
-    return BackendLine(method_name, "torch", f"PyTorch reference router ({why_not}; Triton needs CUDA)")
-
-
-def routing_backend(
-    method: int, device: torch.device | str | int | None = None, *, capture: bool = False
-) -> BackendLine:
-    """The backend ``route(..., backend="auto")`` uses for ``method`` on ``device``, and why.
-
-    ``capture``: whether the call records ids (then the Triton router's fused capture is used).
-    """
-    name = getattr(method, "name", None) or (
-        "DEEPSEEK_V3" if int(method) == DEEPSEEK_V3 else str(int(method))
-    )
-    if int(method) != DEEPSEEK_V3:
-        return _triton_line(name, device, "FlashInfer's fused routing covers DEEPSEEK_V3 only")
-    support = fused_topk_support(device)
-    if not support.ok:
-        return _triton_line(name, device, support.reason)
-    if capture:
-        return _triton_line(
-            name + " +capture",
-            device,
-            "its fused capture measured faster than fused_topk_deepseek + capture op",
-        )
-    if not PREFER_FLASHINFER_ROUTING:
-        return _triton_line(name, device, "measured faster than route(backend='flashinfer')")
-    return BackendLine(
-        name, "flashinfer", support.reason + "; with capture: Triton (fused capture is faster)"
-    )
-
-
-def _routing_methods() -> list:
-    """Members of ``moe_ops.RoutingMethod`` when it exists, else DEEPSEEK_V3 alone."""
-    import moe_ops
-
-    methods = getattr(moe_ops, "RoutingMethod", None)
-    return list(methods) if methods is not None else [DEEPSEEK_V3]
-
-
 def backends(device: torch.device | str | int | None = None) -> BackendsReport:
     """Reports which backend each routing method and each wrapped FlashInfer kernel uses, and why.
 
@@ -269,7 +204,7 @@ def backends(device: torch.device | str | int | None = None) -> BackendsReport:
     else:
         where = f"{torch.cuda.get_device_name(cuda)} ({_sm(_capability(cuda.index))})"
     version = flashinfer_version() or "not installed"
-    routing = tuple(routing_backend(m, device) for m in _routing_methods())
+    routing = tuple(routing_backend(m, device) for m in RoutingMethod)
     kernels = []
     for spec in SPECS.values():
         support = kernel_support(spec.name, device)

@@ -20,6 +20,7 @@ from ..capture.target import CaptureTarget
 from ..layout import BatchLayout
 from .kernels import TRITON_MAX_TILE, FusedCapture, route_rows_torch, route_rows_triton, tile_shape
 from .methods import RouteConfig, RoutingMethod, validate_route_args
+from .policy import auto_uses_flashinfer
 
 __all__ = ["BACKENDS", "route"]
 
@@ -178,32 +179,6 @@ def choose_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
     return True
 
 
-@torch._dynamo.assume_constant_result
-def _auto_uses_flashinfer(
-    device: torch.device, method: int, num_experts: int, top_k: int, n_group, topk_group
-) -> bool:
-    """backend="auto" without capture: FlashInfer's fused_topk_deepseek where it runs, takes these
-    arguments and ``PREFER_FLASHINFER_ROUTING`` says it is faster (currently not: the Triton router
-    measured faster on the H200; see moe_ops.flashinfer.backends). Host-only checks, evaluated once
-    at trace time under torch.compile."""
-    if device.type != "cuda" or method != RoutingMethod.DEEPSEEK_V3:
-        return False
-    try:
-        from ..flashinfer.backends import routing_backend
-        from ..flashinfer.routing import check_grouping
-    except ImportError:
-        return False
-    if routing_backend(method, device).backend != "flashinfer":
-        return False
-    try:
-        check_grouping(
-            num_experts, top_k, 1 if n_group is None else n_group, 1 if topk_group is None else topk_group
-        )
-    except ValueError:
-        return False
-    return True
-
-
 def _route_flashinfer(
     router_logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor, capture
 ):
@@ -254,7 +229,7 @@ def route(
             all-gather first).
         backend: "auto" (Triton on CUDA, the PyTorch reference on CPU or for rows wider than the
             kernel's tile; FlashInfer's ``fused_topk_deepseek`` only where
-            ``moe_ops.flashinfer.backends.PREFER_FLASHINFER_ROUTING`` says it is faster, which the
+            ``moe_ops.route.policy.PREFER_FLASHINFER_ROUTING`` says it is faster, which the
             H200 measurements say it is not), "triton" (CUDA, or CPU under TRITON_INTERPRET=1),
             "torch" (the reference), "flashinfer" (``moe_ops.flashinfer.routing.route_flashinfer``;
             its column order is the kernel's).
@@ -289,7 +264,7 @@ def route(
     if (
         backend == "auto"
         and capture is None
-        and _auto_uses_flashinfer(device, int(cfg.method), cfg.num_experts, top_k, n_group, topk_group)
+        and auto_uses_flashinfer(device, int(cfg.method), cfg.num_experts, top_k, n_group, topk_group)
     ):
         return _route_flashinfer(
             router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, None

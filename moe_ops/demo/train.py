@@ -25,11 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .models.reference import ReferenceMoEModel, _MoEBlock
-from .replay.metrics import routing_mismatch
-from .replay.replayer import RoutingReplayer, replay_batch
-from .shapes import RoutingShape
-from .wire import decode_routing, encode_routing
+from ..models.reference import ReferenceMoEModel, _MoEBlock
+from ..replay.metrics import routing_mismatch
+from ..replay.replayer import RoutingReplayer, replay_batch
+from ..shapes import RoutingShape
+from ..wire import decode_routing, encode_routing
 
 __all__ = [
     "LOGPROB_TOL",
@@ -235,7 +235,7 @@ def train_check(
         m = routing_mismatch(recorded, live, valid=valid)
         return m.changed.cpu().numpy(), m.disjoint.cpu().numpy()
 
-    from .integrations.hf import attach_replay
+    from ..integrations.hf import attach_replay
 
     with torch.no_grad(), attach_replay(train, replayer):
         logits, live = train(*inputs, return_router_ids=True)
