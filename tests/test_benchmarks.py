@@ -35,7 +35,7 @@ from moe_ops import (  # noqa: E402
 from moe_ops.models import reference_config  # noqa: E402
 
 # benchmarks converted to the registry; the others keep their own main() until converted
-CONVERTED = ("e2e", "distributed")
+CONVERTED = ("e2e", "distributed", "transfer", "replay")
 
 
 @pytest.fixture(scope="module")
