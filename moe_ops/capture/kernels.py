@@ -159,7 +159,7 @@ if HAS_TRITON:
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, K_PAD)
         col_ok = (cols < top_k)[None, :]
-        layer_base = buf_ptr + layer_id.to(tl.int64) * stride_bl + cols[None, :] * stride_bk
+        layer_base = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + cols[None, :] * stride_bk
         if SOURCE_ORDER:
             # Programs walk SOURCE rows: the id load does not wait for the counts (its addresses
             # are known at launch), only the store does (row r goes to buffer row r - start). One

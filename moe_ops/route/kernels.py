@@ -276,7 +276,7 @@ if HAS_TRITON:
         tl.store(ids_ptr + rows64[:, None] * stride_im + kcol[None, :] * stride_ik, ids, mask=out_ok)
         if CAPTURE:
             mine = (rows >= start) & (rows < start + c_eff)
-            dst = buf_ptr + layer_id.to(tl.int64) * stride_bl + (rows64 - start)[:, None] * stride_bm
+            dst = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + (rows64 - start)[:, None] * stride_bm
             dst += kcol[None, :] * stride_bk
             tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mine[:, None] & k_ok)
             if pid == 0:
