@@ -35,6 +35,7 @@ an older torch, ``torch.export`` with the decomposition disabled) the op stays o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterable
 
@@ -42,7 +43,14 @@ import torch
 
 from ._triton import interpreting
 
-__all__ = ["HAS_WRAP_TRITON", "LIB", "destination_op", "identity", "reference_op"]
+__all__ = [
+    "HAS_WRAP_TRITON",
+    "LIB",
+    "destination_op",
+    "identity",
+    "reference_op",
+    "trace_interpreted_kernels",
+]
 
 # the package's fragment of the moe_ops namespace; every op is defined through it
 LIB = torch.library.Library("moe_ops", "FRAGMENT")
@@ -50,6 +58,26 @@ LIB = torch.library.Library("moe_ops", "FRAGMENT")
 HAS_WRAP_TRITON = hasattr(torch.library, "wrap_triton") and hasattr(torch.library, "register_torch_dispatch")
 
 _bump = torch.autograd.graph.increment_version
+
+
+# whether CPU calls decompose into their interpreted kernels (see trace_interpreted_kernels)
+_TRACE_INTERPRETED = [False]
+
+
+@contextlib.contextmanager
+def trace_interpreted_kernels():
+    """Within this block, torch.compile traces CPU calls of the traceable ops into their Triton
+    kernels where Triton is interpreted (``TRITON_INTERPRET=1``): for backends that run the graph
+    (``aot_eager``), to test the wrap_triton path without a GPU. Off by default, because inductor
+    cannot launch a user Triton kernel on the CPU (it asks for a GPU driver). Only tracing reads
+    it: a graph compiled inside the block runs anywhere. A process-wide flag, not thread-safe:
+    set it from the thread that compiles."""
+    previous = _TRACE_INTERPRETED[0]
+    _TRACE_INTERPRETED[0] = True
+    try:
+        yield
+    finally:
+        _TRACE_INTERPRETED[0] = previous
 
 
 def identity(kernel):
@@ -142,7 +170,8 @@ def destination_op(
     LIB.impl(name, _bumping(cpu_kernel, positions), "CPU")
     torch.library.register_fake(f"moe_ops::{name}", fake or _no_op_fake, lib=LIB)
     if traceable is not None and HAS_WRAP_TRITON:
-        _register_triton_decomposition(name, traceable)
+        # on the CPU the launcher is traced only where it is the CPU kernel (the interpreter)
+        _register_triton_decomposition(name, traceable, cpu=interpreted is not None and interpreting())
     return getattr(torch.ops.moe_ops, name)
 
 
@@ -159,10 +188,51 @@ def reference_op(name: str, twin: Callable, *, mutates: Iterable[str], schema: s
     return getattr(torch.ops.moe_ops, op_name)
 
 
-def _register_triton_decomposition(name: str, launcher: Callable) -> None:
+@functools.cache
+def _traceable_interpreted(kernel):
+    """A ``JITFunction`` over an interpreted kernel's Python function that launches the interpreted
+    kernel: what ``wrap_triton``'s tracer takes (it records JITFunctions only), running the same
+    code when the traced graph runs. Triton has no TTIR for it here (no GPU target), so torch's
+    mutation analysis assumes every tensor argument is written (it logs a warning saying so)."""
+    from triton.runtime.jit import JITFunction
+
+    class InterpretedJIT(JITFunction):
+        # JITFunction hashes its source and every jit function it calls; the interpreted ones
+        # have no such key, and one wrapper per kernel needs none
+        cache_key = f"moe_ops-interpreted-{kernel.fn.__module__}.{kernel.fn.__qualname__}"
+
+        def __hash__(self):
+            return hash(self.cache_key)
+
+        def __getitem__(self, grid):
+            return kernel[grid]
+
+        def run(self, *args, grid, warmup, **kwargs):
+            return kernel.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    return InterpretedJIT(kernel.fn)
+
+
+def _wrap_triton(kernel):
+    """``torch.library.wrap_triton``, also for a kernel Triton interprets (``TRITON_INTERPRET=1``),
+    which wrap_triton hands back unwrapped: traced, it becomes the same functional kernel node
+    (``triton_kernel_wrapper_functional``), and running that node launches the interpreted kernel."""
+    if interpreting():
+        from torch._library.triton import is_wrap_triton_enabled
+
+        if is_wrap_triton_enabled():
+            from torch._higher_order_ops.triton_kernel_wrap import TraceableTritonKernelWrapper
+
+            return TraceableTritonKernelWrapper(_traceable_interpreted(kernel), None, None)
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
+def _register_triton_decomposition(name: str, launcher: Callable, *, cpu: bool) -> None:
     """Under functionalisation (torch.compile, export), CUDA calls of the op become the launcher's
     ``wrap_triton`` kernels: inductor then launches them from its own code (torch.library.triton_op's
-    rule, on a Library op)."""
+    rule, on a Library op). ``cpu``: CPU calls too, inside :func:`trace_interpreted_kernels` (the
+    op's CPU kernel is the launcher, Triton interpreted)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
@@ -177,11 +247,12 @@ def _register_triton_decomposition(name: str, launcher: Callable) -> None:
             disabled = False
         if any(not (issubclass(t, FakeTensor) or t in known) for t in types):
             return NotImplemented  # a tensor subclass: let it handle the op
-        on_cuda = all(a.device.type == "cuda" for a in args if isinstance(a, torch.Tensor))
-        if disabled or not on_cuda:
+        devices = ("cuda", "cpu") if cpu and _TRACE_INTERPRETED[0] else ("cuda",)
+        traced = all(a.device.type in devices for a in args if isinstance(a, torch.Tensor))
+        if disabled or not traced:
             return mode.__torch_dispatch__(op, types, args, kwargs)
         with mode:
-            launcher(*args, **kwargs, wrap=torch.library.wrap_triton)
+            launcher(*args, **kwargs, wrap=_wrap_triton)
         return None
 
     torch.library.register_torch_dispatch(f"moe_ops::{name}", FunctionalTensorMode, decompose, lib=LIB)

@@ -35,7 +35,7 @@ from .errors import (
 )
 from .window import rows_window_torch
 
-__all__ = ["capture_rows_torch", "capture_rows_triton", "id_limit", "launch_config"]
+__all__ = ["capture_rows_torch", "capture_rows_triton", "id_limit", "launch_config", "size_hint"]
 
 # At most 1024 ids per program (n=8192, k=8 uses 64 programs); a batch smaller than that gets a
 # tile just big enough. Inside a CUDA graph of 61 layers on an H200 (n=1, k=8, LOCAL), per layer:
@@ -55,6 +55,22 @@ _ID_LIMITS = {
 def id_limit(dtype: torch.dtype) -> int:
     """Largest id a tensor of integer ``dtype`` holds."""
     return _ID_LIMITS[dtype]
+
+
+def size_hint(n, fallback: int = 64) -> int:
+    """``n`` as an int for a choice that only tunes speed (a tile size): a SymInt's value in the
+    example being traced, without a guard, so the compiled graph stays valid for every size (the
+    grid it launches is computed from ``n`` itself). ``fallback`` where a SymInt has no example
+    value (a data-dependent size)."""
+    if not isinstance(n, torch.SymInt):
+        return n
+    hint = getattr(n.node, "hint", None)
+    return int(hint) if isinstance(hint, int) else fallback
+
+
+def has_symbols(*values) -> bool:
+    """True when any of ``values`` is symbolic (torch.compile with dynamic shapes)."""
+    return any(isinstance(v, (torch.SymInt, torch.SymBool)) for v in values)
 
 
 def launch_config(window: int, k_pad: int) -> tuple[int, int]:
@@ -159,7 +175,7 @@ if HAS_TRITON:
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, K_PAD)
         col_ok = (cols < top_k)[None, :]
-        layer_base = buf_ptr + layer_id.to(tl.int64) * stride_bl + cols[None, :] * stride_bk
+        layer_base = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + cols[None, :] * stride_bk
         if SOURCE_ORDER:
             # Programs walk SOURCE rows: the id load does not wait for the counts (its addresses
             # are known at launch), only the store does (row r goes to buffer row r - start). One
@@ -203,20 +219,24 @@ if HAS_TRITON:
                     record_stamp(stamps_ptr, step_ptr, layer_id)
 
 
-@functools.lru_cache(maxsize=4096)
-def _capture_plan(
+def _plan(
     n_src: int, top_k: int, n_dst: int, n_first: int, n_sizes: int, buf_dtype, ids_dtype, stamped: bool
 ) -> tuple[tuple[int], int, dict]:
-    """(grid, warps, constexprs) of one launch: host arithmetic that depends on shapes and dtypes
-    only, so it is computed once per shape (about 3 us of Python per call otherwise)."""
+    """(grid, warps, constexprs) of one launch: host arithmetic on shapes and dtypes only.
+
+    The sizes may be SymInts (torch.compile with dynamic shapes): the constexprs that the kernel's
+    correctness rests on (K_PAD >= top_k, S_PAD >= n_first, the row order, the flags) guard on
+    them; the tile size only tunes speed and is chosen from the traced example's sizes without a
+    guard; the grid stays an expression in the sizes, so it covers every row at every size.
+    """
     k_pad = next_power_of_2(top_k)
     # Walk source rows when that reads nothing extra (this rank's block starts at row 0) or little
     # (the whole source is at most 8 tiles of 1024 ids); otherwise walk this rank's window only.
-    source_order = n_first == 0 or n_src * k_pad <= 8 * _TILE_ELEMENTS
-    rows = n_src if source_order else min(n_src, n_dst)
-    block_m, num_warps = launch_config(rows, k_pad)
+    source_order = bool(n_first == 0 or n_src * k_pad <= 8 * _TILE_ELEMENTS)
+    rows = n_src if source_order else torch.sym_min(n_src, n_dst)
+    block_m, num_warps = launch_config(size_hint(rows), k_pad)
     # At least one program, so a call whose counts overflow an empty source still records its fault.
-    grid = (max(1, -(-rows // block_m)),)
+    grid = (torch.sym_max(1, -(-rows // block_m)),)
     id_max = id_limit(buf_dtype)
     constexprs = dict(
         ID_MAX=id_max,
@@ -225,10 +245,14 @@ def _capture_plan(
         BLOCK_M=block_m,
         S_PAD=next_power_of_2(n_sizes),
         SOURCE_ORDER=source_order,
-        HAS_OFFSET=n_first > 0,
-        STAMP=stamped,
+        HAS_OFFSET=bool(n_first > 0),
+        STAMP=bool(stamped),
     )
     return grid, num_warps, constexprs
+
+
+# computed once per shape (about 3 us of Python per call otherwise); SymInts are not hashable
+_capture_plan = functools.lru_cache(maxsize=4096)(_plan)
 
 
 def capture_rows_triton(
@@ -260,9 +284,18 @@ def capture_rows_triton(
     """
     n_src, top_k = topk_ids.shape
     n_dst = buffer.shape[0]
-    grid, num_warps, constexprs = _capture_plan(
-        n_src, top_k, n_dst, n_first, sizes.shape[0], buffer.dtype, topk_ids.dtype, stamps.numel() > 0
+    plan_args = (
+        n_src,
+        top_k,
+        n_dst,
+        n_first,
+        sizes.shape[0],
+        buffer.dtype,
+        topk_ids.dtype,
+        stamps.numel() > 0,
     )
+    plan = _plan if has_symbols(*plan_args) else _capture_plan
+    grid, num_warps, constexprs = plan(*plan_args)
     stride_bm, stride_bl, stride_bk = buffer.stride()
     stride_im, stride_ik = topk_ids.stride()
     args = (

@@ -144,7 +144,7 @@ if HAS_TRITON:
         computes the same values (S_PAD loads, cached). HAS_OFFSET=False (n_first == 0: LOCAL, rank
         0) compiles the sizes load away: start is 0.
         """
-        c = tl.load(counts_ptr + dp_rank.to(tl.int64) * stride_c).to(tl.int64)
+        c = tl.load(counts_ptr + tl.cast(dp_rank, tl.int64) * stride_c).to(tl.int64)
         flags = tl.where(c < 0, _NEGATIVE_COUNT, 0)
         c = tl.maximum(c, 0)
         if HAS_OFFSET:

@@ -32,7 +32,7 @@ import torch
 from .._library import identity
 from .._triton import HAS_TRITON, interpreting, next_power_of_2
 from ..capture.errors import cpu_counter_lock
-from ..capture.kernels import capture_rows_torch
+from ..capture.kernels import capture_rows_torch, size_hint
 from .methods import RoutingMethod
 from .reference import SUM_EPSILON, route_reference
 
@@ -276,7 +276,7 @@ if HAS_TRITON:
         tl.store(ids_ptr + rows64[:, None] * stride_im + kcol[None, :] * stride_ik, ids, mask=out_ok)
         if CAPTURE:
             mine = (rows >= start) & (rows < start + c_eff)
-            dst = buf_ptr + layer_id.to(tl.int64) * stride_bl + (rows64 - start)[:, None] * stride_bm
+            dst = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + (rows64 - start)[:, None] * stride_bm
             dst += kcol[None, :] * stride_bk
             tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mine[:, None] & k_ok)
             if pid == 0:
@@ -316,21 +316,29 @@ def route_rows_triton(
     n_tokens, num_experts = router_logits.shape
     top_k = ids.shape[1]
     ng_pad, g_pad = tile_shape(num_experts, n_group)
-    default_m, default_warps = launch_config(n_tokens, ng_pad, g_pad)
+    # n_tokens may be a SymInt (dynamic shapes): the tile only tunes speed, so it is chosen from
+    # the traced example's size without a guard; the grid below stays an expression in n_tokens
+    default_m, default_warps = launch_config(size_hint(n_tokens), ng_pad, g_pad)
     block_m = block_m or default_m
     num_warps = num_warps or default_warps
     programs = triton.cdiv(n_tokens, block_m)
     if capture is None:
         if programs == 0:
             return
-        buf = counts = sizes = errors = stamps = step = ids  # never read: CAPTURE is False
+        # never read: CAPTURE is False. Eagerly any tensor does; traced, each pointer gets a tensor
+        # of its own, because the functional kernel node clones every argument it may write and
+        # copies the clones back - an alias of ``ids`` would copy an unwritten clone over it.
+        if wrap is identity:
+            buf = counts = sizes = errors = stamps = step = ids
+        else:
+            buf, counts, sizes, errors, stamps, step = (ids.new_empty(0) for _ in range(6))
         n_dst = layer_id = dp_rank = n_first = 0
         stride_bm = stride_bl = stride_bk = stride_c = stride_s = 0
         s_pad = 1
         stamped = False
     else:
         # At least one program, so a call whose counts overflow an empty batch still records its fault.
-        programs = max(programs, 1)
+        programs = torch.sym_max(programs, 1)
         buf, counts, sizes, errors = capture.buffer, capture.token_counts, capture.sizes, capture.errors
         stamps, step = capture.stamps, capture.step
         n_dst, layer_id, dp_rank, n_first = buf.shape[0], capture.layer_id, capture.dp_rank, capture.n_first
@@ -338,9 +346,13 @@ def route_rows_triton(
         stride_c, stride_s = counts.stride(0), sizes.stride(0)
         s_pad = next_power_of_2(sizes.shape[0])
         stamped = stamps.numel() > 0
+    # no bias: never read (HAS_BIAS is False); traced, not an alias of the logits (see above)
+    bias_arg = bias
+    if bias is None:
+        bias_arg = router_logits if wrap is identity else router_logits.new_empty(0)
     args = (
         router_logits,
-        router_logits if bias is None else bias,
+        bias_arg,
         weights,
         ids,
         buf,

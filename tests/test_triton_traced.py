@@ -1,0 +1,160 @@
+"""The wrap_triton path: under torch.compile the capture and route ops become their Triton kernels
+(``triton_kernel_wrapper_functional``), with static and dynamic shapes, and compute what eager does.
+
+On CUDA inductor launches those kernels; here (TRITON_INTERPRET=1, inside
+``trace_interpreted_kernels``) the same decomposition runs on CPU tensors, so aot_eager traces the
+same launchers - SymInt sizes included - and runs the interpreted kernels. Sizes stay small: every
+launch is interpreted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_helpers import skip_unless_triton_runs
+from torch._dynamo.backends.common import aot_autograd
+
+from moe_ops import RoutingMethod
+from moe_ops._library import trace_interpreted_kernels
+from moe_ops.capture.errors import FAULT_SLOTS
+
+POISON = -7
+HOP = "triton_kernel_wrapper_functional"
+
+
+@pytest.fixture(autouse=True)
+def _interpreted():
+    skip_unless_triton_runs("cpu")
+    torch._dynamo.reset()
+    with trace_interpreted_kernels():
+        yield
+    torch._dynamo.reset()
+
+
+def _recording_backend():
+    graphs: list[str] = []
+
+    def forward(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm
+
+    return aot_autograd(fw_compiler=forward), graphs
+
+
+def _capture_tensors(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        buffer=torch.full((8, 3, 4), POISON, dtype=torch.int32),
+        ids=torch.randint(-1, 70, (n, 4), dtype=torch.int32, generator=g),  # -1: a bad id, counted
+        counts=torch.tensor([3, 5], dtype=torch.int32),
+        sizes=torch.tensor([2, 3, 2, 3], dtype=torch.int32),
+        errors=torch.zeros(FAULT_SLOTS, dtype=torch.int32),
+        stamps=torch.full((3,), -1, dtype=torch.int32),
+        step=torch.ones(1, dtype=torch.int32),
+    )
+
+
+def _capture(t):
+    # SHARDED, rank 1 of 2 with 2 shards each: two sizes precede this rank's rows
+    torch.ops.moe_ops.capture_routing_(
+        t["buffer"], t["ids"], t["counts"], t["sizes"], t["errors"], t["stamps"], t["step"], 2, 1, 2
+    )
+
+
+def _assert_traced_kernel(graphs: list[str], op: str) -> None:
+    assert graphs, "nothing was compiled"
+    for code in graphs:
+        assert HOP in code, f"the compiled graph does not launch the Triton kernel:\n{code}"
+        assert f"moe_ops.{op}" not in code, f"the opaque op is still in the graph:\n{code}"
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_capture_traces_the_kernel_and_equals_eager(dynamic):
+    backend, graphs = _recording_backend()
+    compiled = torch.compile(_capture, backend=backend, fullgraph=True, dynamic=dynamic)
+    # 10 and 12 source rows, counts changed in place: one graph with dynamic shapes
+    for n, seed, live in ((10, 0, [3, 5]), (12, 1, [4, 6]), (12, 2, [9, 9])):
+        got, want = _capture_tensors(n, seed), _capture_tensors(n, seed)
+        for t in (got, want):
+            t["counts"].copy_(torch.tensor(live, dtype=torch.int32))
+        compiled(got)
+        _capture(want)  # eager: the op's CPU kernel, the same launcher without tracing
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"{name} differs from eager at n={n}, counts={live}"
+        assert (got["buffer"][:, 2] != POISON).any(), "nothing was captured"
+    _assert_traced_kernel(graphs, "capture_routing_")
+    if dynamic:
+        assert len(graphs) == 1, f"recompiled for a new row count: {len(graphs)} graphs"
+
+
+def _route_args(n: int, seed: int, capture: bool):
+    g = torch.Generator().manual_seed(seed)
+    t = dict(
+        logits=torch.randn(n, 32, generator=g),
+        bias=torch.randn(32, generator=g) * 0.1,
+        weights=torch.zeros(n, 4),
+        ids=torch.zeros(n, 4, dtype=torch.int32),
+    )
+    if capture:
+        c = _capture_tensors(1, seed)
+        del c["ids"]
+        t.update(c)
+    return t
+
+
+_ROUTE_ARGS = (int(RoutingMethod.DEEPSEEK_V3), 4, 2, 2.5)
+
+
+def _route(t):
+    torch.ops.moe_ops.route_(t["logits"], t["bias"], t["weights"], t["ids"], *_ROUTE_ARGS)
+
+
+def _route_capture(t):
+    torch.ops.moe_ops.route_capture_(
+        t["logits"], t["bias"], t["weights"], t["ids"], t["buffer"], t["counts"], t["sizes"],
+        t["errors"], t["stamps"], t["step"], *_ROUTE_ARGS, 2, 1, 2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("capture", [False, True], ids=["route_", "route_capture_"])
+def test_route_traces_the_kernel_and_equals_eager(capture, dynamic):
+    fn = _route_capture if capture else _route
+    backend, graphs = _recording_backend()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)
+    for n, seed in ((10, 0), (13, 1)):
+        got, want = _route_args(n, seed, capture), _route_args(n, seed, capture)
+        compiled(got)
+        fn(want)  # eager: the same interpreted kernel, launched by the op's CPU kernel
+        # ids and every capture tensor exactly; weights too (the same kernel on the same floats)
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"{name} differs from eager at n={n}"
+    _assert_traced_kernel(graphs, "route_capture_" if capture else "route_")
+    if dynamic:
+        assert len(graphs) == 1, f"recompiled for a new token count: {len(graphs)} graphs"
+
+
+def test_opcheck_capture_interpreted():
+    """opcheck's test_aot_dispatch_dynamic traces the launcher with SymInt sizes (the plan is then
+    computed uncached) and compares the functional kernel node's writes with eager."""
+    t = _capture_tensors(10, 0)
+    torch.library.opcheck(
+        torch.ops.moe_ops.capture_routing_.default,
+        (t["buffer"], t["ids"], t["counts"], t["sizes"], t["errors"], t["stamps"], t["step"], 2, 1, 2),
+    )
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["route_", "route_capture_"])
+def test_opcheck_route_interpreted(capture):
+    t = _route_args(10, 0, capture)
+    if capture:
+        op, args = torch.ops.moe_ops.route_capture_.default, (
+            t["logits"], t["bias"], t["weights"], t["ids"], t["buffer"], t["counts"], t["sizes"],
+            t["errors"], t["stamps"], t["step"], *_ROUTE_ARGS, 2, 1, 2,
+        )  # fmt: skip
+    else:
+        op, args = (
+            torch.ops.moe_ops.route_.default,
+            (t["logits"], t["bias"], t["weights"], t["ids"], *_ROUTE_ARGS),
+        )
+    torch.library.opcheck(op, args)
