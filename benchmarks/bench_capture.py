@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import Table, do_bench_median_us, graph_calls_us, graph_replay_us
 from benchmarks.host import host_us_per_call
 from moe_ops import BatchLayout, capture_routing
+from moe_ops._library import HAS_WRAP_TRITON, trace_triton_kernels
 from moe_ops.capture.op import capture_into
 from moe_ops.capture.target import CaptureTarget
 
@@ -163,6 +164,18 @@ def host_table(n: int, dp: int = 4) -> Table:
             xs = ids[:COMPILED_LAYERS]
             per_call = graph_calls_us({name: lambda: compiled(buffer, *xs)}, calls=1, replays=20)
             table.add(name, "in CUDA graph (device)", per_call[name] / COMPILED_LAYERS, "")
+        if ours and dev.type == "cuda" and HAS_WRAP_TRITON:
+            # the opt-in path: inductor launches the Triton kernel itself (moe_ops._library)
+            torch._dynamo.reset()
+            xs = ids[:COMPILED_LAYERS]
+            with trace_triton_kernels():
+                traced = torch.compile(fn, fullgraph=True)
+                buffer.zero_()
+                traced(buffer, *xs)  # compiles inside the block
+            us = host_us_per_call(lambda: traced(buffer, *xs), dev, calls_per_fn=COMPILED_LAYERS)
+            if not torch.equal(buffer[:n, :COMPILED_LAYERS], expected[:, :COMPILED_LAYERS]):
+                raise AssertionError(f"{name} (trace_triton_kernels) wrote wrong rows")
+            table.add(name, "compiled, trace_triton_kernels", us, COMPILED_TARGET_US)
     return table
 
 

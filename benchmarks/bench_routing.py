@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
 from benchmarks.host import host_us_per_call
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
+from moe_ops._library import HAS_WRAP_TRITON, trace_triton_kernels
 from moe_ops.route.reference import route_reference
 
 LAYERS = 61  # DeepSeek-V3's MoE-bearing depth: the capture buffer's layer axis
@@ -390,6 +391,18 @@ def host_table(n: int = 64, num_experts: int = 256, top_k: int = 8) -> Table:
             xs = logits[:COMPILED_LAYERS]
             per_call = graph_calls_us({name: lambda: compiled(*xs)}, calls=1, replays=20)
             table.add(name, "in CUDA graph (device)", per_call[name] / COMPILED_LAYERS, "")
+        if ours and dev.type == "cuda" and HAS_WRAP_TRITON:
+            # the opt-in path: inductor launches the Triton kernel itself (moe_ops._library)
+            torch._dynamo.reset()
+            xs = logits[:COMPILED_LAYERS]
+            with trace_triton_kernels():
+                traced = torch.compile(fn, fullgraph=True)
+                got = traced(*xs)  # compiles inside the block
+            for g, w in zip(got, want):
+                if not torch.equal(g.sort(dim=-1).values, w.sort(dim=-1).values):
+                    raise AssertionError(f"{name} (trace_triton_kernels) chose other experts than torch.topk")
+            us = host_us_per_call(lambda: traced(*xs), dev, calls_per_fn=COMPILED_LAYERS)
+            table.add(name, "compiled, trace_triton_kernels", us, COMPILED_TARGET_US)
     return table
 
 

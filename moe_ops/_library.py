@@ -25,12 +25,16 @@ Kernels per key:
   update the CPU fault counters under a ``threading.Lock``, which dynamo cannot trace.
 
 ``traceable``: a launcher that takes ``wrap=`` (a function applied to each ``@triton.jit`` kernel
-before it is launched). Where the installed torch has ``torch.library.wrap_triton`` (2.6+), the
-op's functionalisation runs the launcher with ``wrap=wrap_triton`` on CUDA tensors, so
-``torch.compile`` records the Triton kernel itself (``triton_kernel_wrapper_functional``) and
-inductor launches it from its generated code, not through the op's Python kernel and Triton's
-``JITFunction.run`` - what ``torch.library.triton_op`` does, on a ``Library`` op. Elsewhere (CPU,
-an older torch, ``torch.export`` with the decomposition disabled) the op stays opaque.
+before it is launched). Inside :func:`trace_triton_kernels`, where the installed torch has
+``torch.library.wrap_triton`` (2.6+), the op's functionalisation runs the launcher with
+``wrap=wrap_triton``, so ``torch.compile`` records the Triton kernel itself
+(``triton_kernel_wrapper_functional``) and inductor launches it from its generated code, not
+through the op's Python kernel and Triton's ``JITFunction.run`` - what ``torch.library.triton_op``
+does, on a ``Library`` op. Outside it (the default), and on an older torch or under ``torch.export``
+with the decomposition disabled, the op stays opaque. Why opt-in: on the H200 (torch 2.11) it cuts
+the host cost of a compiled call without CUDA graphs (``capture_into`` 42 -> 26 us, ``route`` 145 ->
+29 us per layer call, ``benchmarks/bench_capture.py --host``), but under ``mode="reduce-overhead"``
+inductor then skips CUDA graphs ("mutated inputs"), which the opaque op keeps.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ __all__ = [
     "destination_op",
     "identity",
     "reference_op",
-    "trace_interpreted_kernels",
+    "trace_triton_kernels",
 ]
 
 # the package's fragment of the moe_ops namespace; every op is defined through it
@@ -60,24 +64,28 @@ HAS_WRAP_TRITON = hasattr(torch.library, "wrap_triton") and hasattr(torch.librar
 _bump = torch.autograd.graph.increment_version
 
 
-# whether CPU calls decompose into their interpreted kernels (see trace_interpreted_kernels)
-_TRACE_INTERPRETED = [False]
+# whether traced calls decompose into their Triton kernels (see trace_triton_kernels)
+_TRACE_KERNELS = [False]
 
 
 @contextlib.contextmanager
-def trace_interpreted_kernels():
-    """Within this block, torch.compile traces CPU calls of the traceable ops into their Triton
-    kernels where Triton is interpreted (``TRITON_INTERPRET=1``): for backends that run the graph
-    (``aot_eager``), to test the wrap_triton path without a GPU. Off by default, because inductor
-    cannot launch a user Triton kernel on the CPU (it asks for a GPU driver). Only tracing reads
-    it: a graph compiled inside the block runs anywhere. A process-wide flag, not thread-safe:
-    set it from the thread that compiles."""
-    previous = _TRACE_INTERPRETED[0]
-    _TRACE_INTERPRETED[0] = True
+def trace_triton_kernels():
+    """Within this block, torch.compile traces calls of the traceable ops (capture, route,
+    route + capture) into their Triton kernels, which inductor then launches from its generated
+    code: on CUDA tensors, and on CPU tensors where Triton is interpreted (``TRITON_INTERPRET=1``;
+    for backends that run the graph, such as ``aot_eager``: inductor cannot launch a user Triton
+    kernel on the CPU). Off by default: see the module docstring (host cost of compiled calls
+    without CUDA graphs against CUDA graphs skipped under ``reduce-overhead``).
+
+    Only tracing reads it: a graph compiled inside the block keeps its kernels when run outside.
+    A process-wide flag, not thread-safe: set it from the thread that compiles.
+    """
+    previous = _TRACE_KERNELS[0]
+    _TRACE_KERNELS[0] = True
     try:
         yield
     finally:
-        _TRACE_INTERPRETED[0] = previous
+        _TRACE_KERNELS[0] = previous
 
 
 def identity(kernel):
@@ -229,9 +237,9 @@ def _wrap_triton(kernel):
 
 
 def _register_triton_decomposition(name: str, launcher: Callable, *, cpu: bool) -> None:
-    """Under functionalisation (torch.compile, export), CUDA calls of the op become the launcher's
-    ``wrap_triton`` kernels: inductor then launches them from its own code (torch.library.triton_op's
-    rule, on a Library op). ``cpu``: CPU calls too, inside :func:`trace_interpreted_kernels` (the
+    """Under functionalisation (torch.compile, export) inside :func:`trace_triton_kernels`, CUDA
+    calls of the op become the launcher's ``wrap_triton`` kernels: inductor then launches them from
+    its own code (torch.library.triton_op's rule, on a Library op). ``cpu``: CPU calls too (the
     op's CPU kernel is the launcher, Triton interpreted)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
@@ -247,7 +255,9 @@ def _register_triton_decomposition(name: str, launcher: Callable, *, cpu: bool) 
             disabled = False
         if any(not (issubclass(t, FakeTensor) or t in known) for t in types):
             return NotImplemented  # a tensor subclass: let it handle the op
-        devices = ("cuda", "cpu") if cpu and _TRACE_INTERPRETED[0] else ("cuda",)
+        if not _TRACE_KERNELS[0]:
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        devices = ("cuda", "cpu") if cpu else ("cuda",)
         traced = all(a.device.type in devices for a in args if isinstance(a, torch.Tensor))
         if disabled or not traced:
             return mode.__torch_dispatch__(op, types, args, kwargs)

@@ -2,7 +2,7 @@
 (``triton_kernel_wrapper_functional``), with static and dynamic shapes, and compute what eager does.
 
 On CUDA inductor launches those kernels; here (TRITON_INTERPRET=1, inside
-``trace_interpreted_kernels``) the same decomposition runs on CPU tensors, so aot_eager traces the
+``trace_triton_kernels``) the same decomposition runs on CPU tensors, so aot_eager traces the
 same launchers - SymInt sizes included - and runs the interpreted kernels. Sizes stay small: every
 launch is interpreted.
 """
@@ -15,7 +15,7 @@ from gpu_helpers import skip_unless_triton_runs
 from torch._dynamo.backends.common import aot_autograd
 
 from moe_ops import RoutingMethod
-from moe_ops._library import trace_interpreted_kernels
+from moe_ops._library import trace_triton_kernels
 from moe_ops.capture.errors import FAULT_SLOTS
 
 POISON = -7
@@ -26,7 +26,7 @@ HOP = "triton_kernel_wrapper_functional"
 def _interpreted():
     skip_unless_triton_runs("cpu")
     torch._dynamo.reset()
-    with trace_interpreted_kernels():
+    with trace_triton_kernels():
         yield
     torch._dynamo.reset()
 
