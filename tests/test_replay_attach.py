@@ -29,7 +29,12 @@ from moe_ops import (
     resolve_routing_shape,
 )
 from moe_ops.graphs import CompileCounters
-from moe_ops.integrations.hf import REPLAY_RULES, SUPPORTED_ARCHITECTURES, build_tiny_model
+from moe_ops.integrations.hf import (
+    MIN_REPLAY_TRANSFORMERS_VERSION,
+    REPLAY_RULES,
+    SUPPORTED_ARCHITECTURES,
+    build_tiny_model,
+)
 from moe_ops.models import ReferenceMoEModel, reference_config
 from moe_ops.replay import check_replay_errors
 
@@ -42,6 +47,13 @@ needs_hf = pytest.mark.skipif(
     transformers is None, reason="transformers is not installed (pip install 'moe-ops[hf]')"
 )
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _transformers_older_than(version: str) -> bool:
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(version)
+
 
 ARCHS = list(SUPPORTED_ARCHITECTURES)
 VOCAB = 128  # the tiny models' vocabulary
@@ -215,6 +227,14 @@ def oracle_weights(router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Ten
 @pytest.mark.parametrize("arch", ARCHS)
 def test_perturbed_routers_replay_the_recorded_ids(arch):
     model = build_tiny_model(arch)
+    required = MIN_REPLAY_TRANSFORMERS_VERSION.get(arch)
+    if required is not None and _transformers_older_than(required):
+        # older releases replay other ids on this architecture: attach_replay refuses them
+        with pytest.raises(
+            ImportError, match=rf"transformers>={re.escape(required)} \(attach_replay of {arch}"
+        ):
+            attach_replay(model, replayer_of(model))
+        return
     x = tokens(2, 6, seed=1)
     _, recorded = forward(model, x)  # the rollout's routing, before the update
     perturb_routers(model)
@@ -339,6 +359,11 @@ def test_compiled_training_step_replays_new_batches_without_recompiling(arch):
     """fullgraph torch.compile (aot_eager: dynamo, functionalisation and AOT autograd of the replay
     op are what can break) of forward + backward: one graph, no breaks, each new batch set in place
     is replayed, and outputs and router gradients equal the eager replay's."""
+    if _transformers_older_than("5.23"):
+        pytest.skip(
+            "transformers < 5.23: its grouped_mm backward fails under torch.compile (a data-dependent "
+            "guard inside transformers, with or without replay); see docs/transformers.md"
+        )
     model = build_tiny_model(arch)
     x = tokens(2, 4, seed=5)
     replayer = replayer_of(model)

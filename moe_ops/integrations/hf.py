@@ -71,16 +71,28 @@ __all__ = [
 ]
 
 
-# The oldest transformers on which tests/test_hf_attach.py and tests/test_replay_attach.py pass. In
-# 5.0-5.12 DeepSeek-V2 and GraniteMoE have no router module (the MoE block routes inline) and the
-# routers of DeepSeek-V3, GLM-4-MoE and dots1 return only the logits (4.57: 8 of the 12 have none);
-# 5.13-5.22 capture, but the compiled training step with replay fails (at 5.13: a data-dependent
-# guard in the grouped_mm backward), and GraniteMoE's replay test fails through 5.20 (5.21 untried).
-MIN_TRANSFORMERS_VERSION = "5.23"
+# The oldest transformers on which every supported architecture has the router module this
+# integration wraps (bisected over 4.57.1-5.24 with tests/test_hf_attach.py and
+# tests/test_replay_attach.py): in 5.0-5.12 DeepSeek-V2 and GraniteMoE have no router module (the MoE
+# block routes inline) and the routers of DeepSeek-V3, GLM-4-MoE and dots1 return only the logits
+# (4.57: 8 of the 12 have none). The GPU machine runs 5.17.
+MIN_TRANSFORMERS_VERSION = "5.13"
+
+# Replay needs more on some architectures: GraniteMoE's perturbed-router replay test fails on
+# 5.13-5.20 (passes from 5.22; 5.21 untried), so attach_replay refuses it there rather than
+# replaying wrong ids. (The compiled training step of Qwen3-MoE and DeepSeek-V3 also fails before
+# 5.23, inside transformers: a data-dependent guard in its grouped_mm backward under torch.compile;
+# eager replay is unaffected, so that is documented, not refused.)
+MIN_REPLAY_TRANSFORMERS_VERSION = {"granitemoe": "5.22"}
 
 
-def check_transformers_version(installed: str, required: str = MIN_TRANSFORMERS_VERSION) -> None:
-    """ImportError naming both versions when transformers ``installed`` is older than ``required``.
+def check_transformers_version(
+    installed: str,
+    required: str = MIN_TRANSFORMERS_VERSION,
+    why: str = "the router modules of every supported architecture",
+) -> None:
+    """ImportError naming both versions (and ``why``) when transformers ``installed`` is older than
+    ``required``.
 
     PEP 440 order (``packaging``, a transformers dependency): a pre-release of ``required``
     (``"5.2.0rc1"``, ``"5.2.0.dev0"``) is older than it, a local build (``"5.2.0+cu"``) is not.
@@ -94,8 +106,8 @@ def check_transformers_version(installed: str, required: str = MIN_TRANSFORMERS_
         raise ValueError(f"installed must be a PEP 440 version string, got {installed!r}") from None
     if have < Version(required):
         raise ImportError(
-            f"moe_ops.integrations.hf needs transformers>={required} (the router modules of every "
-            f"supported architecture), but transformers {installed} is installed: "
+            f"moe_ops.integrations.hf needs transformers>={required} ({why}), "
+            f"but transformers {installed} is installed: "
             f"pip install 'transformers>={required}'"
         )
 
@@ -107,6 +119,17 @@ def _check_loaded_transformers() -> None:
     version = getattr(transformers, "__version__", None)
     if isinstance(version, str):
         check_transformers_version(version, MIN_TRANSFORMERS_VERSION)
+
+
+def _check_replay_version(arch: str) -> None:
+    """ImportError where the imported transformers is older than ``arch`` needs for replay
+    (``MIN_REPLAY_TRANSFORMERS_VERSION``)."""
+    required = MIN_REPLAY_TRANSFORMERS_VERSION.get(arch)
+    transformers = sys.modules.get("transformers")
+    version = getattr(transformers, "__version__", None)
+    if required is not None and isinstance(version, str):
+        why = f"attach_replay of {arch}: older releases replay other ids"
+        check_transformers_version(version, required, why)
 
 
 @dataclass(frozen=True)
@@ -819,6 +842,7 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
         targets = list(base.replay_routers())
     else:
         arch, routers = find_routers(model, caller="attach_replay")
+        _check_replay_version(arch)
         targets = [
             (layer, path, module, "forward", replay_rule(arch, module)) for layer, path, module in routers
         ]
