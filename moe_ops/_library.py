@@ -78,14 +78,37 @@ def trace_triton_kernels():
     without CUDA graphs against CUDA graphs skipped under ``reduce-overhead``).
 
     Only tracing reads it: a graph compiled inside the block keeps its kernels when run outside.
+    Inside the block inductor's FX-graph and AOT-autograd caches are off: their keys hold the
+    dynamo graph, which is the same with and without the flag (the op is decomposed below dynamo),
+    so a cached artifact would hand back the opaque op inside the block (measured on the H200: the
+    same host cost as outside), and one saved inside would hand the traced kernels, which make
+    ``reduce-overhead`` skip CUDA graphs, to compiles outside it.
     A process-wide flag, not thread-safe: set it from the thread that compiles.
     """
     previous = _TRACE_KERNELS[0]
     _TRACE_KERNELS[0] = True
     try:
-        yield
+        with _caches_off():
+            yield
     finally:
         _TRACE_KERNELS[0] = previous
+
+
+def _caches_off():
+    """inductor's and AOT autograd's compile caches (local and remote) off, for the keys the
+    installed torch has."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    stack = contextlib.ExitStack()
+    for config, keys in (
+        (inductor_config, ("fx_graph_cache", "fx_graph_remote_cache")),
+        (functorch_config, ("enable_autograd_cache", "enable_remote_autograd_cache")),
+    ):
+        present = {k: False for k in keys if hasattr(config, k)}
+        if present:
+            stack.enter_context(config.patch(present))
+    return stack
 
 
 def identity(kernel):

@@ -158,3 +158,37 @@ def test_opcheck_route_interpreted(capture):
             (t["logits"], t["bias"], t["weights"], t["ids"], *_ROUTE_ARGS),
         )
     torch.library.opcheck(op, args)
+
+
+def test_the_block_turns_the_compile_caches_off_and_restores_them():
+    """Their keys hold the dynamo graph, the same with and without the flag: a cached artifact would
+    hand back the opaque op inside the block (or the traced kernels outside it)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    # the autouse fixture holds the block open: the caches are off now
+    assert inductor_config.fx_graph_cache is False
+    assert functorch_config.enable_autograd_cache is False
+    torch._dynamo.reset()
+    with trace_triton_kernels():  # nested: still off, and the outer block's state comes back
+        assert inductor_config.fx_graph_cache is False
+    assert inductor_config.fx_graph_cache is False
+
+
+def test_outside_the_block_the_op_stays_opaque():
+    # the autouse fixture's block is open; leave it for this test by restoring the flag's default
+    from moe_ops import _library
+
+    saved = _library._TRACE_KERNELS[0]
+    _library._TRACE_KERNELS[0] = False
+    try:
+        backend, graphs = _recording_backend()
+        torch._dynamo.reset()
+        compiled = torch.compile(_capture, backend=backend, fullgraph=True)
+        got, want = _capture_tensors(10, 0), _capture_tensors(10, 0)
+        compiled(got)
+        _capture(want)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert graphs and all("moe_ops.capture_routing_" in code and HOP not in code for code in graphs)
+    finally:
+        _library._TRACE_KERNELS[0] = saved
