@@ -10,13 +10,15 @@ its peers - a vLLM-style host-offset slice copy (the rank's offset summed on the
 counts, as vLLM's capturer does) and a plain slice copy (offset a Python constant) - with the
 targets: compiled <= 5 us, eager <= 25 us per capture call.
 
-    python benchmarks/bench_capture.py [--csv out.csv]
+Cases and default sizes: ``BENCH_CASES["capture"]`` and ``BENCH_SIZES["capture"]`` (tests/strategies.py).
+
+    python benchmarks/bench_capture.py [--csv out.csv] [--sizes 1,64,512,8192] [--sweep]
     python benchmarks/bench_capture.py --host [--tokens 64] [--csv out.csv]
+    python -m benchmarks capture [...the same flags]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import Table, do_bench_median_us, graph_calls_us, graph_replay_us
 from benchmarks.host import host_us_per_call
+from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, option, sizes_option, switch
 from moe_ops import BatchLayout, capture_routing
 from moe_ops._library import HAS_WRAP_TRITON, trace_triton_kernels
 from moe_ops.capture.op import capture_into
@@ -34,32 +37,52 @@ from moe_ops.capture.target import CaptureTarget
 LAYERS, TOP_K, MAX_TOKENS = 61, 8, 8192
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--csv", default=None)
-    parser.add_argument("--sizes", default="1,64,512,8192")
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch configs at small n")
-    parser.add_argument("--host", action="store_true", help="host us per call: eager / compiled / graph")
-    parser.add_argument("--tokens", type=int, default=64, help="--host: tokens per DP rank")
-    args = parser.parse_args()
-    if args.host:
-        table = host_table(args.tokens)
-        if args.csv:
-            table.write_csv(args.csv)
-        table.print()
-        return
+def check_cases(cases) -> None:
+    """The module's constants are the measured depth and width (one buffer for every case): each
+    case must name them, so the case's test covers what is measured."""
+    for case in cases:
+        if (case.layers, case.top_k) != (LAYERS, TOP_K):
+            raise ValueError(
+                f"case {case.name}: {case.layers} layers x top_k {case.top_k}, "
+                f"the benchmark measures {LAYERS} x {TOP_K}"
+            )
+
+
+# needs="cpu": --host runs on the CPU; the graph tables check for a GPU themselves
+@benchmark(
+    "capture",
+    cases=BENCH_CASES["capture"],
+    needs="cpu",
+    options=[
+        sizes_option("--sizes", BENCH_SIZES["capture"]),
+        switch("--sweep", "also sweep launch configs at small n"),
+        switch("--host", "host us per call instead: eager / compiled / graph (runs on the CPU too)"),
+        # type int as distributed's --tokens (the same meaning: rows per DP rank); checked below
+        option("--tokens", 64, type=int, help="--host: tokens per DP rank (default 64)"),
+    ],
+)
+def capture(cases, run) -> list[Table]:
+    """Capture op: eager per call and per layer in a 61-layer CUDA graph vs a slice copy (--host: CPU too)."""
+    check_cases(cases)
+    if run.tokens < 1:
+        raise ValueError(f"--tokens takes a positive int (tokens per DP rank), got {run.tokens}")
+    if run.host:
+        gathered = [c for c in cases if c.layout == BatchLayout.GATHERED]
+        if not gathered:
+            raise ValueError("--host measures the GATHERED case; the cases have none")
+        return [host_table(run.tokens, dp=gathered[0].dp_size)]
     if not torch.cuda.is_available():
-        print("bench_capture needs a CUDA GPU; nothing measured")
-        return
+        print("capture: the graph tables need a CUDA GPU; nothing measured (--host runs on the CPU)")
+        return []
     dev = torch.device("cuda")
     table = Table(
         "capture op (61 layers, top_k 8, int32 ids and buffer)",
         ["layout", "n", "eager_us/call", "graph_us/layer", "copy_us/layer", "ratio_vs_copy"],
     )
     buffer = torch.zeros(MAX_TOKENS, LAYERS, TOP_K, dtype=torch.int32, device=dev)
-    for layout in (BatchLayout.LOCAL, BatchLayout.GATHERED):
-        for n in (int(s) for s in args.sizes.split(",")):
-            dp = 1 if layout == BatchLayout.LOCAL else 4
+    for case in cases:
+        layout, dp = case.layout, case.dp_size
+        for n in run.sizes:
             rows = n * dp
             ids = [torch.randint(0, 256, (rows, TOP_K), dtype=torch.int32, device=dev) for _ in range(LAYERS)]
             counts = torch.full((dp,), n, dtype=torch.int32, device=dev)
@@ -88,12 +111,9 @@ def main() -> None:
             assert torch.equal(buffer[:n], expected), "benchmark capture wrote wrong rows"
             table.add(layout.name, n, eager, cap, floor, cap / floor)
     tables = [table]
-    if args.sweep:
-        tables.append(sweep_launch_config(buffer))
-    for t in tables:
-        if args.csv:
-            t.write_csv(args.csv)
-        t.print()
+    if run.sweep:
+        tables.append(sweep_launch_config(buffer, cases))
+    return tables
 
 
 EAGER_TARGET_US, COMPILED_TARGET_US = 25.0, 5.0
@@ -179,7 +199,7 @@ def host_table(n: int, dp: int = 4) -> Table:
     return table
 
 
-def sweep_launch_config(buffer: torch.Tensor) -> Table:
+def sweep_launch_config(buffer: torch.Tensor, cases=BENCH_CASES["capture"]) -> Table:
     """Graph time per layer for fixed (rows per program, warps) choices at small n (tuning aid)."""
     from moe_ops.capture import kernels
 
@@ -189,7 +209,8 @@ def sweep_launch_config(buffer: torch.Tensor) -> Table:
     )
     default = kernels.launch_config
     try:
-        for layout, dp in ((BatchLayout.LOCAL, 1), (BatchLayout.GATHERED, 4)):
+        for case in cases:
+            layout, dp = case.layout, case.dp_size
             for n in (1, 64):
                 ids = [
                     torch.randint(0, 256, (n * dp, TOP_K), dtype=torch.int32, device=dev)
@@ -212,4 +233,4 @@ def sweep_launch_config(buffer: torch.Tensor) -> Table:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["capture", *sys.argv[1:]]))

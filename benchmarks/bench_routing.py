@@ -1,7 +1,8 @@
 """Router cost: the Triton router with and without its fused capture, against PyTorch peers.
 
-Cases (``CASES``): DeepSeek-V3 routing (256 experts, top_k 8, 8 groups, topk_group 4, routed
-scaling 2.5, bias) and RENORMALIZE with 128 and 512 experts (top_k 8), at n in {1, 128, 4096}.
+Cases (``CASES``: ``BENCH_CASES["routing"]`` of tests/strategies.py, at ``BENCH_SIZES["routing"]``):
+DeepSeek-V3 routing (256 experts, top_k 8, 8 groups, topk_group 4, routed scaling 2.5, bias) and
+RENORMALIZE with 128 and 512 experts (top_k 8), at n in {1, 128, 4096}.
 Peers (``PEERS``, one function each, building a zero-argument callable for a case or returning
 None when it does not apply):
 
@@ -30,12 +31,16 @@ and for DeepSeek-V3 within 1.2x of FlashInfer's ``fused_topk_deepseek`` - quoted
 as 5.5 us at 1 and 128 tokens and 16.6 us at 4096; the summary also divides by the FlashInfer
 kernel measured in the same run, graph and device time.
 
+Host mode (``--host``; runs on the CPU too): host us per layer call of ``route`` (RENORMALIZE, 64
+tokens, 256 experts, top_k 8) beside ``torch.topk(softmax)``, eager / compiled / inside a CUDA graph.
+
     python benchmarks/bench_routing.py [--csv out.csv] [--sizes 1,128,4096] [--sweep [--sweep-sizes ...]]
+    python benchmarks/bench_routing.py --host [--csv out.csv]
+    python -m benchmarks routing [...the same flags]
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Callable
@@ -47,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
 from benchmarks.host import host_us_per_call
+from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, sizes_option, strategies, switch
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
 from moe_ops._library import HAS_WRAP_TRITON, trace_triton_kernels
 from moe_ops.route.reference import route_reference
@@ -57,27 +63,9 @@ MAX_TOKENS = 4096  # capture buffer rows (more when a benchmarked batch is large
 FLASHINFER_QUOTED_US = {1: 5.5, 128: 5.5, 4096: 16.6}
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    method: RoutingMethod
-    # experts of the router
-    num_experts: int
-    # experts per token
-    top_k: int
-    # DEEPSEEK_V3 groups (None: no grouping) and groups kept per token
-    n_group: int | None = None
-    topk_group: int | None = None
-    routed_scaling_factor: float | None = None
-    # whether the router has a selection bias
-    has_bias: bool = False
-
-
-CASES = [
-    Case("deepseek-v3", RoutingMethod.DEEPSEEK_V3, 256, 8, 8, 4, 2.5, True),
-    Case("renormalize-128", RoutingMethod.RENORMALIZE, 128, 8),
-    Case("renormalize-512", RoutingMethod.RENORMALIZE, 512, 8),
-]
+# the routers measured, in table order: tests/strategies.py's, each naming the test that routes it
+Case = strategies.BenchRouter
+CASES = BENCH_CASES["routing"]
 
 
 @dataclass
@@ -250,7 +238,7 @@ REF_CALLS = 8
 REFERENCES = ("compiled-ref", "eager-ref")
 
 
-def measure(sizes: list[int]) -> tuple[Table, Table]:
+def measure(sizes: list[int], cases=CASES) -> tuple[Table, Table]:
     dev = torch.device("cuda")
     table = Table(
         f"routing (bf16 logits; us per call: graph = one call of a {GRAPH_CALLS}-call CUDA graph, "
@@ -269,7 +257,7 @@ def measure(sizes: list[int]) -> tuple[Table, Table]:
             "capture/FI quoted",
         ],
     )
-    for case in CASES:
+    for case in cases:
         for n in sizes:
             x = make_inputs(case, n, dev)
             check_capture(case, x, n)
@@ -310,7 +298,7 @@ def measure(sizes: list[int]) -> tuple[Table, Table]:
 SWEEP_CONFIGS = ((1, 1), (1, 2), (1, 4), (2, 1), (4, 1), (2, 2))
 
 
-def sweep_launch_config(sizes: list[int]) -> Table:
+def sweep_launch_config(sizes: list[int], cases=CASES) -> Table:
     """Per-call graph time and kernel time of the fused call for fixed (rows per program, warps)."""
     from moe_ops.route import kernels
 
@@ -331,7 +319,7 @@ def sweep_launch_config(sizes: list[int]) -> Table:
 
         return call
 
-    for case in CASES:
+    for case in cases:
         tile = kernels.tile_shape(case.num_experts, case.n_group or 1)
         for n in sizes:
             x = make_inputs(case, n, dev)
@@ -406,32 +394,30 @@ def host_table(n: int = 64, num_experts: int = 256, top_k: int = 8) -> Table:
     return table
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--csv", default=None)
-    parser.add_argument("--sizes", default="1,128,4096")
-    parser.add_argument("--sweep-sizes", default="1,128,1024,4096,16384")
-    parser.add_argument("--sweep", action="store_true", help="also sweep launch configs (tuning aid)")
-    parser.add_argument("--host", action="store_true", help="host us per call: eager / compiled / graph")
-    args = parser.parse_args()
-    if args.host:
-        table = host_table()
-        if args.csv:
-            table.write_csv(args.csv)
-        table.print()
-        return
+# needs="cpu": --host runs on the CPU; the router tables check for a GPU themselves
+@benchmark(
+    "routing",
+    cases=CASES,
+    needs="cpu",
+    options=[
+        sizes_option("--sizes", BENCH_SIZES["routing"]),
+        sizes_option("--sweep-sizes", (1, 128, 1024, 4096, 16384)),
+        switch("--sweep", "also sweep launch configs (tuning aid)"),
+        switch("--host", "host us per call instead: eager / compiled / graph (runs on the CPU too)"),
+    ],
+)
+def routing(cases, run) -> list[Table]:
+    """Triton router with and without fused capture vs FlashInfer and PyTorch (--host: CPU too)."""
+    if run.host:
+        return [host_table()]
     if not torch.cuda.is_available():
-        print("bench_routing needs a CUDA GPU; nothing measured")
-        return
-    sizes = [int(s) for s in args.sizes.split(",")]
-    tables = list(measure(sizes))
-    if args.sweep:
-        tables.append(sweep_launch_config([int(v) for v in args.sweep_sizes.split(",")]))
-    for t in tables:
-        if args.csv:
-            t.write_csv(args.csv)
-        t.print()
+        print("routing: the router tables need a CUDA GPU; nothing measured (--host runs on the CPU)")
+        return []
+    tables = list(measure(list(run.sizes), cases))
+    if run.sweep:
+        tables.append(sweep_launch_config(list(run.sweep_sizes), cases))
+    return tables
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["routing", *sys.argv[1:]]))

@@ -35,7 +35,7 @@ from moe_ops import (  # noqa: E402
 from moe_ops.models import reference_config  # noqa: E402
 
 # benchmarks converted to the registry; the others keep their own main() until converted
-CONVERTED = ("e2e", "distributed", "transfer", "replay")
+CONVERTED = ("e2e", "distributed", "transfer", "replay", "capture", "routing")
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +194,69 @@ def test_registration_rejects_bad_entries_and_leaves_the_registry(scratch_regist
     with pytest.raises(ValueError, match=r"benchmark 'e2e' is registered by .*bench_e2e\.py"):
         registry.benchmark("e2e", cases=cases)(fn)
     assert registry.registry() == before
+
+
+def test_capture_and_routing_keep_their_cases_sizes_and_flags(benches):
+    """The converted capture and routing benchmarks measure the sizes and cases their own parsers
+    had (capture 1,64,512,8192 over LOCAL and GATHERED; routing 1,128,4096, sweep up to 16384, over
+    its three routers) and keep their flags, --host and --tokens included."""
+    want = {
+        "capture": {"sizes": (1, 64, 512, 8192), "sweep": False, "host": False, "tokens": 64},
+        "routing": {
+            "sizes": (1, 128, 4096),
+            "sweep_sizes": (1, 128, 1024, 4096, 16384),
+            "sweep": False,
+            "host": False,
+        },
+    }
+    for name, defaults in want.items():
+        assert benches[name].defaults() == defaults, name
+        assert benches[name].needs == "cpu", f"{name}: --host must run without a GPU"
+    assert BENCH_SIZES["capture"] == want["capture"]["sizes"]
+    assert BENCH_SIZES["routing"] == want["routing"]["sizes"]
+    assert [(c.name, c.layout, c.dp_size, c.layers, c.top_k) for c in benches["capture"].cases] == [
+        ("LOCAL", BatchLayout.LOCAL, 1, 61, 8),
+        ("GATHERED", BatchLayout.GATHERED, 4, 61, 8),
+    ]
+    routers = [
+        (c.name, c.method.name, c.num_experts, c.top_k, c.n_group, c.topk_group)
+        for c in benches["routing"].cases
+    ]
+    assert routers == [
+        ("deepseek-v3", "DEEPSEEK_V3", 256, 8, 8, 4),
+        ("renormalize-128", "RENORMALIZE", 128, 8, None, None),
+        ("renormalize-512", "RENORMALIZE", 512, 8, None, None),
+    ]
+    assert [(c.routed_scaling_factor, c.has_bias) for c in benches["routing"].cases] == [
+        (2.5, True),
+        (None, False),
+        (None, False),
+    ]
+    module = sys.modules["benchmarks.bench_routing"]
+    assert module.Case is type(BENCH_CASES["routing"][0]) and module.CASES is BENCH_CASES["routing"]
+
+
+def test_capture_and_routing_without_a_gpu_measure_nothing_and_say_so(benches, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the graph tables would run")
+    assert registry.main(["capture", "routing", "--sizes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "capture: the graph tables need a CUDA GPU; nothing measured" in out
+    assert "routing: the router tables need a CUDA GPU; nothing measured" in out
+    assert "##" not in out, "a table was printed without a GPU"
+
+
+def test_capture_rejects_bad_tokens_and_foreign_cases(benches, capsys):
+    """--tokens 0 fails the run before anything is measured; a case of another depth or width than
+    the module's buffer is refused (the case's test would not cover what is measured)."""
+    assert registry.main(["capture", "--host", "--tokens", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "--tokens takes a positive int (tokens per DP rank), got 0" in err and "failed: capture" in err
+    capture = benches["capture"]
+    run = registry.Run(capture.defaults())
+    bad = (replace(capture.cases[0], layers=58),)
+    with pytest.raises(ValueError, match="case LOCAL: 58 layers x top_k 8, the benchmark measures 61 x 8"):
+        capture.fn(bad, run)
 
 
 @given(st.lists(st.integers(1, 2**40), min_size=1, max_size=6))
