@@ -1,10 +1,16 @@
-"""Every traced kernel compiles with its scalar arguments as constants (what inductor may pass).
+"""Every traced kernel compiles with its scalar arguments as constants (what inductor may pass), and
+torch's mutation analysis sees exactly the tensors it writes.
 
 Inductor's codegen of a ``wrap_triton`` kernel and its mutation analysis (``generate_ttir``) can
 hand a scalar int argument to the kernel as a Python int constant; ``x.to(...)`` on such an
 argument fails to compile (``'int' object has no attribute 'to'``). The TTIR is built for an sm_90
 target in a subprocess that compiles rather than interprets (this suite interprets Triton on the
 CPU, and interpreted kernels have no TTIR); no GPU is needed.
+
+The mutation analysis (``torch._higher_order_ops.triton_kernel_wrap``) decides which tensors a
+traced kernel writes: inductor clones those before the launch and copies them back, and
+``mode="reduce-overhead"`` skips CUDA graphs when one is a graph input that is not static. A count
+tensor reported as written (it is only read) did both on the H200.
 """
 
 from __future__ import annotations
@@ -22,16 +28,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = r"""
 import itertools, json, sys
-from triton_ir import ttir
+from triton_ir import ttir, written_pointers
 from moe_ops.capture.kernels import _capture_rows_kernel
 from moe_ops.route.kernels import _route_kernel
 from moe_ops.route.methods import RoutingMethod
 
-results = {}
+results, written = {}, {}
 def build(name, kernel, pointers, scalars, constexprs, as_constants):
     try:
         ir = ttir(kernel, pointers, scalars, constexprs, as_constants)
         results[name] = "tt.store" in ir and "tt.func" in ir
+        written[name] = written_pointers(kernel, pointers, scalars, constexprs, as_constants)
     except Exception as exc:  # reported to the test, which names the case
         results[name] = f"{type(exc).__name__}: {exc}"[-600:]
 
@@ -50,6 +57,9 @@ for (i, sc), order, offset, const in itertools.product(
               HAS_OFFSET=offset, STAMP=True)
     build(f"capture values{i} source_order={order} offset={offset} constants={const}",
           _capture_rows_kernel, capture_ptrs, sc, ce, const)
+ce = dict(ID_MAX=2**15 - 1, CHECK_HIGH=True, K_PAD=4, BLOCK_M=16, S_PAD=4, SOURCE_ORDER=True,
+          HAS_OFFSET=True, STAMP=False)
+build("capture unstamped", _capture_rows_kernel, capture_ptrs, capture_scalars[0], ce, False)
 
 route_ptrs = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
     buf_ptr="*i32", counts_ptr="*i32", sizes_ptr="*i32", errors_ptr="*i32", stamps_ptr="*i32",
@@ -67,7 +77,7 @@ for method, capture, const in itertools.product(
               HAS_OFFSET=True, STAMP=True)
     build(f"route {method.name} capture={capture} constants={const}", _route_kernel, route_ptrs, sc,
           ce, const)
-print(json.dumps(results))
+print(json.dumps({"compiled": results, "written": written}))
 """
 
 
@@ -82,15 +92,46 @@ def ttir_results() -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_capture_kernel_compiles_with_constant_scalars(ttir_results):
-    cases = {k: v for k, v in ttir_results.items() if k.startswith("capture")}
+@pytest.fixture(scope="module")
+def compiled(ttir_results) -> dict:
+    return ttir_results["compiled"]
+
+
+@pytest.fixture(scope="module")
+def written(ttir_results) -> dict:
+    return ttir_results["written"]
+
+
+def test_capture_kernel_compiles_with_constant_scalars(compiled):
+    cases = {k: v for k, v in compiled.items() if k.startswith("capture values")}
     assert len(cases) == 16
     failed = {k: v for k, v in cases.items() if v is not True}
     assert not failed, failed
 
 
-def test_route_kernel_compiles_with_constant_scalars(ttir_results):
-    cases = {k: v for k, v in ttir_results.items() if k.startswith("route")}
+def test_route_kernel_compiles_with_constant_scalars(compiled):
+    cases = {k: v for k, v in compiled.items() if k.startswith("route")}
     assert len(cases) == 12
     failed = {k: v for k, v in cases.items() if v is not True}
     assert not failed, failed
+
+
+def test_capture_kernel_writes_only_its_outputs(written):
+    """The buffer, the fault counter and (stamped) the stamps; never the ids, the count tensors or
+    the step, which it only reads."""
+    stamped = {k: v for k, v in written.items() if k.startswith("capture values")}
+    assert len(stamped) == 16
+    wrong = {k: v for k, v in stamped.items() if v != ["buf_ptr", "errors_ptr", "stamps_ptr"]}
+    assert not wrong, wrong
+    assert written["capture unstamped"] == ["buf_ptr", "errors_ptr"]
+
+
+def test_route_kernel_writes_only_its_outputs(written):
+    cases = {k: v for k, v in written.items() if k.startswith("route")}
+    assert len(cases) == 12
+    expected = {
+        True: ["buf_ptr", "errors_ptr", "ids_ptr", "stamps_ptr", "weights_ptr"],
+        False: ["ids_ptr", "weights_ptr"],
+    }
+    wrong = {k: v for k, v in cases.items() if v != expected["capture=True" in k]}
+    assert not wrong, wrong

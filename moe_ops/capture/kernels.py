@@ -176,6 +176,13 @@ if HAS_TRITON:
         cols = tl.arange(0, K_PAD)
         col_ok = (cols < top_k)[None, :]
         layer_base = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + cols[None, :] * stride_bk
+        # the window's inputs (see rows_window for why they are loaded here)
+        count = tl.load(counts_ptr + tl.cast(dp_rank, tl.int64) * stride_c)
+        if HAS_OFFSET:
+            s_idx = tl.arange(0, S_PAD)
+            sizes = tl.load(sizes_ptr + s_idx.to(tl.int64) * stride_s, mask=s_idx < n_first, other=0)
+        else:
+            sizes = count  # unused: start is 0
         if SOURCE_ORDER:
             # Programs walk SOURCE rows: the id load does not wait for the counts (its addresses
             # are known at launch), only the store does (row r goes to buffer row r - start). One
@@ -187,9 +194,7 @@ if HAS_TRITON:
                 ids_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_ik,
                 mask=(rows < n_src)[:, None] & col_ok,
             )
-            start, c_eff, flags = rows_window(
-                counts_ptr, stride_c, sizes_ptr, stride_s, dp_rank, n_first, n_src, n_dst, S_PAD, HAS_OFFSET
-            )
+            start, c_eff, flags = rows_window(count, sizes, n_src, n_dst, HAS_OFFSET)
             dst_rows = rows.to(tl.int64) - start
             ok = ((dst_rows >= 0) & (dst_rows < c_eff))[:, None] & col_ok
             ids, bad = checked_ids(ids, ok, ID_MAX, CHECK_HIGH)
@@ -202,9 +207,7 @@ if HAS_TRITON:
                     record_stamp(stamps_ptr, step_ptr, layer_id)
         else:
             # Programs walk DESTINATION rows (large gathers: read only this rank's block).
-            start, c_eff, flags = rows_window(
-                counts_ptr, stride_c, sizes_ptr, stride_s, dp_rank, n_first, n_src, n_dst, S_PAD, HAS_OFFSET
-            )
+            start, c_eff, flags = rows_window(count, sizes, n_src, n_dst, HAS_OFFSET)
             if row0 < c_eff:
                 mask = (rows < c_eff)[:, None] & col_ok
                 src = start + rows

@@ -126,30 +126,24 @@ if HAS_TRITON:
     _BAD_OFFSET = tl.constexpr(FAULT_BAD_OFFSET)
 
     @triton.jit
-    def rows_window(
-        counts_ptr,
-        stride_c,
-        sizes_ptr,
-        stride_s,
-        dp_rank,
-        n_first,
-        n_src,
-        n_dst,
-        S_PAD: tl.constexpr,
-        HAS_OFFSET: tl.constexpr,
-    ):
+    def rows_window(count, sizes, n_src, n_dst, HAS_OFFSET: tl.constexpr):
         """Device half of the rule: int64 ``(start, c_eff, fault flags)`` for this rank.
 
-        Loads ``counts[dp_rank]`` and ``sizes[:n_first]`` by stride. Every program of a launch
-        computes the same values (S_PAD loads, cached). HAS_OFFSET=False (n_first == 0: LOCAL, rank
-        0) compiles the sizes load away: start is 0.
+        count: this rank's ``token_counts[dp_rank]``; sizes: ``(S_PAD,)``, ``sizes[:n_first]`` with
+        0 past ``n_first``. The calling kernel loads both itself, by stride (the two loads are
+        written out in each kernel: a helper taking the pointers would bring back the problem
+        below). HAS_OFFSET=False (n_first == 0: LOCAL, rank 0) ignores ``sizes``: start is 0.
+
+        Takes values, not pointers: torch's mutation analysis of a traced kernel
+        (``torch.library.wrap_triton``) counts every pointer passed to a called function whose
+        result reaches a store address as written. With the loads in here, the count tensors were
+        reported as mutated, so inductor cloned them before every launch and copied them back
+        after, and ``mode="reduce-overhead"`` skipped CUDA graphs ("mutated inputs").
         """
-        c = tl.load(counts_ptr + tl.cast(dp_rank, tl.int64) * stride_c).to(tl.int64)
+        c = count.to(tl.int64)
         flags = tl.where(c < 0, _NEGATIVE_COUNT, 0)
         c = tl.maximum(c, 0)
         if HAS_OFFSET:
-            idx = tl.arange(0, S_PAD)
-            sizes = tl.load(sizes_ptr + idx.to(tl.int64) * stride_s, mask=idx < n_first, other=0)
             sizes = sizes.to(tl.int64)
             start = tl.sum(sizes, axis=0)
             n_negative = tl.sum((sizes < 0).to(tl.int32), axis=0)

@@ -210,18 +210,14 @@ if HAS_TRITON:
             # The capture op's window, computed here exactly as there. Its loads overlap the logits
             # load below; the fault record (a branch with atomics, which the compiler will not
             # move loads across) is the kernel's last statement, so nothing waits for the counts.
-            start, c_eff, flags = rows_window(
-                counts_ptr,
-                stride_c,
-                sizes_ptr,
-                stride_s,
-                dp_rank,
-                n_first,
-                n_tokens,
-                n_dst,
-                S_PAD,
-                HAS_OFFSET,
-            )
+            # (rows_window says why its inputs are loaded here)
+            count = tl.load(counts_ptr + tl.cast(dp_rank, tl.int64) * stride_c)
+            if HAS_OFFSET:
+                s_idx = tl.arange(0, S_PAD)
+                sizes = tl.load(sizes_ptr + s_idx.to(tl.int64) * stride_s, mask=s_idx < n_first, other=0)
+            else:
+                sizes = count  # unused: start is 0
+            start, c_eff, flags = rows_window(count, sizes, n_tokens, n_dst, HAS_OFFSET)
         else:
             start = 0
             c_eff = 0
