@@ -24,6 +24,7 @@ import functools
 
 import torch
 
+from .._launcher import KernelLauncher
 from .._library import identity
 from .._triton import HAS_TRITON, next_power_of_2
 from .errors import (
@@ -323,14 +324,20 @@ def capture_rows_triton(
         sizes.stride(0),
         top_k,
     )
-    kernel = wrap(_capture_rows_kernel)[grid]
     if buffer.device.type == "cpu":
         # interpreted Triton updates the fault counter in Python (see capture.errors); on CUDA the
         # kernel's atomics need no lock, and a context manager per launch is host time for nothing
         with cpu_counter_lock(buffer.device):
-            kernel(*args, **constexprs, num_warps=num_warps)
+            wrap(_capture_rows_kernel)[grid](*args, **constexprs, num_warps=num_warps)
+    elif wrap is identity:
+        _capture_launcher()(grid, args, constexprs, num_warps)
     else:
-        kernel(*args, **constexprs, num_warps=num_warps)
+        wrap(_capture_rows_kernel)[grid](*args, **constexprs, num_warps=num_warps)
+
+
+@functools.cache
+def _capture_launcher() -> KernelLauncher:
+    return KernelLauncher(_capture_rows_kernel)
 
 
 def fault_delta(flags: torch.Tensor, n_bad: torch.Tensor | int) -> torch.Tensor:

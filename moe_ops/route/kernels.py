@@ -25,10 +25,12 @@ chosen logits are re-read (cache hits) to form the weights.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from .._launcher import KernelLauncher
 from .._library import identity
 from .._triton import HAS_TRITON, interpreting, next_power_of_2
 from ..capture.errors import cpu_counter_lock
@@ -392,14 +394,20 @@ def route_rows_triton(
         HAS_OFFSET=n_first > 0,
         STAMP=stamped,
     )
-    kernel = wrap(_route_kernel)[(programs,)]
     if router_logits.device.type == "cpu":
         # interpreted Triton updates the fault counter in Python (see capture.errors); on CUDA the
         # kernel's atomics need no lock, and a context manager per launch is host time for nothing
         with cpu_counter_lock(router_logits.device):
-            kernel(*args, **constexprs, num_warps=num_warps)
+            wrap(_route_kernel)[(programs,)](*args, **constexprs, num_warps=num_warps)
+    elif wrap is identity:
+        _route_launcher()((programs,), args, constexprs, num_warps)
     else:
-        kernel(*args, **constexprs, num_warps=num_warps)
+        wrap(_route_kernel)[(programs,)](*args, **constexprs, num_warps=num_warps)
+
+
+@functools.cache
+def _route_launcher() -> KernelLauncher:
+    return KernelLauncher(_route_kernel)
 
 
 # reference

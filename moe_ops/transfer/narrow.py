@@ -22,8 +22,11 @@ warps all measured 3.1-4.2 us) - as long as its loads are vectorised (see the ke
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .._launcher import KernelLauncher
 from .._triton import HAS_TRITON, triton_runs_on
 
 __all__ = ["check_narrow", "launch_narrow", "narrow_rows", "narrow_rows_torch", "narrow_rows_triton"]
@@ -114,18 +117,18 @@ def launch_narrow(dst, src, num_rows: int, stamps=None, step=None) -> None:
     row = src.shape[1] * src.shape[2] if src.dim() == 3 else src[0].numel()
     n = num_rows * row
     stamped = stamps is not None
-    _narrow_kernel[(triton.cdiv(n, _BLOCK),)](
-        src,
-        dst,
-        stamps if stamped else src,
-        step if stamped else src,
-        num_rows,
-        ROW=row,
-        TOP_K=src.shape[-1] if stamped else 1,
-        BLOCK=_BLOCK,
-        STAMPED=stamped,
-        num_warps=_WARPS,
-    )
+    grid = (triton.cdiv(n, _BLOCK),)
+    args = (src, dst, stamps if stamped else src, step if stamped else src, num_rows)
+    constexprs = dict(ROW=row, TOP_K=src.shape[-1] if stamped else 1, BLOCK=_BLOCK, STAMPED=stamped)
+    if src.device.type == "cuda":
+        _narrow_launcher()(grid, args, constexprs, _WARPS)
+    else:  # interpreted
+        _narrow_kernel[grid](*args, **constexprs, num_warps=_WARPS)
+
+
+@functools.cache
+def _narrow_launcher() -> KernelLauncher:
+    return KernelLauncher(_narrow_kernel)
 
 
 # reference
