@@ -25,16 +25,20 @@ Kernels per key:
   update the CPU fault counters under a ``threading.Lock``, which dynamo cannot trace.
 
 ``traceable``: a launcher that takes ``wrap=`` (a function applied to each ``@triton.jit`` kernel
-before it is launched). Inside :func:`trace_triton_kernels`, where the installed torch has
-``torch.library.wrap_triton`` (2.6+), the op's functionalisation runs the launcher with
-``wrap=wrap_triton``, so ``torch.compile`` records the Triton kernel itself
-(``triton_kernel_wrapper_functional``) and inductor launches it from its generated code, not
-through the op's Python kernel and Triton's ``JITFunction.run`` - what ``torch.library.triton_op``
-does, on a ``Library`` op. Outside it (the default), and on an older torch or under ``torch.export``
-with the decomposition disabled, the op stays opaque. Why opt-in: on the H200 (torch 2.11) it cuts
-the host cost of a compiled call without CUDA graphs (``capture_into`` 42 -> 26 us, ``route`` 145 ->
-29 us per layer call, ``benchmarks/bench_capture.py --host``), but under ``mode="reduce-overhead"``
-inductor then skips CUDA graphs ("mutated inputs"), which the opaque op keeps.
+before it is launched). Where the installed torch has ``torch.library.wrap_triton`` (2.6+), the op's
+functionalisation runs the launcher with ``wrap=wrap_triton`` on CUDA tensors, so ``torch.compile``
+records the Triton kernel itself (``triton_kernel_wrapper_functional``) and inductor launches it
+from its generated code, not through the op's Python kernel and Triton's ``JITFunction.run`` -
+what ``torch.library.triton_op`` does, on a ``Library`` op. On the H200 (torch 2.11) that halves
+the host cost of a compiled call without CUDA graphs (``capture_into`` 50 -> 26 us per layer call
+on one run's host, ``route`` 145 -> 29 us, ``benchmarks/bench_capture.py --host``), and under
+``mode="reduce-overhead"`` the graph keeps its CUDA graphs: torch's mutation analysis of the
+kernels reports exactly the tensors they write (``tests/test_triton_constants.py``).
+:func:`trace_triton_kernels` switches it (off, or on for CPU tensors where Triton is interpreted);
+on an older torch, and under ``torch.export`` with the decomposition disabled, the op stays opaque.
+
+:func:`eager_caller`: an eager call on plain CUDA tensors runs the op's CUDA kernel without the
+dispatcher's round trip, where the dispatcher would do nothing else.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ __all__ = [
     "HAS_WRAP_TRITON",
     "LIB",
     "destination_op",
+    "eager_caller",
     "identity",
     "reference_op",
     "trace_triton_kernels",
@@ -64,34 +69,33 @@ HAS_WRAP_TRITON = hasattr(torch.library, "wrap_triton") and hasattr(torch.librar
 _bump = torch.autograd.graph.increment_version
 
 
-# whether traced calls decompose into their Triton kernels (see trace_triton_kernels)
-_TRACE_KERNELS = [False]
+# the devices whose calls decompose into their Triton kernels when traced (see the module
+# docstring and trace_triton_kernels); "cpu" applies only where Triton is interpreted
+_TRACED_DEVICES = [("cuda",)]
 
 
 @contextlib.contextmanager
-def trace_triton_kernels():
+def trace_triton_kernels(enabled: bool = True):
     """Within this block, torch.compile traces calls of the traceable ops (capture, route,
-    route + capture) into their Triton kernels, which inductor then launches from its generated
-    code: on CUDA tensors, and on CPU tensors where Triton is interpreted (``TRITON_INTERPRET=1``;
-    for backends that run the graph, such as ``aot_eager``: inductor cannot launch a user Triton
-    kernel on the CPU). Off by default: see the module docstring (host cost of compiled calls
-    without CUDA graphs against CUDA graphs skipped under ``reduce-overhead``).
+    route + capture) into their Triton kernels (``enabled=True``: on CUDA tensors, as outside the
+    block, and on CPU tensors where Triton is interpreted, ``TRITON_INTERPRET=1``, for backends
+    that run the graph such as ``aot_eager``: inductor cannot launch a user Triton kernel on the
+    CPU), or keeps every call an opaque op (``enabled=False``).
 
     Only tracing reads it: a graph compiled inside the block keeps its kernels when run outside.
     Inside the block inductor's FX-graph and AOT-autograd caches are off: their keys hold the
     dynamo graph, which is the same with and without the flag (the op is decomposed below dynamo),
-    so a cached artifact would hand back the opaque op inside the block (measured on the H200: the
-    same host cost as outside), and one saved inside would hand the traced kernels, which make
-    ``reduce-overhead`` skip CUDA graphs, to compiles outside it.
-    A process-wide flag, not thread-safe: set it from the thread that compiles.
+    so a cached artifact would hand back the other form inside the block (measured on the H200:
+    the same host cost as outside), and one saved inside would hand this block's form to compiles
+    outside it. A process-wide flag, not thread-safe: set it from the thread that compiles.
     """
-    previous = _TRACE_KERNELS[0]
-    _TRACE_KERNELS[0] = True
+    previous = _TRACED_DEVICES[0]
+    _TRACED_DEVICES[0] = ("cuda", "cpu") if enabled else ()
     try:
         with _caches_off():
             yield
     finally:
-        _TRACE_KERNELS[0] = previous
+        _TRACED_DEVICES[0] = previous
 
 
 def _caches_off():
@@ -197,13 +201,65 @@ def destination_op(
     positions = _define(name, _schema_of(first, mutates, schema), mutates)
     cpu_kernel = interpreted if (interpreted is not None and interpreting()) else (cpu or cuda)
     if cuda is not None:
-        LIB.impl(name, _bumping(cuda, positions), "CUDA")
+        cuda_kernel = _bumping(cuda, positions)
+        LIB.impl(name, cuda_kernel, "CUDA")
+        _CUDA_KERNELS[name] = cuda_kernel
     LIB.impl(name, _bumping(cpu_kernel, positions), "CPU")
     torch.library.register_fake(f"moe_ops::{name}", fake or _no_op_fake, lib=LIB)
     if traceable is not None and HAS_WRAP_TRITON:
         # on the CPU the launcher is traced only where it is the CPU kernel (the interpreter)
         _register_triton_decomposition(name, traceable, cpu=interpreted is not None and interpreting())
     return getattr(torch.ops.moe_ops, name)
+
+
+# op name -> its CUDA kernel as registered (version bumps included), for eager_caller
+_CUDA_KERNELS: dict[str, Callable] = {}
+
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_profiling = torch._C._autograd._profiler_enabled
+_functorch = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def eager_caller(name: str) -> Callable:
+    """``f(*args)`` calling ``torch.ops.moe_ops.<name>``: on plain CUDA tensors outside any
+    tracing, it calls the op's CUDA kernel (the one the dispatcher would pick, version bumps
+    included) itself.
+
+    Why: the dispatcher's round trip into a Python kernel (boxing ten arguments, calling back
+    into Python) cost about 16 of the capture op's 70 us per call on the H200 machine's host. The
+    shortcut is taken only where the dispatcher would do nothing else: not under torch.compile
+    (dynamo folds ``is_compiling()``, so traced calls always see the op), no torch-dispatch mode
+    (FakeTensorMode, functionalisation, make_fx, export), no torch-function mode, no profiler
+    (it records the op by name), no functorch transform, every tensor argument a plain
+    ``torch.Tensor`` on CUDA that needs no gradient (autograd would see the op). Anything else
+    calls the op.
+    """
+    packet = getattr(torch.ops.moe_ops, name)
+    kernel = _CUDA_KERNELS.get(name)
+    if kernel is None:
+        return packet
+    schema = packet.default._schema
+    positions = tuple(
+        i for i, a in enumerate(schema.arguments) if str(a.type) in ("Tensor", "Optional[Tensor]", "Tensor?")
+    )
+
+    def call(*args):
+        if _is_compiling() or _dispatch_modes() or _function_modes() or _profiling() or _functorch():
+            return packet(*args)
+        grad = torch.is_grad_enabled()
+        for i in positions:
+            t = args[i]
+            if t is None:
+                continue
+            if type(t) is not _Tensor or not t.is_cuda or (grad and t.requires_grad):
+                return packet(*args)
+        return kernel(*args)
+
+    call.__name__ = name
+    return call
 
 
 def reference_op(name: str, twin: Callable, *, mutates: Iterable[str], schema: str | None = None):
@@ -260,10 +316,11 @@ def _wrap_triton(kernel):
 
 
 def _register_triton_decomposition(name: str, launcher: Callable, *, cpu: bool) -> None:
-    """Under functionalisation (torch.compile, export) inside :func:`trace_triton_kernels`, CUDA
-    calls of the op become the launcher's ``wrap_triton`` kernels: inductor then launches them from
-    its own code (torch.library.triton_op's rule, on a Library op). ``cpu``: CPU calls too (the
-    op's CPU kernel is the launcher, Triton interpreted)."""
+    """Under functionalisation (torch.compile, export), CUDA calls of the op (unless
+    :func:`trace_triton_kernels` turned it off) become the launcher's ``wrap_triton`` kernels:
+    inductor then launches them from its own code (torch.library.triton_op's rule, on a Library
+    op). ``cpu``: CPU calls too inside :func:`trace_triton_kernels` (the op's CPU kernel is the
+    launcher, Triton interpreted)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
@@ -278,9 +335,9 @@ def _register_triton_decomposition(name: str, launcher: Callable, *, cpu: bool) 
             disabled = False
         if any(not (issubclass(t, FakeTensor) or t in known) for t in types):
             return NotImplemented  # a tensor subclass: let it handle the op
-        if not _TRACE_KERNELS[0]:
+        devices = _TRACED_DEVICES[0] if cpu else tuple(d for d in _TRACED_DEVICES[0] if d != "cpu")
+        if not devices:
             return mode.__torch_dispatch__(op, types, args, kwargs)
-        devices = ("cuda", "cpu") if cpu else ("cuda",)
         traced = all(a.device.type in devices for a in args if isinstance(a, torch.Tensor))
         if disabled or not traced:
             return mode.__torch_dispatch__(op, types, args, kwargs)

@@ -175,20 +175,31 @@ def test_the_block_turns_the_compile_caches_off_and_restores_them():
     assert inductor_config.fx_graph_cache is False
 
 
-def test_outside_the_block_the_op_stays_opaque():
+def _opaque_capture_graphs() -> list[str]:
+    backend, graphs = _recording_backend()
+    torch._dynamo.reset()
+    compiled = torch.compile(_capture, backend=backend, fullgraph=True)
+    got, want = _capture_tensors(10, 0), _capture_tensors(10, 0)
+    compiled(got)
+    _capture(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    return graphs
+
+
+def test_outside_the_block_cpu_calls_stay_opaque():
     # the autouse fixture's block is open; leave it for this test by restoring the flag's default
     from moe_ops import _library
 
-    saved = _library._TRACE_KERNELS[0]
-    _library._TRACE_KERNELS[0] = False
+    saved = _library._TRACED_DEVICES[0]
+    _library._TRACED_DEVICES[0] = ("cuda",)
     try:
-        backend, graphs = _recording_backend()
-        torch._dynamo.reset()
-        compiled = torch.compile(_capture, backend=backend, fullgraph=True)
-        got, want = _capture_tensors(10, 0), _capture_tensors(10, 0)
-        compiled(got)
-        _capture(want)
-        assert all(torch.equal(got[k], want[k]) for k in want)
+        graphs = _opaque_capture_graphs()
         assert graphs and all("moe_ops.capture_routing_" in code and HOP not in code for code in graphs)
     finally:
-        _library._TRACE_KERNELS[0] = saved
+        _library._TRACED_DEVICES[0] = saved
+
+
+def test_the_block_with_enabled_false_keeps_the_op_opaque():
+    with trace_triton_kernels(False):
+        graphs = _opaque_capture_graphs()
+    assert graphs and all("moe_ops.capture_routing_" in code and HOP not in code for code in graphs)

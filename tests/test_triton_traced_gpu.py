@@ -62,3 +62,26 @@ def test_compiled_route_capture_equals_eager(cuda_device):
             assert torch.equal(got[name], want[name]), f"{name} differs from eager at n={n}"
         # the same kernel on the same floats under inductor's launch: weights to float32 rounding
         torch.testing.assert_close(got["weights"], want["weights"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("devices, traced", [(("cuda",), True), ((), False)])
+def test_cuda_calls_are_traced_by_default_and_opaque_when_turned_off(cuda_device, devices, traced):
+    """Outside any block (the default, ``("cuda",)``) CUDA calls become the Triton kernel;
+    ``trace_triton_kernels(False)`` (``()``) keeps the op."""
+    from moe_ops import _library
+
+    saved = _library._TRACED_DEVICES[0]
+    _library._TRACED_DEVICES[0] = devices
+    try:
+        backend, graphs = _recording_backend()
+        torch._dynamo.reset()
+        compiled = torch.compile(_capture, backend=backend, fullgraph=True)
+        got, want = _on(_capture_tensors(10, 0), cuda_device), _on(_capture_tensors(10, 0), cuda_device)
+        compiled(got)
+        _capture(want)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert graphs
+        for code in graphs:
+            assert (HOP in code) == traced and ("moe_ops.capture_routing_" in code) != traced, code
+    finally:
+        _library._TRACED_DEVICES[0] = saved

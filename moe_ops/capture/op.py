@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .._library import destination_op
+from .._library import destination_op, eager_caller
 from .._triton import HAS_TRITON
 from ..layout import BatchLayout
 from .errors import FAULT_SLOTS, FaultCounter, capture_error_counter
@@ -55,6 +55,8 @@ capture_routing_op = destination_op(
     traceable=capture_rows_triton if HAS_TRITON else None,
     schema=_SCHEMA,
 )
+# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._library)
+_capture_call = eager_caller("capture_routing_")
 
 
 @torch._dynamo.assume_constant_result
@@ -132,7 +134,7 @@ def capture_into(target: CaptureTarget, topk_ids: torch.Tensor) -> None:
         topk_ids = _gather_sequence_parallel(topk_ids, target.tp_group)
         target.check_ids(topk_ids)
     errors, stamps, step = target_tensors(target)
-    torch.ops.moe_ops.capture_routing_(
+    _capture_call(
         target.buffer,
         topk_ids,
         target.token_counts,

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .._library import destination_op, identity, reference_op
+from .._library import destination_op, eager_caller, identity, reference_op
 from .._triton import HAS_TRITON, triton_runs_on
 from ..capture.op import capture_into, target_tensors
 from ..capture.target import CaptureTarget
@@ -154,6 +154,9 @@ route_capture_op = destination_op(
 route_capture_reference_op = reference_op(
     "route_capture_", _route_capture_twin, mutates=_CAPTURE_MUTATES, schema=_CAPTURE_SCHEMA
 )
+# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._library)
+_route_call = eager_caller("route_")
+_route_capture_call = eager_caller("route_capture_")
 
 
 def choose_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
@@ -277,7 +280,7 @@ def route(
     route_args = (int(cfg.method), cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
     # the op runs the Triton kernel on CUDA (and on the CPU under the interpreter), the twin on the
     # CPU otherwise; the reference ops run the twin everywhere
-    route_ = torch.ops.moe_ops.route_ if use_triton else torch.ops.moe_ops.route_reference_
+    route_ = _route_call if use_triton else torch.ops.moe_ops.route_reference_
     if capture is None:
         route_(router_logits, bias, weights, ids, *route_args)
         return weights, ids
@@ -289,9 +292,7 @@ def route(
         capture_into(capture, ids)
         return weights, ids
     errors, stamps, step = target_tensors(capture)
-    route_capture = (
-        torch.ops.moe_ops.route_capture_ if use_triton else torch.ops.moe_ops.route_capture_reference_
-    )
+    route_capture = _route_capture_call if use_triton else torch.ops.moe_ops.route_capture_reference_
     route_capture(
         router_logits,
         bias,
