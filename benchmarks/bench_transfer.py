@@ -11,8 +11,10 @@ Each number is a ratio against a floor or peer measured in the same run:
   >= 0.8 from 8,192 tokens (an H200 copies about 54 GB/s device-to-pinned-host).
 - ``snapshot()`` host time: median ``time.perf_counter`` us per call at 1, 64, 1024, 8192 and 32768
   tokens, with and without layer stamps, for three pipelines: graphs with the runtime copy (the
-  default: ``cudaMemcpyAsync`` / ``cudaEventRecord`` through ctypes), graphs with torch's
-  ``copy_``, the direct launch with ``copy_``. ``idle_us`` times a call with nothing queued (the
+  default: ``cudaMemcpyAsync`` / ``cudaEventRecord`` and, where torch hands out the graph exec,
+  ``cudaGraphLaunch`` through ctypes: ``narrow_path`` "graph_launch"), graphs with torch's
+  ``copy_`` ("graph_replay"), the direct launch with ``copy_`` ("kernel"); each row names its
+  ``narrow_path``. ``idle_us`` times a call with nothing queued (the
   host's own cost; target <= 20 us at any size, 72 us at 1,024 tokens before the graphs),
   ``queued_us`` calls back to back behind the previous calls' copies, ``host_wait_us`` their
   difference (the host waiting for the device while it enqueues). Neither waits for a ring slot.
@@ -197,11 +199,21 @@ def snapshot_host_time(device: torch.device, sizes: list[int], reps: int) -> lis
     host = Table(
         f"snapshot() host time ({LAYERS}x{TOP_K} int32 -> {SHAPE.id_dtype}, ring 4, median us per call, "
         f"{device.type})",
-        ["tokens", "stamps", "pipeline", "idle_us", "queued_us", "host_wait_us", "in_flight", "target"],
+        [
+            "tokens",
+            "stamps",
+            "pipeline",
+            "narrow_path",
+            "idle_us",
+            "queued_us",
+            "host_wait_us",
+            "in_flight",
+            "target",
+        ],
     )
     build = Table(
         f"TransferPipeline construction ({max(sizes)} rows, ring 4, {device.type})",
-        ["stamps", "pipeline", "copy_path", "cuda_graphs", "ms"],
+        ["stamps", "pipeline", "narrow_path", "copy_path", "cuda_graphs", "ms"],
     )
     max_tokens = max(sizes)
     source = torch.randint(0, EXPERTS, (max_tokens, LAYERS, TOP_K), dtype=torch.int32, device=device)
@@ -211,8 +223,9 @@ def snapshot_host_time(device: torch.device, sizes: list[int], reps: int) -> lis
     want = source.cpu().numpy().astype(SHAPE.id_dtype)
     want_stamped = want.copy()
     want_stamped[:, (stamps != step).cpu().numpy()] = np.iinfo(SHAPE.id_dtype).max
-    # name -> TransferPipeline kwargs: graphs with the runtime copy (the default), graphs with
-    # torch's copy_ (the previous default), the direct launch with torch's copy_ (before graphs)
+    # name -> TransferPipeline kwargs: graphs with the runtime copy (the default: narrow_path
+    # "graph_launch" where torch has CUDAGraph.raw_cuda_graph_exec), graphs with torch's copy_
+    # ("graph_replay"), the direct launch with torch's copy_ ("kernel", before graphs)
     variants = (
         {
             "graphs+cudart": {},
@@ -233,7 +246,9 @@ def snapshot_host_time(device: torch.device, sizes: list[int], reps: int) -> lis
             if cuda:
                 torch.cuda.synchronize()
             ms = (time.perf_counter() - start) * 1e3
-            build.add(stamped, name, pipe.copy_path, sum(len(s.graphs) for s in pipe._slots), ms)
+            build.add(
+                stamped, name, pipe.narrow_path, pipe.copy_path, sum(len(s.graphs) for s in pipe._slots), ms
+            )
             pipes[stamped, name] = pipe
 
     def idle_us(pipe: TransferPipeline, n: int) -> float:
@@ -276,6 +291,7 @@ def snapshot_host_time(device: torch.device, sizes: list[int], reps: int) -> lis
                     n,
                     stamped,
                     name,
+                    pipe.narrow_path,
                     idle,
                     queued,
                     queued - idle,

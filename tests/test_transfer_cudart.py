@@ -126,6 +126,7 @@ def test_runtime_bindings_report_failures_with_the_runtime_message():
         "cudaMemcpyAsync": lambda: runtime.memcpy_d2h_async(0, 0, 16, 0),
         "cudaEventRecord": lambda: runtime.event_record(0, 0),
         "cudaStreamWaitEvent": lambda: runtime.stream_wait_event(0, 0),
+        "cudaGraphLaunch": lambda: runtime.graph_launch(0, 0),
     }
     for name, call in calls.items():
         with pytest.raises(RuntimeError) as err:

@@ -2,8 +2,9 @@
 
 CPU tests check the bucket rule and the ``graphs`` argument; the GPU tests compare every byte a
 graphed snapshot delivers with the source (row counts at every bucket edge, stamps, poisoned host
-and staging buffers, two threads), against the direct launch, and check that the caller's stream
-and device are restored and ``guard_source`` still orders the next step's writes.
+and staging buffers, two threads; launched through the runtime and replayed through torch), against
+the direct launch, and check that the caller's stream and device are restored and ``guard_source``
+still orders the next step's writes, on every ``narrow_path``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from strategies import bucket_row_counts
 
 from moe_ops import TransferPipeline
+from moe_ops.transfer import pipeline as pipeline_module
 from moe_ops.transfer.pipeline import graph_bucket, graph_buckets
 
 POISON = 0x5A  # neither a source id below 200 nor the stale fill (255)
@@ -72,7 +74,29 @@ def _edge_rows(max_rows: int) -> list[int]:
     return sorted(r for r in rows if 0 <= r <= max_rows)
 
 
-def _pipeline(device, *, stamped: bool, graphs, depth: int = 2):
+# narrow_path -> the TransferPipeline arguments that select it on a CUDA machine ("torch" also needs
+# Triton reported as not running on the device: _path_pipeline)
+PATH_KWARGS = {
+    "graph_launch": {"graphs": True},
+    "graph_replay": {"graphs": True, "cudart": False},
+    "kernel": {"graphs": False},
+    "torch": {"graphs": False},
+}
+
+
+def _path_pipeline(device, path: str, monkeypatch, *, stamped: bool, depth: int = 2):
+    """A pipeline on narrow path ``path``; skips graph_launch where this torch cannot hand out a
+    graph's exec."""
+    if path == "graph_launch" and not hasattr(torch.cuda.CUDAGraph, "raw_cuda_graph_exec"):
+        pytest.skip("this torch's CUDAGraph has no raw_cuda_graph_exec")
+    if path == "torch":  # the CUDA path without Triton: the PyTorch twin narrows
+        monkeypatch.setattr(pipeline_module, "triton_runs_on", lambda device: False)
+    pipe = _pipeline(device, stamped=stamped, depth=depth, **PATH_KWARGS[path])
+    assert pipe.narrow_path == path
+    return pipe
+
+
+def _pipeline(device, *, stamped: bool, graphs, depth: int = 2, cudart=None):
     g = torch.Generator().manual_seed(0)
     source = torch.randint(0, 200, (MAX_ROWS, LAYERS, TOP_K), generator=g, dtype=torch.int32).to(device)
     stamps = step = None
@@ -80,7 +104,7 @@ def _pipeline(device, *, stamped: bool, graphs, depth: int = 2):
         stamps = torch.tensor([4, 3, 4, 1, 4], dtype=torch.int32, device=device)  # layers 1, 3 stale
         step = torch.tensor([4], dtype=torch.int32, device=device)
     return TransferPipeline(
-        source, np.uint8, depth=depth, layer_stamps=stamps, step_tensor=step, graphs=graphs
+        source, np.uint8, depth=depth, layer_stamps=stamps, step_tensor=step, graphs=graphs, cudart=cudart
     )
 
 
@@ -101,10 +125,11 @@ def _poison(pipe: TransferPipeline) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("stamped", [False, True], ids=["plain", "stamps"])
-def test_graphed_snapshot_delivers_every_byte_at_every_bucket_edge(cuda_device, stamped):
-    pipe = _pipeline(cuda_device, stamped=stamped, graphs=True)
+@pytest.mark.parametrize("path", ["graph_launch", "graph_replay"])
+def test_graphed_snapshot_delivers_every_byte_at_every_bucket_edge(cuda_device, stamped, path, monkeypatch):
+    pipe = _path_pipeline(cuda_device, path, monkeypatch, stamped=stamped)
     direct = _pipeline(cuda_device, stamped=stamped, graphs=False)
-    assert pipe.graphed and not direct.graphed
+    assert pipe.graphed and not direct.graphed and direct.narrow_path == "kernel"
     assert all(sorted(s.graphs) == graph_buckets(MAX_ROWS) for s in pipe._slots)
     for n in _edge_rows(MAX_ROWS):
         _poison(pipe)
@@ -143,13 +168,11 @@ def test_graphed_snapshots_follow_the_source_and_the_stamps_at_copy_time(data):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [True, False, "torch-twin"])
-def test_two_threads_snapshotting_get_their_own_rows(cuda_device, graphs):
+@pytest.mark.parametrize("path", list(PATH_KWARGS))
+def test_two_threads_snapshotting_get_their_own_rows(cuda_device, path, monkeypatch):
     """Two threads, each on its own forward stream, share a depth-4 ring: every snapshot's bytes
     equal the source, and each thread's current stream is its own again after every call."""
-    pipe = _pipeline(cuda_device, stamped=True, graphs=graphs is True, depth=4)
-    if graphs == "torch-twin":
-        pipe._triton_narrow = False  # the CUDA path without Triton: the PyTorch twin narrows
+    pipe = _path_pipeline(cuda_device, path, monkeypatch, stamped=True, depth=4)
     expected = _expected(pipe, MAX_ROWS)
     torch.cuda.synchronize()
     errors: list[str] = []
@@ -200,11 +223,11 @@ def test_snapshot_restores_the_callers_stream_and_records_on_the_given_one(cuda_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", [True, False])
-def test_guard_source_orders_the_next_write_after_a_graphed_snapshot(cuda_device, graphs):
+@pytest.mark.parametrize("path", ["graph_launch", "graph_replay", "kernel"])
+def test_guard_source_orders_the_next_write_after_a_graphed_snapshot(cuda_device, path, monkeypatch):
     """The copy stream is held back; the next step's write after guard_source() must wait for the
     (graph) narrowing, so the snapshot still delivers the old rows, without a host wait."""
-    pipe = _pipeline(cuda_device, stamped=False, graphs=graphs)
+    pipe = _path_pipeline(cuda_device, path, monkeypatch, stamped=False)
     pipe.source.fill_(1)
     with pipe.snapshot(MAX_ROWS) as warm:
         warm.result()

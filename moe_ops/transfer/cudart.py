@@ -1,9 +1,12 @@
 """A few CUDA runtime calls through ctypes, on the libcudart that torch already loaded.
 
-The snapshot's D2H copy and event records are one runtime call each; through torch they cost more
-host time than the copy itself takes at small sizes (H200 machine, torch 2.11: ``copy_`` of a
-contiguous device slice into pinned memory 8.3 us of dispatch, ``Event.record`` 5.9 us). A ctypes
-call with declared ``argtypes`` costs well under a microsecond.
+The snapshot's D2H copy, event records and narrowing-graph launch are one runtime call each;
+through torch they cost more host time than the copy itself takes at small sizes (H200 machine,
+torch 2.11: ``copy_`` of a contiguous device slice into pinned memory 8.3 us of dispatch,
+``Event.record`` 5.9 us, a ``CUDAGraph.replay()`` on the copy stream inside
+``torch.cuda.stream(copy)`` 19.8 us, ``cudaGraphLaunch(exec, copy)`` through ctypes 2.76 us). A ctypes
+call with declared ``argtypes`` costs a microsecond or two there (``cudaEventRecord`` 1.5 us under
+cProfile).
 
 - :func:`find_loaded_library` reads ``/proc/self/maps`` (the libraries mapped into this process),
   as vLLM's ``CudaRTLibrary`` does; the file name must be ``libcudart.so``, ``libcudart.so.12``,
@@ -73,7 +76,8 @@ def find_loaded_library(name: str, maps: str | None = None) -> str | None:
 
 
 class CudaRuntime:
-    """``cudaMemcpyAsync``, ``cudaEventRecord`` and ``cudaStreamWaitEvent`` of one loaded libcudart.
+    """``cudaMemcpyAsync``, ``cudaEventRecord``, ``cudaStreamWaitEvent`` and ``cudaGraphLaunch`` of
+    one loaded libcudart.
 
     Thread-safe: the methods only call the runtime, whose calls are thread-safe; the instance holds
     no mutable state after construction.
@@ -104,6 +108,10 @@ class CudaRuntime:
         self._stream_wait_event = lib.cudaStreamWaitEvent
         self._stream_wait_event.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
         self._stream_wait_event.restype = ctypes.c_int
+        # cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream)
+        self._graph_launch = lib.cudaGraphLaunch
+        self._graph_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._graph_launch.restype = ctypes.c_int
         # const char* cudaGetErrorString(cudaError_t error)
         self._error_string = lib.cudaGetErrorString
         self._error_string.argtypes = [ctypes.c_int]
@@ -138,6 +146,19 @@ class CudaRuntime:
         error = self._stream_wait_event(stream, event, 0)
         if error:
             self._raise("cudaStreamWaitEvent", error)
+
+    def graph_launch(self, graph_exec: int, stream: int) -> None:
+        """Enqueues ``cudaGraphLaunch(graph_exec, stream)``: the instantiated graph's work runs on
+        ``stream``, after the work queued there before (``CUDAGraph.raw_cuda_graph_exec()`` handle;
+        the ``CUDAGraph`` owns the exec and must outlive every launch). Unlike
+        ``CUDAGraph.replay()`` it needs no current-stream switch, and it skips replay's RNG
+        prologue (correct only for graphs without RNG consumers). Call it with the graph's device
+        current, as ``replay()`` does (it sets it through a device guard). Launches of one exec
+        must not run concurrently from several threads (CUDA graph objects are not thread-safe):
+        the caller serialises them."""
+        error = self._graph_launch(graph_exec, stream)
+        if error:
+            self._raise("cudaGraphLaunch", error)
 
     def error_string(self, error: int) -> str:
         text = self._error_string(error)
