@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import Table, do_bench_median_us, graph_calls_us, graph_replay_us
-from benchmarks.host import host_us_per_call
+from benchmarks.host import host_us_per_call, launch_floor_us
 from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, option, sizes_option, switch
 from moe_ops import BatchLayout, capture_routing
 from moe_ops._library import HAS_WRAP_TRITON, trace_triton_kernels
@@ -197,6 +197,8 @@ def host_table(n: int, dp: int = 4) -> Table:
             if not torch.equal(buffer[:n, :COMPILED_LAYERS], expected[:, :COMPILED_LAYERS]):
                 raise AssertionError(f"{name} (opaque op) wrote wrong rows")
             table.add(name, "compiled, opaque op", us, "")
+    for mode, us in launch_floor_us(dev, LAYERS, COMPILED_LAYERS).items():
+        table.add("do-nothing Triton kernel, same arguments (floor)", mode, us, "")
     return table
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["host_us_per_call", "sync"]
+__all__ = ["host_us_per_call", "launch_floor_us", "sync"]
 
 
 def sync(device: torch.device) -> None:
@@ -39,3 +39,56 @@ def host_us_per_call(
         sync(device)
         times.append((time.perf_counter() - t0) * 1e6 / (iters * calls_per_fn))
     return statistics.median(times)
+
+
+def launch_floor_us(device: torch.device, layers: int, compiled_layers: int) -> dict[str, float]:
+    """Host us per launch of a do-nothing Triton kernel with the capture kernel's argument list
+    (7 tensors, 13 ints): through ``JITFunction.run`` and through the package's KernelLauncher
+    (eager, ``layers`` launches per call), and launched by inductor from a compiled function of
+    ``compiled_layers`` launches (``wrap_triton``, no CUDA graphs). The floor of any path that
+    issues one kernel per layer call. CUDA only (empty dict elsewhere)."""
+    if device.type != "cuda" or _floor_kernel is None:
+        return {}
+    from moe_ops._launcher import KernelLauncher
+
+    tensors = tuple(torch.zeros(16, dtype=torch.int32, device=device) for _ in range(7))
+    ints = (64, 256, 3, 3, 3, 488, 8, 1, 8, 1, 1, 1, 8)
+    args = tensors + ints
+    launcher = KernelLauncher(_floor_kernel)
+
+    def jit_run():
+        for _ in range(layers):
+            _floor_kernel[(1,)](*args, num_warps=4)
+
+    def prebound():
+        for _ in range(layers):
+            launcher((1,), args, {}, 4)
+
+    out = {
+        "eager, JITFunction.run": host_us_per_call(jit_run, device, calls_per_fn=layers),
+        "eager, KernelLauncher": host_us_per_call(prebound, device, calls_per_fn=layers),
+    }
+    if hasattr(torch.library, "wrap_triton"):
+        wrapped = torch.library.wrap_triton(_floor_kernel)
+
+        def inductor_launched(*tensors):
+            for _ in range(compiled_layers):
+                wrapped[(1,)](*tensors, *ints, num_warps=4)
+
+        compiled = torch.compile(inductor_launched, fullgraph=True)
+        out["compiled (no graphs)"] = host_us_per_call(
+            lambda: compiled(*tensors), device, calls_per_fn=compiled_layers
+        )
+    return out
+
+
+try:
+    import triton
+
+    @triton.jit
+    def _floor_kernel(p0, p1, p2, p3, p4, p5, p6, i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12):
+        """Does nothing; the capture kernel's argument list."""
+        pass
+
+except ImportError:  # pragma: no cover - no triton: no floor
+    _floor_kernel = None

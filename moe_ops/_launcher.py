@@ -25,6 +25,7 @@ raced by two threads compiles once in Triton's own cache and stores the same ker
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -32,17 +33,38 @@ import torch
 __all__ = ["KernelLauncher"]
 
 
-def _hooks_off() -> bool:
-    """True when no Triton launch hook is registered (Triton 3.6: None; 3.9: an empty chain)."""
+@functools.cache
+def _runtime_knobs():
+    """``triton.knobs.runtime`` (None: a Triton without knobs, where the shortcut is never used)."""
     try:
         from triton import knobs
     except ImportError:  # pragma: no cover - Triton before knobs: always JITFunction.run
+        return None
+    return knobs.runtime
+
+
+def _hooks_off() -> bool:
+    """True when no Triton launch hook is registered (Triton 3.6: None; 3.9: an empty chain)."""
+    runtime = _runtime_knobs()
+    if runtime is None:  # pragma: no cover
         return False
-    runtime = knobs.runtime
     for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return False
     return True
+
+
+def _device_and_stream():
+    """(current device index, raw current stream of a device): what Triton's CUDA driver reads
+    (``torch.cuda.current_device``, ``torch._C._cuda_getCurrentRawStream``), without the former's
+    lazy-init check, which a launch after the first (the one that compiled) does not need."""
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_device is None or get_stream is None:  # pragma: no cover - other torch builds
+        from triton.runtime import driver
+
+        return driver.active.get_current_device, driver.active.get_current_stream
+    return get_device, get_stream
 
 
 class KernelLauncher:
@@ -89,8 +111,8 @@ class KernelLauncher:
         for i, (t, (value, align)) in enumerate(zip(types, self._spec)):
             a = f"args[{i}]"
             if t is int:
-                # Triton's widths: i32, i64, u64
-                width = f"(-{1 << 31} <= {a} < {1 << 31}) + (-{1 << 63} <= {a} < {1 << 63})"
+                # Triton's widths: i32 (0), i64 (1), u64 (2); one comparison in the common case
+                width = f"(0 if -{1 << 31} <= {a} < {1 << 31} else 1 if -{1 << 63} <= {a} < {1 << 63} else 2)"
                 parts.append(f"{width}, {a} == 1, {a} % 16 == 0" if value else width)
             elif issubclass(t, torch.Tensor):
                 parts.append(f"{a}.dtype, {a}.data_ptr() % 16 == 0" if align else f"{a}.dtype")
@@ -110,10 +132,7 @@ class KernelLauncher:
             return
         driver = self._driver
         if driver is None:
-            from triton.runtime import driver as triton_driver
-
-            active = triton_driver.active
-            driver = self._driver = (active.get_current_device, active.get_current_stream)
+            driver = self._driver = _device_and_stream()
         device = driver[0]()
         key = self.key(args, constexprs, num_warps, device)
         hit = self._cache.get(key)

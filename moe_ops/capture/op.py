@@ -55,8 +55,9 @@ capture_routing_op = destination_op(
     traceable=capture_rows_triton if HAS_TRITON else None,
     schema=_SCHEMA,
 )
-# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._library)
-_capture_call = eager_caller("capture_routing_")
+# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._library); the
+# buffer and the ids are checked, the target validated the rest on the buffer's device
+_capture_call = eager_caller("capture_routing_", checked=(0, 1))
 
 
 @torch._dynamo.assume_constant_result

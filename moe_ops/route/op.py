@@ -154,9 +154,11 @@ route_capture_op = destination_op(
 route_capture_reference_op = reference_op(
     "route_capture_", _route_capture_twin, mutates=_CAPTURE_MUTATES, schema=_CAPTURE_SCHEMA
 )
-# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._library)
-_route_call = eager_caller("route_")
-_route_capture_call = eager_caller("route_capture_")
+# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._library): the
+# logits and the bias are checked; route made the outputs on their device, the target validated
+# the capture's tensors
+_route_call = eager_caller("route_", checked=(0, 1))
+_route_capture_call = eager_caller("route_capture_", checked=(0, 1))
 
 
 def choose_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
