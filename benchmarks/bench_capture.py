@@ -198,7 +198,7 @@ def host_table(n: int, dp: int = 4) -> Table:
                 raise AssertionError(f"{name} (opaque op) wrote wrong rows")
             table.add(name, "compiled, opaque op", us, "")
     for mode, us in launch_floor_us(dev, LAYERS, COMPILED_LAYERS).items():
-        table.add("do-nothing Triton kernel, same arguments (floor)", mode, us, "")
+        table.add("one-store Triton kernel, same arguments (floor)", mode, us, "")
     return table
 
 
