@@ -17,7 +17,6 @@ import gc
 import glob
 import os
 import re
-import threading
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from gpu_helpers import sleep_ms
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import bucket_row_counts
+from threads import run_threads
 
 from moe_ops import TransferPipeline
 from moe_ops.transfer.cudart import CudaRuntime, find_loaded_libraries, find_loaded_library, load_cudart
@@ -238,12 +238,7 @@ def test_two_threads_on_the_runtime_path_get_their_own_rows(cuda_device):
                     errors.append(f"snapshot {h.seq} ({n} rows) returned wrong rows")
                 h.release()
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)
+    run_threads(worker, 2)
     assert errors == []
     assert pipe.in_flight == 0
 

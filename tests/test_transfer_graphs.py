@@ -9,7 +9,6 @@ still orders the next step's writes, on every ``narrow_path``.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -19,6 +18,7 @@ from gpu_helpers import sleep_ms
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import bucket_row_counts
+from threads import run_threads
 
 from moe_ops import TransferPipeline
 from moe_ops.transfer import pipeline as pipeline_module
@@ -190,12 +190,7 @@ def test_two_threads_snapshotting_get_their_own_rows(cuda_device, path, monkeypa
                     errors.append(f"snapshot {h.seq} ({n} rows) returned wrong rows")
                 h.release()
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)
+    run_threads(worker, 2)
     assert errors == []
     assert pipe.in_flight == 0
 

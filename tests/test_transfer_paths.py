@@ -22,6 +22,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import bucket_row_counts
+from threads import run_threads
 
 from moe_ops import TransferPipeline
 from moe_ops.transfer import pipeline as pipeline_module
@@ -375,12 +376,7 @@ def test_two_threads_on_the_graph_launch_path_get_their_own_rows(cuda_device):
                     errors.append(f"snapshot {h.seq} ({n} rows) returned wrong rows")
                 h.release()
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)
+    run_threads(worker, 2)
     assert errors == []
     assert pipe.in_flight == 0
 
