@@ -14,13 +14,18 @@ parameter is specialised, whether it equals 1 and whether it is a multiple of 16
 anything else. That is every property Triton 3.x specialises on, so a key is never shared by two of
 Triton's specialisations. The first call of a key goes through ``JITFunction.run`` (which compiles,
 launches and returns the kernel); later calls call the kernel's launcher directly, passing what
-``JITFunction.run`` passes.
+``JITFunction.run`` passes. "Every property": for NVIDIA's backend; the shortcut is used only where
+Triton's active target is CUDA (AMD's backend also specialises on a tensor's storage size).
 
 Falls back to ``JITFunction.run`` on every call where the shortcut could differ: Triton launch
-hooks registered (profilers such as proton read the launch metadata that only ``run`` builds), a
-Triton without ``knobs`` or ``CompiledKernel.packed_metadata``, or a kernel whose constexpr
-parameters are not the last ones. Thread-safe: the cache is a dict written under a lock; a miss
-raced by two threads compiles once in Triton's own cache and stores the same kernel.
+hooks registered (profilers such as proton read the launch metadata that only ``run`` builds),
+Triton's debug mode, an instrumentation mode, a stages-inspection hook, the kernel's pre-run hooks
+(each changes what ``run`` compiles or does per launch), a Triton without ``knobs`` or
+``CompiledKernel.packed_metadata``, an interpreted kernel (``TRITON_INTERPRET=1``). A kernel whose
+constexpr parameters are not its last ones is refused at construction. Constexpr values are keyed
+with their type (``True``, ``1`` and ``1.0`` are three keys, as they are to Triton). Thread-safe:
+the cache is a dict written under a lock; a miss raced by two threads may compile twice in
+Triton's own cache (harmless: both store a kernel of the same specialisation).
 """
 
 from __future__ import annotations
@@ -43,15 +48,35 @@ def _runtime_knobs():
     return knobs.runtime
 
 
+@functools.cache
+def _compilation_knobs():
+    from triton import knobs
+
+    return getattr(knobs, "compilation", None)
+
+
 def _hooks_off() -> bool:
-    """True when no Triton launch hook is registered (Triton 3.6: None; 3.9: an empty chain)."""
+    """True when nothing makes ``JITFunction.run`` do more than launch the cached kernel: no launch
+    hook (Triton 3.6: None; 3.9: an empty chain), no debug mode, no stages-inspection hook, no
+    instrumentation mode."""
     runtime = _runtime_knobs()
     if runtime is None:  # pragma: no cover
         return False
     for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return False
-    return True
+    if getattr(runtime, "debug", False) or getattr(runtime, "add_stages_inspection_hook", None) is not None:
+        return False
+    compilation = _compilation_knobs()
+    return not (compilation is not None and getattr(compilation, "instrumentation_mode", ""))
+
+
+@functools.cache
+def _cuda_target() -> bool:
+    """True where Triton's active backend is NVIDIA's (ROCm torch also calls its devices cuda)."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_target().backend == "cuda"
 
 
 def _device_and_stream():
@@ -78,11 +103,16 @@ class KernelLauncher:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        params = list(kernel.params)
+        # an interpreted kernel (TRITON_INTERPRET=1) has no parameters to read and no compiled
+        # kernel to reuse: every call goes through its own run
+        params = list(getattr(kernel, "params", ()))
         first_constexpr = next((i for i, p in enumerate(params) if p.is_constexpr), len(params))
         runtime = params[:first_constexpr]
-        # the shortcut appends the constexpr values after the runtime arguments
-        self.usable = all(p.is_constexpr for p in params[first_constexpr:])
+        if not all(p.is_constexpr for p in params[first_constexpr:]):
+            # the shortcut appends the constexpr values after the runtime arguments
+            names = [p.name for p in params]
+            raise ValueError(f"KernelLauncher needs the constexpr parameters last, got {names}")
+        self.usable = hasattr(kernel, "params")
         self.constexpr_names = tuple(p.name for p in params[first_constexpr:])
         # per runtime argument: (specialised on its value, specialised on its alignment)
         self._spec = tuple((not p.do_not_specialize, not p.do_not_specialize_on_alignment) for p in runtime)
@@ -107,10 +137,11 @@ class KernelLauncher:
         """The key as one generated expression for arguments of these types (about 3.5 us of
         Python per launch as a loop over 20 arguments, 1 us generated, on a 2-core CI host)."""
         parts = ["token", "device", "num_warps"]
-        parts += [f"constexprs[{name!r}]" for name in self.constexpr_names]
+        for name in self.constexpr_names:
+            parts.append(f"type(constexprs[{name!r}]), constexprs[{name!r}]")
         for i, (t, (value, align)) in enumerate(zip(types, self._spec)):
             a = f"args[{i}]"
-            if t is int:
+            if issubclass(t, int) and t is not bool:  # an IntEnum is specialised by its value too
                 # Triton's widths: i32 (0), i64 (1), u64 (2); one comparison in the common case
                 width = f"(0 if -{1 << 31} <= {a} < {1 << 31} else 1 if -{1 << 63} <= {a} < {1 << 63} else 2)"
                 parts.append(f"{width}, {a} == 1, {a} % 16 == 0" if value else width)
@@ -124,12 +155,17 @@ class KernelLauncher:
         return scope["key"]
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int) -> None:
+        if not (
+            self.usable
+            and _hooks_off()
+            and not getattr(self.kernel, "pre_run_hooks", None)
+            and _cuda_target()
+        ):
+            self.kernel[grid](*args, **constexprs, num_warps=num_warps)
+            return
         if len(args) != len(self._spec):
             name = self.kernel.fn.__name__
             raise TypeError(f"{name} takes {len(self._spec)} runtime arguments, got {len(args)}")
-        if not (self.usable and _hooks_off()):
-            self.kernel[grid](*args, **constexprs, num_warps=num_warps)
-            return
         driver = self._driver
         if driver is None:
             driver = self._driver = _device_and_stream()

@@ -89,6 +89,8 @@ def trace_triton_kernels(enabled: bool = True):
     the same host cost as outside), and one saved inside would hand this block's form to compiles
     outside it. A process-wide flag, not thread-safe: set it from the thread that compiles.
     """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False, got {enabled!r}")
     previous = _TRACED_DEVICES[0]
     _TRACED_DEVICES[0] = ("cuda", "cpu") if enabled else ()
     try:
@@ -170,6 +172,7 @@ def destination_op(
     cpu: Callable | None = None,
     interpreted: Callable | None = None,
     traceable: Callable | None = None,
+    kernels: Iterable = (),
     fake: Callable | None = None,
     schema: str | None = None,
 ):
@@ -185,6 +188,10 @@ def destination_op(
             None: ``cpu``.
         traceable: a launcher ``f(*op_args, wrap=...)`` (see the module docstring); None: the op is
             opaque to torch.compile on every device.
+        kernels: the ``@triton.jit`` kernels ``traceable`` launches. Registered where
+            ``torch.library.triton_op`` registers its kernels, so that the compile caches' keys
+            (AOT autograd's) hash their source: without it a cached graph would hand back a traced
+            kernel's old code after the kernel changed.
         fake: the fake kernel; None: a generated no-op (the op returns nothing).
         schema: the schema, e.g. ``"(Tensor(a!) out, int n) -> ()"``; None: inferred from the
             annotations of ``cuda`` (else ``cpu``).
@@ -203,10 +210,22 @@ def destination_op(
         _CUDA_KERNELS[name] = cuda_kernel
     LIB.impl(name, _bumping(cpu_kernel, positions), "CPU")
     torch.library.register_fake(f"moe_ops::{name}", fake or _no_op_fake, lib=LIB)
+    if kernels:
+        _register_kernels(name, kernels)
     if traceable is not None and HAS_WRAP_TRITON:
         # on the CPU the launcher is traced only where it is the CPU kernel (the interpreter)
         _register_triton_decomposition(name, traceable, cpu=interpreted is not None and interpreting())
     return getattr(torch.ops.moe_ops, name)
+
+
+def _register_kernels(name: str, kernels: Iterable) -> None:
+    if interpreting():  # interpreted kernels have no source object to hash (and compile nothing)
+        return
+    try:
+        from torch._library.triton import triton_ops_to_kernels
+    except ImportError:  # pragma: no cover - a torch without triton_op (before 2.6)
+        return
+    triton_ops_to_kernels[f"moe_ops::{name}"] = list(kernels)
 
 
 # op name -> its CUDA kernel as registered (version bumps included), for eager_caller
@@ -218,6 +237,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _profiling = torch._C._autograd._profiler_enabled
 _functorch = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_jit_tracing = torch._C._get_tracing_state
 
 
 def eager_caller(name: str, checked: tuple[int, ...] | None = None) -> Callable:
@@ -230,7 +250,7 @@ def eager_caller(name: str, checked: tuple[int, ...] | None = None) -> Callable:
     shortcut is taken only where the dispatcher would do nothing else: not under torch.compile
     (dynamo folds ``is_compiling()``, so traced calls always see the op), no torch-dispatch mode
     (FakeTensorMode, functionalisation, make_fx, export), no torch-function mode, no profiler
-    (it records the op by name), no functorch transform, every tensor argument a plain
+    (it records the op by name), no functorch transform, no ``torch.jit.trace``, every tensor argument a plain
     ``torch.Tensor`` on CUDA that needs no gradient (autograd would see the op). Anything else
     calls the op.
 
@@ -249,6 +269,8 @@ def eager_caller(name: str, checked: tuple[int, ...] | None = None) -> Callable:
 
     def call(*args):
         if _is_compiling() or _dispatch_modes() or _function_modes() or _profiling() or _functorch():
+            return packet(*args)
+        if _jit_tracing() is not None:  # torch.jit.trace records ops the dispatcher sees
             return packet(*args)
         grad = torch.is_grad_enabled()
         for i in positions:

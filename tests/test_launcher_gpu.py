@@ -167,3 +167,17 @@ def test_public_calls_take_the_direct_path_and_route_with_grad_takes_the_op(cuda
     w2, i2 = route(logits.clone().requires_grad_(), 4, RoutingMethod.RENORMALIZE)
     assert torch.equal(i, i2)
     assert torch.equal(w, w2)
+
+
+def test_jit_trace_records_the_op(cuda_device, counted):
+    call, calls = counted
+    buffer, ids, counts = _capture_case(cuda_device, 0, torch.int32, 1)
+    args = _args(buffer, ids, counts, 0)
+
+    def step(buffer, ids):
+        call(buffer, ids, *args[2:])
+        return buffer
+
+    traced = torch.jit.trace(step, (buffer, ids), check_trace=False)
+    assert calls == []
+    assert "capture_routing_" in str(traced.graph)

@@ -77,7 +77,18 @@ for method, capture, const in itertools.product(
               HAS_OFFSET=True, STAMP=True)
     build(f"route {method.name} capture={capture} constants={const}", _route_kernel, route_ptrs, sc,
           ce, const)
-print(json.dumps({"compiled": results, "written": written}))
+# what the compile caches' keys hash for each traced op: its kernels' source, helpers included
+import moe_ops  # noqa: F401,E402 - registers the ops
+from torch._library.triton import get_triton_kernels_for_op
+from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+cache_sources = {}
+for op in ("capture_routing_", "route_", "route_capture_"):
+    found = get_triton_kernels_for_op(f"moe_ops::{op}")
+    source = "".join(user_defined_triton_kernel_transitive_closure_source_code(k) for k in found)
+    cache_sources[op] = dict(kernels=[k.fn.__name__ for k in found],
+                             helpers=[h for h in ("rows_window", "record_faults", "checked_ids",
+                                                  "topk_rounds") if f"def {h}(" in source])
+print(json.dumps({"compiled": results, "written": written, "cache": cache_sources}))
 """
 
 
@@ -135,3 +146,17 @@ def test_route_kernel_writes_only_its_outputs(written):
     }
     wrong = {k: v for k, v in cases.items() if v != expected["capture=True" in k]}
     assert not wrong, wrong
+
+
+def test_traced_ops_register_their_kernels_for_the_compile_cache_keys(ttir_results):
+    """AOT autograd's cache key hashes the source of the kernels registered for an op (what
+    torch.library.triton_op registers): the kernel and every helper it calls, so an edit to the
+    window rule or a fault helper cannot bring back a cached graph with the old kernel."""
+    cache = ttir_results["cache"]
+    assert cache["capture_routing_"] == dict(
+        kernels=["_capture_rows_kernel"], helpers=["rows_window", "record_faults", "checked_ids"]
+    )
+    for op in ("route_", "route_capture_"):
+        assert cache[op] == dict(
+            kernels=["_route_kernel"], helpers=["rows_window", "record_faults", "topk_rounds"]
+        )

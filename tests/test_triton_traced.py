@@ -203,3 +203,9 @@ def test_the_block_with_enabled_false_keeps_the_op_opaque():
     with trace_triton_kernels(False):
         graphs = _opaque_capture_graphs()
     assert graphs and all("moe_ops.capture_routing_" in code and HOP not in code for code in graphs)
+
+
+@pytest.mark.parametrize("bad", ["off", 0, None])
+def test_the_block_takes_a_bool_only(bad):
+    with pytest.raises(TypeError, match="enabled must be True or False"), trace_triton_kernels(bad):
+        pass

@@ -17,6 +17,9 @@ from .._triton import HAS_TRITON
 from ..layout import BatchLayout
 from .errors import FAULT_SLOTS, FaultCounter, capture_error_counter
 from .kernels import capture_rows_torch, capture_rows_triton
+
+if HAS_TRITON:
+    from .kernels import _capture_rows_kernel as capture_kernel
 from .target import CaptureTarget
 
 __all__ = ["capture_into", "capture_routing", "target_tensors", "tp_world_size"]
@@ -53,6 +56,7 @@ capture_routing_op = destination_op(
     cpu=capture_rows_torch,
     interpreted=capture_rows_triton if HAS_TRITON else None,
     traceable=capture_rows_triton if HAS_TRITON else None,
+    kernels=(capture_kernel,) if HAS_TRITON else (),
     schema=_SCHEMA,
 )
 # eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._library); the

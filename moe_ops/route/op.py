@@ -19,6 +19,9 @@ from ..capture.op import capture_into, target_tensors
 from ..capture.target import CaptureTarget
 from ..layout import BatchLayout
 from .kernels import TRITON_MAX_TILE, FusedCapture, route_rows_torch, route_rows_triton, tile_shape
+
+if HAS_TRITON:
+    from .kernels import _route_kernel
 from .methods import RouteConfig, RoutingMethod, validate_route_args
 from .policy import auto_uses_flashinfer
 
@@ -134,7 +137,9 @@ _CAPTURE_SCHEMA = torch.library.infer_schema(_route_capture_twin, mutates_args=_
 # CUDA: the Triton router (inductor launches it from its own code under torch.compile); CPU: the
 # twin, or the kernel where Triton is interpreted on the CPU. backend="torch" where the kernel would
 # run takes the *_reference op (moe_ops._library says why it is an op).
-_TRITON = dict(cuda=_route, interpreted=_route, traceable=_route)
+# the kernel the traced launchers launch (for the compile caches' keys; moe_ops._library)
+_KERNELS = (_route_kernel,) if HAS_TRITON else ()
+_TRITON = dict(cuda=_route, interpreted=_route, traceable=_route, kernels=_KERNELS)
 route_op = destination_op(
     "route_",
     mutates=_ROUTE_MUTATES,
@@ -143,7 +148,9 @@ route_op = destination_op(
     **(_TRITON if HAS_TRITON else {}),
 )
 route_reference_op = reference_op("route_", _route_twin, mutates=_ROUTE_MUTATES, schema=_ROUTE_SCHEMA)
-_TRITON_CAPTURE = dict(cuda=_route_capture, interpreted=_route_capture, traceable=_route_capture)
+_TRITON_CAPTURE = dict(
+    cuda=_route_capture, interpreted=_route_capture, traceable=_route_capture, kernels=_KERNELS
+)
 route_capture_op = destination_op(
     "route_capture_",
     mutates=_CAPTURE_MUTATES,
@@ -155,10 +162,10 @@ route_capture_reference_op = reference_op(
     "route_capture_", _route_capture_twin, mutates=_CAPTURE_MUTATES, schema=_CAPTURE_SCHEMA
 )
 # eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._library): the
-# logits and the bias are checked; route made the outputs on their device, the target validated
-# the capture's tensors
+# logits, the bias and the capture buffer are checked; route made the outputs on their device, the
+# target validated the count tensors (int32: no gradient) on the buffer's device
 _route_call = eager_caller("route_", checked=(0, 1))
-_route_capture_call = eager_caller("route_capture_", checked=(0, 1))
+_route_capture_call = eager_caller("route_capture_", checked=(0, 1, 4))
 
 
 def choose_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
