@@ -250,9 +250,10 @@ def eager_caller(name: str, checked: tuple[int, ...] | None = None) -> Callable:
     shortcut is taken only where the dispatcher would do nothing else: not under torch.compile
     (dynamo folds ``is_compiling()``, so traced calls always see the op), no torch-dispatch mode
     (FakeTensorMode, functionalisation, make_fx, export), no torch-function mode, no profiler
-    (it records the op by name), no functorch transform, no ``torch.jit.trace``, every tensor argument a plain
-    ``torch.Tensor`` on CUDA that needs no gradient (autograd would see the op). Anything else
-    calls the op.
+    (it records the op by name), no functorch transform, no ``torch.jit.trace``, every tensor
+    argument a plain ``torch.Tensor`` on CUDA that needs no gradient (autograd would see the op).
+    Anything else calls the op. The kernel is the one registered when the op was defined: a later
+    ``torch.library`` override of the op's CUDA kernel is seen by the op, not by this shortcut.
 
     ``checked``: the positions of the tensor arguments to check (None: every tensor argument);
     a caller that built the others itself, on the checked tensors' device, passes the rest.
