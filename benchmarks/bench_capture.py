@@ -31,8 +31,10 @@ from benchmarks.host import host_us_per_call, launch_floor_us
 from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, option, sizes_option, switch
 from moe_ops import BatchLayout, capture_routing
 from moe_ops._library import HAS_WRAP_TRITON, trace_triton_kernels
-from moe_ops.capture.op import capture_into
+from moe_ops.capture.kernels import checked_ids_torch, fault_delta, id_limit
+from moe_ops.capture.op import capture_into, target_tensors
 from moe_ops.capture.target import CaptureTarget
+from moe_ops.capture.window import rows_window_torch
 
 LAYERS, TOP_K, MAX_TOKENS = 61, 8, 8192
 
@@ -117,6 +119,35 @@ def capture(cases, run) -> list[Table]:
 
 
 EAGER_TARGET_US, COMPILED_TARGET_US = 25.0, 5.0
+# rows of the buffer in the "full-size buffer" rows: a serving engine's capacity, not the step's
+FULL_BUFFER_ROWS = 32768
+
+
+def decomposed_capture(target: CaptureTarget, topk_ids: torch.Tensor) -> None:
+    """The capture written as PyTorch ops that inductor can fuse (a what-if peer, not a shipped
+    path): the row rule's twin, then an ``index_put_`` into the buffer itself (inductor writes it
+    in place; a ``copy_`` into a slice view made it rewrite the whole buffer), the fault delta and
+    the stamp. Same writes as the op for valid ids; here to show how many kernels inductor makes of
+    it (one per layer: it does not fuse scatters whose rows come from device values)."""
+    buffer = target.buffer
+    errors, stamps, step = target_tensors(target)
+    n_src, n_dst = topk_ids.shape[0], buffer.shape[0]
+    start, c_eff, flags = rows_window_torch(
+        target.token_counts, target.sizes, target.dp_rank, target.n_first, n_src, n_dst
+    )
+    window = min(n_src, n_dst)
+    rows = torch.arange(window, device=buffer.device)
+    valid = rows < c_eff
+    ids, bad = checked_ids_torch(topk_ids[(start + rows).clamp(max=n_src - 1)], id_limit(buffer.dtype))
+    layer = torch.tensor(target.layer_id, device=buffer.device)
+    cols = torch.arange(topk_ids.shape[1], device=buffer.device)
+    values = torch.where(valid[:, None], ids.to(buffer.dtype), buffer[:window, target.layer_id])
+    buffer.index_put_((rows[:, None], layer, cols[None, :]), values)
+    errors.add_(fault_delta(flags, (bad & valid[:, None]).sum()))
+    if stamps.numel():
+        stamps.index_put_((layer,), step[0])
+
+
 # layers of the compiled function: inductor compiles each launch apart, and 61 layers x 4 paths
 # took too long on the H200; per-layer host cost does not depend on the depth
 COMPILED_LAYERS = 16
@@ -162,27 +193,38 @@ def host_table(n: int, dp: int = 4) -> Table:
         for layer in range(len(ids)):
             buffer[:n, layer] = ids[layer][start : start + n]
 
+    def decomposed_all(buffer, *ids):
+        for layer in range(len(ids)):
+            decomposed_capture(targets[layer], ids[layer])
+
+    full = torch.zeros(max(rows, FULL_BUFFER_ROWS), LAYERS, TOP_K, dtype=torch.int32, device=dev)
     expected = torch.stack([i[start : start + n] for i in ids], dim=1)
+    # name -> (function, ours, eager too, buffer)
     paths = {
-        "capture_routing": (capture_routing_all, True),
-        "capture_into(prebuilt target)": (capture_into_all, True),
-        "vllm host-offset slice copy": (vllm_copy_all, False),
-        "plain slice copy": (plain_copy_all, False),
+        "capture_routing": (capture_routing_all, True, True, buffer),
+        "capture_into(prebuilt target)": (capture_into_all, True, True, buffer),
+        "vllm host-offset slice copy": (vllm_copy_all, False, True, buffer),
+        "plain slice copy": (plain_copy_all, False, True, buffer),
+        # inductor fuses the layers' slice copies into one kernel that rewrites the whole buffer:
+        # cheap on the host, and on the device it grows with the buffer, not the step
+        f"plain slice copy, {full.shape[0]}-row buffer": (plain_copy_all, False, False, full),
+        "PyTorch decomposition (inductor's kernels)": (decomposed_all, False, False, buffer),
     }
-    for name, (fn, ours) in paths.items():
+    for name, (fn, ours, with_eager, buf) in paths.items():
         compiled = torch.compile(fn, fullgraph=True)
-        modes = {"eager": (fn, LAYERS), "compiled (no graphs)": (compiled, COMPILED_LAYERS)}
+        modes = {"eager": (fn, LAYERS)} if with_eager else {}
+        modes["compiled (no graphs)"] = (compiled, COMPILED_LAYERS)
         for mode, (f, layers) in modes.items():
-            buffer.zero_()
+            buf.zero_()
             xs = ids[:layers]
-            us = host_us_per_call(lambda f=f, xs=xs: f(buffer, *xs), dev, calls_per_fn=layers)
-            if not torch.equal(buffer[:n, :layers], expected[:, :layers]):
+            us = host_us_per_call(lambda f=f, xs=xs, buf=buf: f(buf, *xs), dev, calls_per_fn=layers)
+            if not torch.equal(buf[:n, :layers], expected[:, :layers]):
                 raise AssertionError(f"{name} ({mode}) wrote wrong rows")
             target = (EAGER_TARGET_US if mode == "eager" else COMPILED_TARGET_US) if ours else ""
             table.add(name, mode, us, target)
         if dev.type == "cuda":
             xs = ids[:COMPILED_LAYERS]
-            per_call = graph_calls_us({name: lambda: compiled(buffer, *xs)}, calls=1, replays=20)
+            per_call = graph_calls_us({name: lambda buf=buf: compiled(buf, *xs)}, calls=1, replays=20)
             table.add(name, "in CUDA graph (device)", per_call[name] / COMPILED_LAYERS, "")
         if ours and dev.type == "cuda" and HAS_WRAP_TRITON:
             # for comparison, the opaque op: inductor calls the op's Python kernel (moe_ops._library;
