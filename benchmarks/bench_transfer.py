@@ -20,6 +20,12 @@ Each number is a ratio against a floor or peer measured in the same run:
   difference (the host waiting for the device while it enqueues). Neither waits for a ring slot.
   On CPU the same table times the synchronous copy (context, no target). With the pipelines'
   construction time (the graphs are captured there).
+- ``snapshot()`` host time by the host's state (CUDA): the default pipeline's ``idle_us`` at 1,024
+  and 32,768 tokens when the call follows ``synchronize()`` (as above), polling the previous
+  handle until it is ready, or a 16 MB write to host memory (what the previous 32,768-token step's
+  copy does to the CPU caches); beside it, the same condition's time of a host-only reference (a
+  Python loop over 256 small objects, no CUDA call). Where both grow by the same factor, the
+  growth is the host's state, not work that ``snapshot()`` does per byte.
 - Compute-loop slowdown: a loop of GEMM "steps" with ``set_step`` each step, with and without a
   snapshot per step consumed one step later. Target <= 1.02x. Blocks of 25 steps, timed on the
   device, alternate A B / B A; the paired slowdown is the median over trials of (snapshot block /
@@ -535,6 +541,65 @@ def ledger_lock_cost(steps: int) -> Table:
     needs="cpu",
     options=[sizes_option("--d2h-sizes", BENCH_SIZES["transfer"], "D2H copy sizes in tokens")],
 )
+class _Counter:
+    __slots__ = ("x",)
+
+    def __init__(self):
+        self.x = 0
+
+
+def snapshot_host_state(sizes: list[int], reps: int) -> Table:
+    """The default pipeline's ``snapshot()`` host time (and a host-only reference's) after each of
+    three host states; see the module docstring. Rows are checked once per size."""
+    table = Table(
+        f"snapshot() host time by host state ({LAYERS}x{TOP_K} int32 -> {SHAPE.id_dtype}, default pipeline, "
+        "median us per call)",
+        ["tokens", "before the call", "snapshot_us", "host_only_ref_us"],
+    )
+    source = torch.randint(0, EXPERTS, (max(sizes), LAYERS, TOP_K), dtype=torch.int32, device="cuda")
+    pipe = TransferPipeline(source, SHAPE.id_dtype, depth=4)
+    polluter = np.zeros(16 << 20, np.uint8)
+    objects = [_Counter() for _ in range(256)]
+
+    def host_only():
+        for o in objects:
+            o.x += 1
+
+    def prepare(state: str, previous):
+        if state == "polled previous handle":
+            while not previous.ready():
+                pass
+            previous.release()
+            return
+        previous.release()
+        pipe.synchronize()
+        if state == "synchronize + 16 MB host write":
+            polluter.fill(1)
+
+    clock = time.perf_counter
+    for n in sizes:
+        with pipe.snapshot(n) as h:
+            assert np.array_equal(h.result(copy=False), source[:n].cpu().numpy().astype(SHAPE.id_dtype))
+        for state in ("synchronize", "polled previous handle", "synchronize + 16 MB host write"):
+            snap, ref = [], []
+            previous = pipe.snapshot(n)
+            for _ in range(reps):
+                prepare(state, previous)
+                start = clock()
+                previous = pipe.snapshot(n)
+                snap.append(clock() - start)
+            for _ in range(reps):
+                prepare(state, previous)
+                start = clock()
+                host_only()
+                ref.append(clock() - start)
+                previous = pipe.snapshot(n)  # the next round finds the same copy landing
+            previous.release()
+            pipe.synchronize()
+            table.add(n, state, statistics.median(snap) * 1e6, statistics.median(ref) * 1e6)
+    return table
+
+
 def transfer(cases, run) -> list[Table]:
     """Bytes per step, D2H bandwidth, snapshot() host time, compute slowdown, store, wire, ledger."""
     for case in cases:  # the module's constants are the measured shape: the case's test covers it
@@ -545,6 +610,7 @@ def transfer(cases, run) -> list[Table]:
     if torch.cuda.is_available():
         tables.append(d2h_bandwidth(list(run.d2h_sizes), reps=reps, trials=5 if run.quick else 9))
         tables.extend(snapshot_host_time(torch.device("cuda"), SNAPSHOT_SIZES, reps=25 if run.quick else 100))
+        tables.append(snapshot_host_state([1024, REQUEST_TOKENS], reps=100 if run.quick else 400))
         tables.append(narrow_kernel())
         tables.append(compute_slowdown(steps=25, trials=8 if run.quick else 41, gemms=8))
     else:
