@@ -7,8 +7,10 @@ write of the same bytes). Target: capture within 1.1x of that copy inside the gr
 Host mode (``--host``; runs on the CPU too): wall clock per layer call, GATHERED 61x8, eager /
 torch.compile(fullgraph=True) without CUDA graphs / inside a CUDA graph (CUDA only), each beside
 its peers - a vLLM-style host-offset slice copy (the rank's offset summed on the host from host
-counts, as vLLM's capturer does) and a plain slice copy (offset a Python constant) - with the
-targets: compiled <= 5 us, eager <= 25 us per capture call.
+counts, as vLLM's capturer does) and a plain slice copy (offset a Python constant; compiled, also
+into a 32768-row buffer: inductor's fused copy rewrites the whole buffer), and the capture written as
+PyTorch ops for inductor (compiled only) - with the targets: compiled <= 5 us, eager <= 25 us per
+capture call.
 
 Cases and default sizes: ``BENCH_CASES["capture"]`` and ``BENCH_SIZES["capture"]`` (tests/strategies.py).
 

@@ -85,3 +85,31 @@ def test_cuda_calls_are_traced_by_default_and_opaque_when_turned_off(cuda_device
             assert (HOP in code) == traced and ("moe_ops.capture_routing_" in code) != traced, code
     finally:
         _library._TRACED_DEVICES[0] = saved
+
+
+@pytest.mark.parametrize("trace", [True, False])
+def test_export_run_decompositions_keeps_the_op_and_saves(cuda_device, tmp_path, trace):
+    """``ExportedProgram.run_decompositions()`` keeps the capture op (functionalised, not split into
+    kernel nodes) on CUDA, traced path on or off, and the program saves, loads and writes the rows."""
+    from moe_ops import CaptureTarget
+    from moe_ops.capture.op import capture_into
+
+    class Capture(torch.nn.Module):
+        def forward(self, buffer, ids, counts):
+            capture_into(CaptureTarget(buffer, 1, token_counts=counts), ids)
+            return buffer + 0
+
+    buffer = torch.full((8, 2, 4), -7, dtype=torch.int32, device=cuda_device)
+    ids = torch.randint(0, 100, (8, 4), dtype=torch.int32, device=cuda_device)
+    counts = torch.tensor([5], dtype=torch.int32, device=cuda_device)
+    with trace_triton_kernels(trace):
+        program = torch.export.export(Capture(), (buffer, ids, counts)).run_decompositions()
+    targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
+    assert not any("triton_kernel_wrapper" in t for t in targets), targets
+    assert any("auto_functionalized" in t for t in targets), targets
+    path = tmp_path / "capture.pt2"
+    torch.export.save(program, path)
+    out = torch.export.load(path).module()(buffer.clone(), ids, counts)
+    want = buffer.clone()
+    want[:5, 1] = ids[:5]
+    assert torch.equal(out, want)
