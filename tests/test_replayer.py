@@ -17,7 +17,7 @@ from strategies import distinct_rows, replay_batch_sequences, replay_requests
 
 from moe_ops import RoutingMethod, RoutingReplayer, RoutingShape, replay_batch, route
 from moe_ops.replay import check_replay_errors
-from moe_ops.replay.replayer import ReplayRule, replay_router_output
+from moe_ops.replay.attach import ReplayRule, replay_router_output
 
 # model layers 0..4, layer 0 and 3 dense: the MoE-only axis has 3 columns
 SHAPE = RoutingShape(num_layers=3, num_experts=8, top_k=2, moe_layers=(1, 2, 4), num_model_layers=5)

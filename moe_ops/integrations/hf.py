@@ -51,8 +51,8 @@ import torch
 from torch import nn
 
 from ..layout import BatchLayout, layout_from_value
+from ..replay.attach import REPLAY_MARK, ReplayHandle, ReplayRule, replaying_forward
 from ..replay.op import BACKENDS as REPLAY_BACKENDS
-from ..replay.replayer import REPLAY_MARK, ReplayHandle, ReplayRule, replaying_forward
 from ..route.methods import RoutingMethod, validate_route_args
 
 __all__ = [
@@ -775,7 +775,7 @@ REPLAY_RULES: Mapping[str, Callable[[nn.Module], ReplayRule]] = MappingProxyType
 
 
 def replay_rule(arch: str, router: nn.Module) -> ReplayRule:
-    """The :class:`~moe_ops.replay.replayer.ReplayRule` of one router module of ``arch``."""
+    """The :class:`~moe_ops.replay.attach.ReplayRule` of one router module of ``arch``."""
     builder = REPLAY_RULES.get(normalize_arch(arch))
     if builder is None:  # an architecture added to SUPPORTED_ARCHITECTURES without its rule
         raise ValueError(f"attach_replay has no weight rule for {arch!r}; known: {', '.join(REPLAY_RULES)}")
@@ -815,10 +815,10 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
             and its ``top_k`` the routers' top_k.
         backend: ``replay_routing``'s backend ("auto", "triton", "torch").
 
-    Returns a :class:`~moe_ops.replay.replayer.ReplayHandle`; ``handle.remove()`` or ``with
+    Returns a :class:`~moe_ops.replay.attach.ReplayHandle`; ``handle.remove()`` or ``with
     attach_replay(...):`` restores the routers. Each wrapped router runs as before, then returns
     the same tuple (same positions, dtypes, shapes) with its weights and ids replaced by
-    :func:`~moe_ops.replay.replayer.replay_router_output` of ``replayer.layer_ids(layer, n)``: the
+    :func:`~moe_ops.replay.attach.replay_router_output` of ``replayer.layer_ids(layer, n)``: the
     recorded ids, weighted by the architecture's own rule (``REPLAY_RULES``) from the live logits,
     so gradients reach the router; rows of -1 keep the router's own output.
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..replay.replayer import ReplayRule
+from ..replay.attach import ReplayRule
 from ..route import RoutingMethod, route
 from ..route.methods import BIAS_METHODS, validate_route_args
 from ..route.op import BACKENDS

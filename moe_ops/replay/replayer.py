@@ -17,36 +17,23 @@ static buffer, so a compiled or CUDA-graphed step replays whatever batch was set
 that runs twice (activation recomputation in backward, a second forward over the same micro-batch)
 reads the same ids both times: nothing is consumed from a queue.
 
-This module also holds what the wrapped routers share: :class:`ReplayRule` (how one router's
-weights are formed), :func:`replay_router_output` (the replayed ``(weights, ids)`` of one router
-call) and :class:`ReplayHandle` (what ``attach_replay`` returns).
+The router wrappers that read it (``ReplayRule``, ``replaying_forward``, ``ReplayHandle``) are in
+:mod:`moe_ops.replay.attach`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from ..route.methods import LOGIT_DTYPES, RoutingMethod
 from ..shapes import RoutingShape
-from .op import replay_routing
 
-__all__ = [
-    "REPLAY_MARK",
-    "ReplayHandle",
-    "ReplayRule",
-    "RoutingReplayer",
-    "replay_batch",
-    "replay_router_output",
-    "replaying_forward",
-]
+__all__ = ["RoutingReplayer", "replay_batch"]
 
 LAYER_AXES = ("moe", "model")
 _INT32_MAX = (1 << 31) - 1
@@ -372,206 +359,3 @@ class RoutingReplayer:
                 f"replayer's max_num_tokens={self.max_num_tokens}"
             )
         return self.buffer[:num_tokens, column]
-
-
-# ---------------------------------------------------------------------------------------------------
-# What wrapped routers share
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ReplayRule:
-    """How one router's replayed weights are formed from its live logits at the recorded ids."""
-
-    # replay_routing's method: its weight rule at the recorded ids (unless weights_fn), and the
-    # live routing of faulty rows
-    method: RoutingMethod
-    # DEEPSEEK_V3 expert groups, for faulty rows routed live (None: no grouping)
-    n_group: int | None = None
-    # DEEPSEEK_V3 groups kept per token (None when n_group is None)
-    topk_group: int | None = None
-    # multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0); None for every other method
-    routed_scaling_factor: float | None = None
-    # attribute of the router module holding its selection bias, read at every call; None: none
-    bias_attr: str | None = None
-    # the architecture's exact rule where no method has it: (router_logits (n, E), ids (n, k)
-    # int64) -> weights (n, k), differentiable torch ops gathered from the dense scores; None: the
-    # method's rule
-    weights_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    # keyword argument of the router carrying a CaptureTarget: withheld from the live router and
-    # given the replayed ids instead (the reference model); None: the router takes none
-    capture_kwarg: str | None = None
-    # the architecture's weight rule in words (docs, handle.rules, error messages)
-    description: str = ""
-
-
-def replay_router_output(
-    router_logits: torch.Tensor,
-    live_weights: torch.Tensor,
-    live_ids: torch.Tensor,
-    recorded_ids: torch.Tensor,
-    rule: ReplayRule,
-    *,
-    bias: torch.Tensor | None = None,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The replayed ``(weights, ids)`` of one router call.
-
-    Args:
-        router_logits: (n, num_experts) float - the router's live logits (float64 are replayed in
-            float32, what ``replay_routing`` takes); gradients flow back through them.
-        live_weights: (n, k) float - the weights the router computed.
-        live_ids: (n, k) integer - the ids the router chose.
-        recorded_ids: (n, k) integer, any strides - the replayer's rows of this layer.
-        rule: the router's :class:`ReplayRule`.
-        bias: (num_experts,) float - the selection bias of ``rule.method`` (DeepSeek-V3 family).
-        backend: ``replay_routing``'s backend.
-
-    Returns:
-        weights: (n, k) ``live_weights.dtype`` - the rule's weights at the recorded ids; on a row of
-            -1 the router's own ``live_weights`` row, unchanged.
-        ids: (n, k) ``live_ids.dtype`` - the recorded ids, column order kept; on a row of -1 the
-            router's own ids; on a faulty row (an id out of range, an expert twice) the live
-            routing of ``rule.method``, counted for ``check_replay_errors``.
-
-    A row of -1 takes the router's own output rather than ``replay_routing``'s live routing, so a
-    batch of -1 rows runs exactly as the model without replay (bit for bit), whatever the
-    architecture's selection (DeepSeek-V2's group-limited greedy, PhiMoE's sparsemixer, ties).
-    """
-    x = router_logits if router_logits.dtype in LOGIT_DTYPES else router_logits.to(torch.float32)
-    live_row = (recorded_ids == -1).all(dim=-1, keepdim=True)
-    ids_in = torch.where(live_row, live_ids.to(torch.int32), recorded_ids.to(torch.int32))
-    weights, ids = replay_routing(
-        x,
-        ids_in,
-        rule.method,
-        bias=bias,
-        n_group=rule.n_group,
-        topk_group=rule.topk_group,
-        routed_scaling_factor=rule.routed_scaling_factor,
-        backend=backend,
-    )
-    if rule.weights_fn is not None:
-        weights = rule.weights_fn(router_logits, ids.to(torch.int64))
-    weights = torch.where(live_row, live_weights, weights.to(live_weights.dtype))
-    return weights, ids.to(live_ids.dtype)
-
-
-def _router_positions(output: Any) -> tuple[int, int, int]:
-    """(logits, weights, ids) positions in a router's output tuple: ids is its one integer tensor,
-    weights sits in the middle in every supported order ((logits, weights, ids), and GraniteMoE's
-    (ids, weights, logits) up to transformers 5.17). Shapes and dtypes only, never values."""
-    if (
-        isinstance(output, (tuple, list))
-        and len(output) == 3
-        and all(isinstance(t, torch.Tensor) for t in output)
-    ):
-        ints = [i for i, t in enumerate(output) if not (t.dtype.is_floating_point or t.dtype.is_complex)]
-        if len(ints) == 1 and ints[0] != 1 and output[ints[0]].dim() == 2:
-            ids_at = ints[0]
-            return 2 - ids_at, 1, ids_at
-    raise TypeError(
-        "a replayed router's forward must return (router_logits, weights, ids) with ids a 2-D integer "
-        f"tensor; got {_describe(output)}"
-    )
-
-
-def _describe(output: Any) -> str:
-    if isinstance(output, torch.Tensor):
-        return f"a tensor {tuple(output.shape)} {output.dtype}"
-    if isinstance(output, (tuple, list)):
-        return "(" + ", ".join(_describe(o) for o in output) + ")"
-    return type(output).__name__
-
-
-# set on replaying wrappers, so that a second attach_replay on one router is refused
-REPLAY_MARK = "_moe_ops_replay"
-
-
-def replaying_forward(
-    original: Callable,
-    replayer: Any,
-    layer: int,
-    rule: ReplayRule,
-    module: nn.Module,
-    *,
-    backend: str = "auto",
-) -> Callable:
-    """``original`` (a router returning ``(router_logits, weights, ids)``) with its weights and ids
-    replaced by the replayed ones of ``replayer.layer_ids(layer, n)``; same tuple, dtypes, shapes.
-
-    Plain Python around registered ops: dynamo inlines it (no graph break), CUDA graphs record it.
-    """
-    from ..capture.op import capture_into
-
-    def forward(*args, **kwargs):
-        capture = kwargs.pop(rule.capture_kwarg, None) if rule.capture_kwarg is not None else None
-        output = original(*args, **kwargs)
-        logits_at, weights_at, ids_at = _router_positions(output)
-        live_ids = output[ids_at]
-        n = live_ids.shape[0]
-        logits = output[logits_at]
-        bias = getattr(module, rule.bias_attr) if rule.bias_attr is not None else None
-        weights, ids = replay_router_output(
-            logits.reshape(n, logits.shape[-1]),
-            output[weights_at],
-            live_ids,
-            replayer.layer_ids(layer, n),
-            rule,
-            bias=bias,
-            backend=backend,
-        )
-        if capture is not None:
-            capture_into(capture, ids)
-        replayed = list(output)
-        replayed[weights_at], replayed[ids_at] = weights, ids
-        return tuple(replayed) if isinstance(output, tuple) else replayed
-
-    setattr(forward, REPLAY_MARK, True)
-    return forward
-
-
-@dataclass
-class ReplayHandle:
-    """What ``attach_replay`` attached; ``remove()`` (or leaving a ``with`` block) undoes it."""
-
-    # registry key of the model's architecture (config.model_type), or "reference"
-    arch: str
-    # decoder-layer index of each wrapped router, strictly increasing
-    layers: tuple[int, ...]
-    # module path of each wrapped router, same order as layers
-    paths: tuple[str, ...]
-    # the weight rule of each wrapped router, same order as layers
-    rules: tuple[ReplayRule, ...]
-    # (router, wrapped attribute, what its instance __dict__ held or None, our wrapper); empty once removed
-    _wrapped: list[tuple[nn.Module, str, Callable | None, Callable]] = field(repr=False, default_factory=list)
-
-    @property
-    def attached(self) -> bool:
-        """True until :meth:`remove`."""
-        return bool(self._wrapped)
-
-    def remove(self) -> None:
-        """Restores every router; a second call does nothing.
-
-        RuntimeError, before anything is restored, when some router's wrapped attribute was
-        replaced by someone else after ``attach_replay`` (remove that wrapper first).
-        """
-        for path, (module, attr, _, wrapper) in zip(self.paths, self._wrapped):
-            if module.__dict__.get(attr) is not wrapper:
-                raise RuntimeError(
-                    f"the {attr} of the router at {path!r} was replaced after attach_replay; remove that "
-                    "wrapper first"
-                )
-        for module, attr, previous, _ in self._wrapped:
-            if previous is None:
-                delattr(module, attr)
-            else:
-                setattr(module, attr, previous)
-        self._wrapped = []
-
-    def __enter__(self) -> ReplayHandle:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
