@@ -7,7 +7,7 @@ against the layout definitions rather than against itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -1219,14 +1219,52 @@ class ReplayRequests:
     # dtype of the received arrays: the narrow unsigned dtype (no record = its maximum) or a signed one
     dtype: np.dtype
     seed: int
+    # per request: received with T rows (aligned to its tokens: a placeholder row for the last
+    # token, verl's convention) instead of T - 1
+    aligned: list[bool] = field(default_factory=list)
+    # the no-record marker the client uses besides -1 / the fill: -1 (none) or 0 (all-zero rows)
+    no_record: int = -1
+    # per request: None or a (rows,) bool mask of rows received with a valid-looking id but no
+    # record (a dropped step's rows: the store's fill, which can be a valid id)
+    missing: list[np.ndarray | None] = field(default_factory=list)
+    # pass num_tokens (each request's T) to replay_batch
+    with_counts: bool = False
+
+    def num_tokens(self) -> list[int] | None:
+        """Each request's token count T, or None when the case does not pass them."""
+        return [t.shape[0] + 1 for t in self.truth] if self.with_counts else None
+
+    def masks(self) -> list[np.ndarray | None] | None:
+        """What replay_batch's ``missing`` gets: one flag per received row (an aligned request's
+        placeholder row is not masked), or None when no request has a mask."""
+        if not any(m is not None for m in self.missing):
+            return None
+        out = []
+        for i, mask in enumerate(self.missing):
+            if mask is not None and i < len(self.aligned) and self.aligned[i]:
+                mask = np.concatenate([mask, [False]])
+            out.append(mask)
+        return out
 
     def arrays(self) -> list[np.ndarray]:
-        """The received arrays: missing ids as the dtype's fill, dense columns holding garbage."""
+        """The received arrays: missing ids as the dtype's fill (or, with no_record=0, some as
+        all-zero rows), masked rows holding valid ids, dense columns holding garbage, a
+        placeholder row on aligned requests."""
         rng = np.random.default_rng(self.seed)
         fill = np.iinfo(self.dtype).max if self.dtype.kind == "u" else -1
         out = []
-        for truth in self.truth:
-            a = np.where(truth == -1, fill, truth).astype(self.dtype)
+        for i, truth in enumerate(self.truth):
+            a = np.where(truth == -1, fill, truth)
+            if self.no_record == 0:
+                live = (truth == -1).all(-1) & (rng.random(truth.shape[:2]) < 0.5)
+                a[live] = 0
+            mask = self.missing[i] if i < len(self.missing) else None
+            if mask is not None:
+                a[mask] = rng.integers(0, self.shape.num_experts, size=a[mask].shape)
+            if i < len(self.aligned) and self.aligned[i]:
+                placeholder = np.full((1, *a.shape[1:]), 0 if self.no_record == 0 else fill)
+                a = np.concatenate([a, placeholder])
+            a = a.astype(self.dtype)
             if self.layer_axis == "model":
                 wide = rng.integers(
                     0, self.shape.num_experts, size=(a.shape[0], self.shape.num_model_layers, a.shape[2])
@@ -1238,14 +1276,17 @@ class ReplayRequests:
         return out
 
     def expected(self) -> np.ndarray:
-        """The training rows, from the definition: per request its T - 1 rows, a -1 row for its
-        last token, then -1 padding rows up to pad_to."""
+        """The training rows, from the definition: per request its T - 1 rows (-1 where there is
+        no record, masked rows included), a -1 row for its last token, then -1 padding rows up to
+        pad_to."""
         rows = []
         empty = np.full((self.shape.num_layers, self.shape.top_k), -1, dtype=np.int64)
-        for truth in self.truth:
+        for i, truth in enumerate(self.truth):
+            mask = self.missing[i] if i < len(self.missing) else None
             tokens = truth.shape[0] + 1
             for j in range(self.pad_to if self.pad_to is not None else tokens):
-                rows.append(truth[j] if j < truth.shape[0] else empty)
+                hidden = j < truth.shape[0] and mask is not None and mask[j]
+                rows.append(truth[j] if j < truth.shape[0] and not hidden else empty)
         return np.array(rows, dtype=np.int64).reshape(-1, self.shape.num_layers, self.shape.top_k)
 
 
@@ -1261,8 +1302,21 @@ def replay_requests(draw, max_requests: int = 4, max_rows: int = 6):
     if np.iinfo(narrow).max >= shape.num_experts:  # its maximum can mark a missing id
         dtypes.append(narrow)
     dtype = draw(st.sampled_from(dtypes))
+    with_counts = draw(st.booleans())
+    aligned = [draw(st.booleans()) for _ in lengths] if with_counts else []
+    no_record = draw(st.sampled_from([-1, 0])) if shape.top_k >= 2 else -1
+    missing = [(rng.random(n) < 0.3) if draw(st.booleans()) else None for n in lengths]
     return ReplayRequests(
-        shape, truth, draw(st.sampled_from(["moe", "model"])), pad_to, dtype, draw(st.integers(0, 2**32 - 1))
+        shape,
+        truth,
+        draw(st.sampled_from(["moe", "model"])),
+        pad_to,
+        dtype,
+        draw(st.integers(0, 2**32 - 1)),
+        aligned=aligned,
+        no_record=no_record,
+        missing=missing,
+        with_counts=with_counts,
     )
 
 

@@ -12,12 +12,17 @@ import threading
 import numpy as np
 import pytest
 import torch
+import torch._dynamo.testing
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import distinct_rows, replay_batch_sequences, replay_requests
+from threads import run_threads
 
+import moe_ops
 from moe_ops import RoutingMethod, RoutingReplayer, RoutingShape, replay_batch, route
-from moe_ops.replay import check_replay_errors
+from moe_ops.replay import ReplayFaultError, check_replay_errors
 from moe_ops.replay.attach import ReplayRule, replay_router_output
+from moe_ops.replay.kernels import REPLAY_FAULT_ROW_COUNT
 
 # model layers 0..4, layer 0 and 3 dense: the MoE-only axis has 3 columns
 SHAPE = RoutingShape(num_layers=3, num_experts=8, top_k=2, moe_layers=(1, 2, 4), num_model_layers=5)
@@ -108,7 +113,7 @@ def test_device_rows_store_out_of_range_ids_as_num_experts():
     on the CPU (the GPU test runs it through set_batch)."""
     r = RoutingReplayer(SHAPE, 4, "cpu")
     rows = torch.tensor([[[0, 7], [-1, -1], [2**32 + 3, 1]], [[-5, 3], [8, 2], [4, 300]]], dtype=torch.int64)
-    stored = r._device_rows(rows)
+    stored = r._device_rows("routing", rows, SHAPE.num_layers)
     expected = torch.tensor([[[0, 7], [-1, -1], [8, 1]], [[8, 3], [8, 2], [4, 8]]], dtype=torch.int32)
     assert torch.equal(stored, expected)
 
@@ -185,7 +190,7 @@ def test_concurrent_set_batch_never_mixes_batches():
 
 def test_layer_ids_is_a_view_of_the_layers_column():
     r = RoutingReplayer(SHAPE, 6, "cpu")
-    batch = distinct_rows(np.random.default_rng(2), 4, SHAPE)
+    batch = distinct_rows(np.random.default_rng(2), 5, SHAPE, live_fraction=0.2)
     r.set_batch(batch)
     for column, layer in enumerate(SHAPE.moe_layers):
         ids = r.layer_ids(layer, 5)
@@ -193,14 +198,64 @@ def test_layer_ids_is_a_view_of_the_layers_column():
         assert (
             ids._base is r.buffer or ids.untyped_storage().data_ptr() == r.buffer.untyped_storage().data_ptr()
         )
-        assert torch.equal(ids[:4], torch.from_numpy(batch[:, column]).to(torch.int32))
-        assert (ids[4:] == -1).all()
+        assert torch.equal(ids, torch.from_numpy(batch[:, column]).to(torch.int32))
     with pytest.raises(ValueError, match="dense"):
-        r.layer_ids(3, 2)
+        r.layer_ids(3, 5)
     with pytest.raises(IndexError):
-        r.layer_ids(5, 2)
+        r.layer_ids(5, 5)
     with pytest.raises(ValueError, match="more than the replayer's max_num_tokens=6"):
         r.layer_ids(1, 7)
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        r.layer_ids(1, -2)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        r.layer_ids(1, 5, kind="dense")
+
+
+def test_a_router_must_read_exactly_the_batchs_rows():
+    """The issue's reproducer: 20 rows set, a router asking for 16 got the first 16 silently."""
+    shape = RoutingShape(num_layers=1, num_experts=8, top_k=2, moe_layers=(0,), num_model_layers=1)
+    rep = RoutingReplayer(shape, max_num_tokens=20, device="cpu")
+    rep.set_batch(np.tile(np.array([[[0, 1]]], np.int32), (20, 1, 1)))
+    with pytest.raises(ValueError, match=r"layer 0 has 16 rows but the batch set for slot 0 has 20"):
+        rep.layer_ids(0, 16)
+    assert tuple(rep.layer_ids(0, 20).shape) == (20, 2)
+    rep.set_batch(np.zeros((0, 1, 2), np.int32))
+    assert tuple(rep.layer_ids(0, 0).shape) == (0, 2)
+    with pytest.raises(ValueError, match="has 20 rows but the batch set for slot 0 has 0"):
+        rep.layer_ids(0, 20)
+
+
+def test_a_forward_without_a_batch_is_refused():
+    """Without set_batch every router would route live: identical to no replay, silently."""
+    rep = RoutingReplayer(SHAPE, 6, "cpu")
+    with pytest.raises(ValueError, match=r"no batch was set for slot 0: call replayer.set_batch"):
+        rep.layer_ids(1, 4)
+
+
+def test_compiled_routers_count_a_row_mismatch_on_the_device():
+    """Under torch.compile (a dynamic row dimension) the host count is not part of the graph: a
+    mismatch is one faulty call per router for check_replay_errors, no graph break, and new batch
+    sizes recompile nothing."""
+    torch._dynamo.reset()
+    rep = RoutingReplayer(SHAPE, 12, "cpu")
+    counts = torch._dynamo.testing.CompileCounter()
+
+    @torch.compile(backend=counts, fullgraph=True, dynamic=True)
+    def read(x):
+        return sum(rep.layer_ids(layer, x.shape[0]).sum() for layer in SHAPE.moe_layers)
+
+    check_replay_errors("cpu", raise_error=False)
+    rng = np.random.default_rng(5)
+    for n in (5, 7, 9):
+        batch = distinct_rows(rng, n, SHAPE)
+        rep.set_batch(batch)
+        assert int(read(torch.zeros(n))) == int(batch.sum())
+        assert check_replay_errors("cpu", raise_error=False) == 0
+    read(torch.zeros(4))  # 4 rows against a batch of 9: three routers read the wrong rows
+    with pytest.raises(ReplayFaultError, match="row count differed") as err:
+        check_replay_errors("cpu")
+    assert err.value.rows == 3 and err.value.flags == REPLAY_FAULT_ROW_COUNT
+    assert counts.frame_count == 1, "a new batch size recompiled"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -211,7 +266,14 @@ def test_layer_ids_is_a_view_of_the_layers_column():
 @settings(max_examples=80, deadline=None)
 @given(case=replay_requests())
 def test_replay_batch_packs_and_pads_requests(case):
-    out = replay_batch(case.arrays(), case.shape, layer_axis=case.layer_axis, pad_to=case.pad_to)
+    kwargs = dict(
+        layer_axis=case.layer_axis,
+        pad_to=case.pad_to,
+        num_tokens=case.num_tokens(),
+        no_record=case.no_record,
+        missing=case.masks(),
+    )
+    out = replay_batch(case.arrays(), case.shape, **kwargs)
     assert out.dtype == np.int32
     np.testing.assert_array_equal(out, case.expected())
     # the same from CPU tensors
@@ -219,7 +281,7 @@ def test_replay_batch_packs_and_pads_requests(case):
         [torch.from_numpy(a.astype(np.int64)) for a in case.arrays()] if case.dtype.kind != "u" else None
     )
     if tensors is not None:
-        again = replay_batch(tensors, case.shape, layer_axis=case.layer_axis, pad_to=case.pad_to)
+        again = replay_batch(tensors, case.shape, **kwargs)
         np.testing.assert_array_equal(again, out)
 
 
@@ -247,11 +309,16 @@ def test_replay_batch_refuses_bad_requests():
         (dict(requests=[ok, np.zeros((2, 5, 2), np.int32)]), r"requests\[1\].*layer_axis='model'"),
         (
             dict(requests=[ok], layer_axis="model"),
-            r"requests\[0\].*\(num_tokens - 1, 5, 2\).*layer_axis='moe'",
+            r"requests\[0\].*\(rows, 5, 2\).*layer_axis='moe'",
         ),
         (dict(requests=[np.full((1, 3, 2), 9, np.int64)]), r"requests\[0\].*num_experts=8"),
         (dict(requests=[np.full((1, 3, 2), 200, np.uint8)]), r"200"),
-        (dict(requests=[ok, ok], pad_to=2), r"requests\[0\] has 2 rows, so 3 tokens.*pad_to=2"),
+        (dict(requests=[ok, ok], pad_to=2), r"requests\[0\] has 3 tokens \(2 rows\), more than pad_to=2"),
+        (dict(requests=[ok], num_tokens=[2, 2]), r"num_tokens must have one entry per request \(1\), got 2"),
+        (dict(requests=[ok], num_tokens=[0]), r"num_tokens\[0\] must be an int >= 1"),
+        (dict(requests=[ok], no_record=5), "no_record must be -1"),
+        (dict(requests=[ok], missing=[np.zeros(3, bool)]), r"missing\[0\] must be a \(2,\) bool array"),
+        (dict(requests=[ok], missing=[np.zeros(2, np.int8)]), r"missing\[0\] must be a \(2,\) bool"),
         (dict(requests=[ok], pad_to=0), "pad_to must be an int >= 1"),
         (dict(requests=[ok], layer_axis="decoder"), "layer_axis must be 'moe' or 'model'"),
         (dict(requests=[ok.astype(np.float32)]), "integer expert ids"),
@@ -301,3 +368,298 @@ def test_router_output_rows_of_minus_one_keep_the_routers_own_output():
     (weights.float() * torch.tensor([1.0, 3.0])).sum().backward()
     assert logits.grad[1].abs().sum() > 0, "no gradient reached a recorded row's logits"
     assert (logits.grad[0] == 0).all(), "a -1 row takes the router's own (here detached) weights"
+
+
+# ---------------------------------------------------------------------------------------------------
+# replay_batch: token counts, no-record markers, missing rows
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_replay_batch_checks_each_requests_length_against_its_tokens():
+    """The issue's reproducer: two 4-token samples with 2 and 3 rows gave 7 rows for 8 tokens,
+    shifting the second request by one row. With the token counts, the short one is refused."""
+    shape = RoutingShape(num_layers=1, num_experts=8, top_k=2)
+    short = np.array([[[0, 1]], [[2, 3]]], np.int32)
+    full = np.array([[[4, 5]], [[6, 7]], [[1, 2]]], np.int32)
+    assert replay_batch([short, full], shape).shape == (7, 1, 2)  # unchecked without the counts
+    with pytest.raises(
+        ValueError, match=r"requests\[0\] has 2 rows for num_tokens\[0\]=4 tokens: expected 3"
+    ):
+        replay_batch([short, full], shape, num_tokens=[4, 4])
+    with pytest.raises(ValueError, match=r"requests\[1\] has 3 rows for num_tokens\[1\]=2"):
+        replay_batch([short, full], shape, num_tokens=[3, 2])
+    # T - 1 rows (vLLM, SGLang, the ledger) and T rows (aligned, verl) are both the right length
+    out = replay_batch([short, full], shape, num_tokens=[3, 3])
+    assert out[:, 0].tolist() == [[0, 1], [2, 3], [-1, -1], [4, 5], [6, 7], [1, 2]]
+    padded = replay_batch([short, full], shape, num_tokens=[3, 3], pad_to=4)
+    assert padded[:, 0].tolist() == [[0, 1], [2, 3], [-1, -1], [-1, -1], [4, 5], [6, 7], [1, 2], [-1, -1]]
+
+
+def test_verl_style_zero_rows_are_no_record_on_request():
+    """verl pads a missing route with an all-zero row (its aligned placeholder): with no_record=0
+    those rows are routed live and never counted; with the default they are faults (expert 0
+    twice), as before."""
+    shape = RoutingShape(num_layers=2, num_experts=8, top_k=2)
+    rows = np.array([[[3, 1], [0, 5]], [[0, 0], [2, 0]], [[0, 0], [0, 0]]], np.int64)  # 3 tokens, aligned
+    out = replay_batch([rows], shape, num_tokens=[3], no_record=0)
+    assert out.tolist() == [[[3, 1], [0, 5]], [[-1, -1], [2, 0]], [[-1, -1], [-1, -1]]]
+    assert replay_batch([rows], shape, num_tokens=[3])[2].tolist() == [[0, 0], [0, 0]]
+
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    for no_record, faults in ((0, 0), (-1, 3)):
+        rep = RoutingReplayer(shape, 3, "cpu", no_record=no_record)
+        rep.set_batch(rows)  # raw, unconverted: the replayer applies its own marker
+        check_replay_errors("cpu", raise_error=False)
+        for layer in range(2):
+            _, ids = moe_ops.replay_routing(logits, rep.layer_ids(layer, 3), RoutingMethod.RENORMALIZE)
+        assert check_replay_errors("cpu", raise_error=False) == faults
+        live = route(logits, 2, RoutingMethod.RENORMALIZE)[1]
+        if no_record == 0:
+            assert torch.equal(ids[2], live[2]), "an all-zero row must be routed live"
+    # the same conversion for a batch already on the device (no host read)
+    rep = RoutingReplayer(shape, 3, "cpu", no_record=0)
+    rep.set_batch(rows.astype(np.int32))
+    assert rep.buffer.tolist() == out.tolist()
+    assert rep._device_rows("routing", torch.from_numpy(rows), 2).tolist() == out.tolist()
+
+
+def test_no_record_zero_needs_top_k_two():
+    shape = RoutingShape(num_layers=1, num_experts=8, top_k=1)
+    with pytest.raises(
+        ValueError, match=r"no_record=0 needs top_k >= 2: with top_k == 1 the row \[0\] is expert 0"
+    ):
+        replay_batch([np.zeros((2, 1, 1), np.int32)], shape, no_record=0)
+    with pytest.raises(ValueError, match="no_record=0 needs top_k >= 2"):
+        RoutingReplayer(shape, 4, "cpu", no_record=0)
+    for bad in (1, -2, True, 0.0, "0"):
+        with pytest.raises(ValueError, match="no_record must be -1"):
+            RoutingReplayer(SHAPE, 4, "cpu", no_record=bad)
+
+
+def test_a_dropped_step_at_256_experts_is_not_expert_255():
+    """The ledger's dropped step fills its rows with the store's fill value; at 256 experts in
+    uint8 that is 255, a valid expert. Its missing mask makes the rows no record (routed live)."""
+    shape = RoutingShape(num_layers=2, num_experts=256, top_k=1)
+    routing = np.array([[[7], [9]], [[3], [4]], [[255], [255]]], np.uint8)
+    missing = np.array([False, False, True])
+    out = replay_batch([routing], shape, missing=[missing])
+    assert out[:, :, 0].tolist() == [[7, 9], [3, 4], [-1, -1], [-1, -1]]
+    assert replay_batch([routing], shape)[2, :, 0].tolist() == [255, 255]  # without the mask: an id
+
+
+# ---------------------------------------------------------------------------------------------------
+# Micro-batch slots
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_slots_hold_each_micro_batch_and_select_switches_what_routers_read():
+    """The issue's reproducer: with one buffer, setting micro-batch B replaced A before A's
+    backward recompute read it. With slots, each micro-batch keeps its rows."""
+    shape = RoutingShape(num_layers=1, num_experts=8, top_k=2)
+    mb_a = np.array([[[0, 1]], [[2, 3]]], np.int32)
+    mb_b = np.array([[[4, 5]], [[6, 7]], [[1, 0]]], np.int32)
+    rep = RoutingReplayer(shape, 4, "cpu", num_slots=2)
+    address = rep.buffer.data_ptr()
+    rep.set_batch(mb_a, slot=0)
+    rep.select(0)
+    fwd_a = rep.layer_ids(0, 2).clone()
+    rep.set_batch(mb_b, slot=1)
+    rep.select(1)
+    assert rep.layer_ids(0, 3).tolist() == mb_b[:, 0].tolist()
+    rep.select(0)  # A's backward: its recompute reads A's ids again
+    assert rep.layer_ids(0, 2).tolist() == fwd_a.tolist() == mb_a[:, 0].tolist()
+    assert (rep.buffer[2:] == -1).all() and rep.num_tokens == 2 and int(rep.row_count[0]) == 2
+    assert rep.buffer.data_ptr() == address
+    assert (rep.slot_tokens(0), rep.slot_tokens(1)) == (2, 3)
+    for bad in (2, -1, 1.0, True):
+        with pytest.raises(ValueError, match=r"slot must be an int in \[0, num_slots=2\)"):
+            rep.select(bad)
+        with pytest.raises(ValueError, match="slot must be an int"):
+            rep.set_batch(mb_a, slot=bad)
+    with pytest.raises(ValueError, match="num_slots must be an int >= 1"):
+        RoutingReplayer(shape, 4, "cpu", num_slots=0)
+
+
+class SlotModel:
+    """What set_batch / select must leave behind, from the definition: per slot its batch; the
+    routers read the selected one, -1 past its rows."""
+
+    def __init__(self, num_slots: int):
+        self.batches = [None] * num_slots
+        self.selected = 0
+
+    def expect(self, r: RoutingReplayer) -> None:
+        batch = self.batches[self.selected]
+        if batch is None:
+            assert (r.buffer == -1).all() and r.num_tokens == 0 and int(r.row_count[0]) == 0
+        else:
+            assert_holds(r, batch)
+        assert r.slot == self.selected
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=replay_batch_sequences(max_batches=8), data=st.data())
+def test_slots_against_their_definition(case, data):
+    num_slots = data.draw(st.integers(1, 4))
+    r = RoutingReplayer(case.shape, case.max_num_tokens, "cpu", num_slots=num_slots)
+    model = SlotModel(num_slots)
+    for i, batch in enumerate(case.batches):
+        slot = data.draw(st.integers(0, num_slots - 1))
+        r.set_batch(case.passed(i), slot=slot)
+        model.batches[slot] = batch
+        model.expect(r)
+        selected = data.draw(st.integers(0, num_slots - 1))
+        r.select(selected)
+        model.selected = selected
+        model.expect(r)
+        for s in range(num_slots):
+            expected = 0 if model.batches[s] is None else model.batches[s].shape[0]
+            assert r.slot_tokens(s) == expected
+
+
+def test_select_in_backward_reselects_when_the_backward_reaches_the_output():
+    shape = RoutingShape(num_layers=1, num_experts=8, top_k=2)
+    rep = RoutingReplayer(shape, 4, "cpu", num_slots=3)
+    for slot in range(3):
+        rep.set_batch(np.full((slot + 1, 1, 2), [slot, slot + 1], np.int32), slot=slot)
+    x = torch.ones(3, requires_grad=True)
+    rep.select(1)
+    out = rep.select_in_backward(x * 2, 1)
+    rep.select(2)  # another micro-batch's forward in between
+    seen = []
+    out.grad_fn.register_prehook(lambda grad: seen.append(rep.slot))  # runs after the tensor hook
+    out.sum().backward()
+    assert seen == [1] and rep.slot == 1 and rep.num_tokens == 2
+    plain = torch.ones(2)
+    assert rep.select_in_backward(plain, 0) is plain  # nothing to hook without a gradient
+    with pytest.raises(ValueError, match="slot must be an int"):
+        rep.select_in_backward(x * 2, 3)
+
+
+def test_concurrent_select_and_set_batch_leave_the_selected_slot_whole():
+    """Threads fill slots and select them (the backward hook selects from autograd's thread):
+    afterwards, and at every check under the lock, buffer / num_tokens / row_count are exactly the
+    selected slot's batch."""
+    r = RoutingReplayer(SHAPE, 16, "cpu", num_slots=4)
+    batches = [np.full((n, 3, 2), v, dtype=np.int32) for v, n in enumerate([16, 1, 9, 4])]
+    for v, b in enumerate(batches):
+        b[:, :, 1] = (v + 1) % 8
+    errors = []
+    start = threading.Barrier(9)
+
+    def filler(slot):
+        start.wait()
+        for _ in range(30):
+            r.set_batch(batches[slot], slot=slot)
+
+    def selector(seed):
+        start.wait()
+        rng = np.random.default_rng(seed)
+        for _ in range(60):
+            r.select(int(rng.integers(4)))
+
+    def checker():
+        start.wait()
+        for _ in range(150):
+            with r._lock:
+                slot, n, count = r.slot, r.num_tokens, int(r.row_count[0])
+                state = r.buffer.clone()
+                filled = r._slot_tokens[slot]
+            if n != filled or count != n:
+                errors.append(("counts", slot, n, count))
+            elif n and not (state[:n] == torch.from_numpy(batches[slot])).all():
+                errors.append(("rows", slot, n))
+            elif not (state[n:] == -1).all():
+                errors.append(("past", slot, n))
+
+    def worker(seed: int) -> None:
+        if seed < 4:
+            filler(seed)
+        elif seed < 8:
+            selector(seed)
+        else:
+            checker()
+
+    run_threads(worker, 9)
+    assert not errors, errors[:5]
+    assert_holds(r, batches[r.slot])
+
+
+# ---------------------------------------------------------------------------------------------------
+# MTP layers
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_mtp_layers_read_their_own_columns_and_route_live_without_them():
+    """Megatron numbers MTP layers from 0 like decoder layers: MTP layer 1 read decoder layer 1's
+    rows (NeMo-RL #3903). Keyed by kind, an MTP layer never reads a decoder column."""
+    shape = RoutingShape(num_layers=2, num_experts=8, top_k=2, moe_layers=(0, 1))
+    rep = RoutingReplayer(shape, 3, "cpu", num_mtp_layers=2)
+    decoder = np.array([[[0, 1], [2, 3]]] * 3, np.int32)
+    mtp = np.array([[[4, 5], [6, 7]]] * 3, np.int32)
+    rep.set_batch(decoder, mtp_routing=mtp)
+    assert rep.layer_ids(1, 3).tolist() == [[2, 3]] * 3
+    assert rep.layer_ids(1, 3, kind="mtp").tolist() == [[6, 7]] * 3
+    assert rep.layer_ids(0, 3, kind="mtp").tolist() == [[4, 5]] * 3
+    rep.set_batch(decoder)  # no MTP rows: the MTP layers route live
+    assert (rep.layer_ids(1, 3, kind="mtp") == -1).all() and (rep.mtp_buffer == -1).all()
+    with pytest.raises(IndexError, match=r"MTP layer index must be an int in \[0, num_mtp_layers=2\)"):
+        rep.layer_ids(2, 3, kind="mtp")
+    with pytest.raises(ValueError, match=r"mtp_routing must have routing's 3 rows, got 2"):
+        rep.set_batch(decoder, mtp_routing=mtp[:2])
+    with pytest.raises(ValueError, match=r"mtp_routing must have shape \(num_tokens, 2, 2\) on the MTP"):
+        rep.set_batch(decoder, mtp_routing=decoder[:, :1])
+    plain = RoutingReplayer(shape, 3, "cpu")
+    with pytest.raises(ValueError, match="num_mtp_layers=0"):
+        plain.set_batch(decoder, mtp_routing=mtp)
+    with pytest.raises(IndexError, match="num_mtp_layers=0"):
+        plain.layer_ids(0, 0, kind="mtp")
+    # slots carry the MTP rows too
+    slots = RoutingReplayer(shape, 3, "cpu", num_slots=2, num_mtp_layers=2)
+    slots.set_batch(decoder, mtp_routing=mtp, slot=1)
+    slots.set_batch(decoder[:2], slot=0)
+    slots.select(1)
+    assert slots.layer_ids(0, 3, kind="mtp").tolist() == [[4, 5]] * 3
+    slots.select(0)
+    assert (slots.mtp_buffer == -1).all() and slots.layer_ids(0, 2).tolist() == [[0, 1]] * 2
+
+
+@pytest.mark.gpu
+def test_gpu_slots_and_row_checks_inside_a_cuda_graph(cuda_device):
+    """select() and set_batch() of any slot enqueue device copies only (no sync); a CUDA graph
+    captured at one row count reads the selected slot at every replay and counts a replay whose
+    batch has another row count as a fault."""
+    r = RoutingReplayer(SHAPE, 8, cuda_device, num_slots=3)
+    rng = np.random.default_rng(3)
+    batches = [distinct_rows(rng, 4, SHAPE) for _ in range(3)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for slot, b in enumerate(batches):
+            r.set_batch(b, slot=slot)
+        r.select(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = torch.full((4, SHAPE.num_layers, SHAPE.top_k), -7, dtype=torch.int32, device=cuda_device)
+
+    def step():
+        for column, layer in enumerate(SHAPE.moe_layers):
+            out[:, column].copy_(r.layer_ids(layer, 4))
+
+    step()  # warm up outside the capture
+    check_replay_errors(cuda_device, raise_error=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for slot in (2, 0, 1):
+        r.select(slot)
+        out.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), torch.from_numpy(batches[slot]).to(torch.int32))
+    assert check_replay_errors(cuda_device, raise_error=False) == 0
+    r.set_batch(distinct_rows(rng, 6, SHAPE), slot=1)  # the selected slot now has 6 rows
+    graph.replay()
+    with pytest.raises(ReplayFaultError, match="row count differed") as err:
+        check_replay_errors(cuda_device)
+    assert err.value.rows == SHAPE.num_layers and err.value.flags == REPLAY_FAULT_ROW_COUNT

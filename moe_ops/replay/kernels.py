@@ -47,6 +47,7 @@ from ..route.reference import SUM_EPSILON, select_experts, selection_keys, weigh
 __all__ = [
     "REPLAY_FAULT_OUT_OF_RANGE",
     "REPLAY_FAULT_REPEATED",
+    "REPLAY_FAULT_ROW_COUNT",
     "backward_launch_config",
     "forward_launch_config",
     "replay_backward_torch",
@@ -58,6 +59,9 @@ __all__ = [
 
 REPLAY_FAULT_OUT_OF_RANGE = 1  # an id outside [0, num_experts) in a row that is not all -1
 REPLAY_FAULT_REPEATED = 2  # an id twice in one row
+# a router read a different number of rows than the replayer's batch holds (RoutingReplayer's
+# device-side check, in compiled and CUDA-graphed steps); counted per router call, not per row
+REPLAY_FAULT_ROW_COUNT = 4
 
 # Serialises the twins' read-modify-write of a fault counter (CPU threads would race on it; on a
 # GPU the writes are ordered by the stream). The Triton kernels use atomics instead.

@@ -27,6 +27,7 @@ from ..route.op import choose_triton
 from .kernels import (
     REPLAY_FAULT_OUT_OF_RANGE,
     REPLAY_FAULT_REPEATED,
+    REPLAY_FAULT_ROW_COUNT,
     counter_lock,
     replay_backward_torch,
     replay_backward_triton,
@@ -58,6 +59,8 @@ _counters: dict[torch.device, torch.Tensor] = {}
 _FAULT_NAMES = {
     REPLAY_FAULT_OUT_OF_RANGE: "an id outside [0, num_experts) in a row that is not all -1",
     REPLAY_FAULT_REPEATED: "an expert recorded twice in one row",
+    REPLAY_FAULT_ROW_COUNT: "a router read a different number of rows than the replayer's batch holds "
+    "(counted once per router call)",
 }
 
 
@@ -76,11 +79,18 @@ class ReplayFaultError(RuntimeError):
     def __init__(self, device: torch.device, rows: int, flags: int):
         self.device, self.rows, self.flags = device, rows, flags
         names = "; ".join(name for bit, name in _FAULT_NAMES.items() if flags & bit) or "no fault bits"
-        super().__init__(
-            f"{rows} replayed row(s) on {device} had bad recorded ids ({names}); those rows were routed "
-            "live from the trainer's logits instead of replayed. The recorded routing does not match "
-            "this model (num_experts, top_k, layer order) or was corrupted on its way here."
+        message = (
+            f"{rows} replay fault(s) on {device} ({names}). Rows with bad recorded ids were routed live "
+            "from the trainer's logits instead of replayed: the recorded routing does not match this "
+            "model (num_experts, top_k, layer order) or was corrupted on its way here."
         )
+        if flags & REPLAY_FAULT_ROW_COUNT:
+            message += (
+                " A router whose row count differed from the batch's read the first rows of the "
+                "buffer: its tokens were replayed with other tokens' ids. Set a batch with the "
+                "forward's token layout (RoutingReplayer.layer_ids says more in eager mode)."
+            )
+        super().__init__(message)
 
 
 # Under torch.compile this runs at trace time, as plain Python, and the graph holds the counter as a

@@ -1,4 +1,4 @@
-"""``RoutingReplayer``: the recorded ids of one training batch, read by every MoE router of a model.
+"""``RoutingReplayer``: the recorded ids of a training batch, read by every MoE router of a model.
 
 The trainer's half of the data path. A client receives each request's routing from the rollout
 (``decode_routing``), :func:`replay_batch` packs or pads the requests into the rows of one training
@@ -7,15 +7,30 @@ MoE router wrapped by ``attach_replay`` reads its own layer's slice of that buff
 
     replayer = RoutingReplayer(shape, max_num_tokens, "cuda")
     with attach_replay(model, replayer):
-        routing = replay_batch([decode_routing(s) for s in routed_experts], shape, pad_to=seq_len)
+        routing = replay_batch(rows, shape, num_tokens=lengths, pad_to=seq_len)
         replayer.set_batch(routing)          # copied in place: no recompile, no re-capture
         loss = loss_fn(model(input_ids).logits)
         loss.backward()                      # checkpointed layers re-read the same slice
 
-A router reads ``buffer[:n, column(layer)]`` (``n`` = its row count this call): a view of the
-static buffer, so a compiled or CUDA-graphed step replays whatever batch was set last, and a layer
-that runs twice (activation recomputation in backward, a second forward over the same micro-batch)
-reads the same ids both times: nothing is consumed from a queue.
+A router reads ``buffer[:n, column(layer)]``: a view of the static buffer, so a compiled or
+CUDA-graphed step replays whatever batch was set last, and a layer that runs twice (activation
+recomputation in backward, a second forward over the same micro-batch) reads the same ids both
+times: nothing is consumed from a queue. ``n`` must be the rows of the batch that was set: a router
+that reads a different number of rows than the batch holds is refused (``layer_ids``).
+
+Pipeline schedules (1F1B, interleaved 1F1B) run the forward of micro-batch B before the backward,
+and the activation recompute, of micro-batch A. With ``num_slots=N`` the replayer holds N batches:
+``set_batch(routing, slot=i)`` fills slot ``i``, ``select(i)`` makes it the one the routers read,
+and ``select_in_backward(output, i)`` selects it again when the backward of that micro-batch
+starts, before its checkpointed layers recompute::
+
+    replayer = RoutingReplayer(shape, max_num_tokens, "cuda", num_slots=4)
+    replayer.set_batch(routing_of[mb], slot=mb % 4)
+    replayer.select(mb % 4)                                   # this forward reads slot mb % 4
+    output = replayer.select_in_backward(model(x), mb % 4)    # and so does its recompute
+
+Multi-token-prediction layers have their own columns (``num_mtp_layers``, ``mtp_routing``): an MTP
+layer never reads a decoder layer's rows (``layer_ids(i, n, kind="mtp")``).
 
 The router wrappers that read it (``ReplayRule``, ``replaying_forward``, ``ReplayHandle``) are in
 :mod:`moe_ops.replay.attach`.
@@ -31,11 +46,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._library import destination_op
 from ..shapes import RoutingShape
+from .kernels import REPLAY_FAULT_ROW_COUNT, counter_lock
+from .op import replay_fault_counter
 
-__all__ = ["RoutingReplayer", "replay_batch"]
+__all__ = ["LAYER_KINDS", "NO_RECORD_MARKERS", "RoutingReplayer", "replay_batch"]
 
 LAYER_AXES = ("moe", "model")
+# "decoder": a layer of the model's decoder stack (model-layer index, mapped to the MoE-only axis);
+# "mtp": a multi-token-prediction layer (its own index from 0, its own columns)
+LAYER_KINDS = ("decoder", "mtp")
+# What marks a (token, layer) row without a record, besides moe-ops' own -1: verl, slime and
+# NeMo-RL send all-zero rows. An all-zero row is never a routing when top_k >= 2 (expert 0 twice).
+NO_RECORD_MARKERS = (-1, 0)
 _INT32_MAX = (1 << 31) - 1
 
 
@@ -110,42 +134,92 @@ def _as_host_array(name: str, value: Any) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------
 
 
+def check_no_record(no_record: Any, top_k: int) -> int:
+    """``no_record`` as an int in :data:`NO_RECORD_MARKERS`; ValueError otherwise, and for marker 0
+    with ``top_k == 1`` (there a row ``[0]`` is expert 0, a valid single choice)."""
+    is_int = isinstance(no_record, (int, np.integer)) and not isinstance(no_record, bool)
+    if not is_int or no_record not in NO_RECORD_MARKERS:
+        raise ValueError(f"no_record must be -1 (moe-ops' marker) or 0 (all-zero rows), got {no_record!r}")
+    if no_record == 0 and top_k == 1:
+        raise ValueError(
+            "no_record=0 needs top_k >= 2: with top_k == 1 the row [0] is expert 0, a valid choice, "
+            "not a missing record; mark rows without a record with -1"
+        )
+    return int(no_record)
+
+
+def _mark_no_record(ids: np.ndarray, no_record: int) -> np.ndarray:
+    """``ids`` (int32, [..., top_k]) with every row that is all ``no_record`` set to -1, in place."""
+    if no_record != -1 and ids.size:
+        ids[(ids == no_record).all(axis=-1)] = -1
+    return ids
+
+
+def _check_lengths(name: str, value: Any, count: int) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise TypeError(f"{name} must be a sequence with one entry per request, got {type(value).__name__}")
+    if len(value) != count:
+        raise ValueError(f"{name} must have one entry per request ({count}), got {len(value)}")
+    return list(value)
+
+
 def replay_batch(
     requests: Sequence[np.ndarray | torch.Tensor],
     shape: RoutingShape,
     *,
     layer_axis: str = "moe",
     pad_to: int | None = None,
+    num_tokens: Sequence[int] | None = None,
+    no_record: int = -1,
+    missing: Sequence[np.ndarray | None] | None = None,
 ) -> np.ndarray:
     """The routing rows of one training batch, built from the routing each request came back with.
 
     Args:
         requests: per request, the routing the rollout returned for it (``decode_routing`` of its
-            ``routed_experts``): ``(T - 1, A, top_k)`` integer, where ``T`` is the request's
-            tokens (prompt + generated) and row ``j`` holds the experts token ``j`` was routed to.
-            The last token was sampled but never run through the model, so it has no row.
-            ``A`` is ``shape.num_layers`` (``layer_axis="moe"``, what ``RoutingCapturer`` and the
-            ledger produce) or ``shape.num_model_layers`` (``layer_axis="model"``: vLLM's
-            ``routed_experts``, a column per decoder layer; the dense layers' columns are dropped
-            whatever they hold). Any integer dtype: -1, or an unsigned dtype's maximum where it
-            cannot be an id (the fill of rows never recorded), means "no record".
+            ``routed_experts``): ``(R, A, top_k)`` integer, where row ``j`` holds the experts
+            token ``j`` was routed to. A request of ``T`` tokens (prompt + generated) comes with
+            ``R = T - 1`` rows from vLLM, SGLang and moe-ops' ledger (the last token was sampled
+            but never run through the model), or ``R = T`` when already aligned to the tokens
+            (verl's ``align_r3_router_replay_data`` appends an all-zero placeholder row for the
+            last token). ``A`` is ``shape.num_layers`` (``layer_axis="moe"``, what
+            ``RoutingCapturer`` and the ledger produce) or ``shape.num_model_layers``
+            (``layer_axis="model"``: vLLM's ``routed_experts``, a column per decoder layer; the
+            dense layers' columns are dropped whatever they hold). Any integer dtype.
         shape: the model's :class:`~moe_ops.RoutingShape`.
         layer_axis: ``"moe"`` or ``"model"``, see ``requests``.
         pad_to: None: requests packed back to back (``sum(T)`` rows, e.g. for packed sequences
             with per-sequence positions); an int: each request right-padded to ``pad_to`` rows
             (``len(requests) * pad_to`` rows, a ``(batch, pad_to)`` batch flattened row-major, as
             transformers' routers see it). Every ``T <= pad_to``.
+        num_tokens: per request, its token count ``T`` (prompt + generated: the tokens of the
+            training sequence). Each request must then have ``T - 1`` or ``T`` rows, else
+            ValueError naming the request and both lengths; a request with ``T`` rows keeps its
+            last row (a placeholder reads as no record only if it is one: -1, or all zero with
+            ``no_record=0``). None: every request is taken to have ``T - 1`` rows, unchecked - pass
+            the counts: a request a row short or long shifts every later request of a packed
+            batch.
+        no_record: what marks a row without a record in ``requests``, besides -1: -1 (only -1) or
+            0 (an all-zero row too, what verl, slime and NeMo-RL send; needs ``top_k >= 2``).
+        missing: per request, None or an ``(R,)`` bool mask of rows that hold no record whatever
+            their values (``FinishedRouting.missing`` of the ledger: a dropped step's rows hold the
+            store's fill value, which at 256 experts in uint8 is the valid id 255).
 
     Returns:
         routing: (num_tokens, shape.num_layers, top_k) int32 - what
         :meth:`RoutingReplayer.set_batch` takes: request ``i``'s rows, then a row of -1 for its
-        last token, then (padded) rows of -1 for padding. -1 rows are routed live by the replay::
+        last token (when it came with ``T - 1`` rows), then (padded) rows of -1 for padding. -1
+        rows - and every row without a record (``no_record``, ``missing``, an unsigned dtype's
+        maximum where it cannot be an id) - are routed live by the replay and never counted as
+        faults::
 
             request 0: T = 4, rows r0 r1 r2        request 1: T = 3, rows s0 s1
             pad_to=None:  r0 r1 r2 -1 | s0 s1 -1                  7 rows
             pad_to=5:     r0 r1 r2 -1 -1 | s0 s1 -1 -1 -1        10 rows
 
-    Raises ValueError (naming the request) for a wrong shape or dtype, an id outside
+    Raises ValueError (naming the request) for a wrong shape, dtype or length, an id outside
     ``[0, num_experts)`` other than the no-record values, or a request longer than ``pad_to``;
     TypeError for wire text (decode it first). A pure function of its arguments: thread-safe.
     """
@@ -155,10 +229,14 @@ def replay_batch(
         raise ValueError(f"layer_axis must be 'moe' or 'model', got {layer_axis!r}")
     if pad_to is not None:
         pad_to = _check_int("pad_to", pad_to, 1)
+    no_record = check_no_record(no_record, shape.top_k)
     if isinstance(requests, (str, bytes, np.ndarray, torch.Tensor)) or not isinstance(requests, Sequence):
         raise TypeError(f"requests must be a sequence of per-request arrays, got {type(requests).__name__}")
+    lengths = _check_lengths("num_tokens", num_tokens, len(requests))
+    masks = _check_lengths("missing", missing, len(requests))
     width = shape.num_layers if layer_axis == "moe" else shape.num_model_layers
     rows: list[np.ndarray] = []
+    per_request: list[int] = []
     for i, request in enumerate(requests):
         name = f"requests[{i}]"
         array = _as_host_array(name, request)
@@ -169,19 +247,37 @@ def replay_batch(
             elif array.ndim == 3 and array.shape[1:] == (shape.num_layers, shape.top_k):
                 hint = " (the MoE-only layer axis: pass layer_axis='moe')"
             raise ValueError(
-                f"{name} must have shape (num_tokens - 1, {width}, {shape.top_k}) on the {layer_axis} "
+                f"{name} must have shape (rows, {width}, {shape.top_k}) on the {layer_axis} "
                 f"layer axis, got {array.shape}{hint}"
             )
+        num_rows = array.shape[0]
+        if lengths is None:
+            tokens = num_rows + 1
+        else:
+            tokens = _check_int(f"num_tokens[{i}]", lengths[i], 1)
+            if num_rows not in (tokens - 1, tokens):
+                raise ValueError(
+                    f"{name} has {num_rows} rows for num_tokens[{i}]={tokens} tokens: expected "
+                    f"{tokens - 1} (a row per token but the last, as vLLM, SGLang and moe-ops return "
+                    f"it) or {tokens} (aligned to the tokens)"
+                )
+        if pad_to is not None and tokens > pad_to:
+            raise ValueError(f"{name} has {tokens} tokens ({num_rows} rows), more than pad_to={pad_to}")
         if layer_axis == "model":
             array = array[:, list(shape.moe_layers)]
-        tokens = array.shape[0] + 1
-        if pad_to is not None and tokens > pad_to:
-            raise ValueError(
-                f"{name} has {array.shape[0]} rows, so {tokens} tokens (the last one without a row), "
-                f"more than pad_to={pad_to}"
-            )
-        rows.append(_host_ids(name, array, shape.num_experts, unsigned_fill=True))
-    per_request = [pad_to if pad_to is not None else r.shape[0] + 1 for r in rows]
+        ids = _mark_no_record(_host_ids(name, array, shape.num_experts, unsigned_fill=True), no_record)
+        if masks is not None and masks[i] is not None:
+            mask = masks[i]
+            if isinstance(mask, torch.Tensor):
+                mask = mask.numpy() if mask.device.type == "cpu" else mask
+            if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.shape != (num_rows,):
+                raise ValueError(
+                    f"missing[{i}] must be a ({num_rows},) bool array (one flag per row of {name}), got "
+                    f"{getattr(mask, 'dtype', type(mask).__name__)} {getattr(mask, 'shape', '')}"
+                )
+            ids[mask] = -1
+        rows.append(ids)
+        per_request.append(pad_to if pad_to is not None else tokens)
     out = np.full((sum(per_request), shape.num_layers, shape.top_k), -1, dtype=np.int32)
     start = 0
     for r, size in zip(rows, per_request):
@@ -191,141 +287,318 @@ def replay_batch(
 
 
 # ---------------------------------------------------------------------------------------------------
+# The row-count check of a compiled or captured step
+# ---------------------------------------------------------------------------------------------------
+
+
+def _check_rows(row_count: torch.Tensor, num_rows: int, errors: torch.Tensor) -> None:
+    """One faulty call (``errors[0] += 1``, ``errors[1] |= REPLAY_FAULT_ROW_COUNT``) in the replay
+    fault counter when ``row_count[0] != num_rows``: a router reads ``num_rows`` rows of a batch
+    that holds ``row_count[0]``. On the device, no host read (one small kernel per term); the CPU
+    counters' lock held as the replay twins hold it."""
+    bad = (row_count != num_rows).to(torch.int32)
+    with counter_lock if errors.device.type == "cpu" else contextlib.nullcontext():
+        errors[0:1].add_(bad)
+        errors[1:2].bitwise_or_(bad * REPLAY_FAULT_ROW_COUNT)
+
+
+# one device-neutral body (registered for CUDA, and for the CPU through cpu=None)
+replay_check_rows_op = destination_op("replay_check_rows_", mutates=("errors",), cuda=_check_rows)
+
+
+# ---------------------------------------------------------------------------------------------------
 # The replayer
 # ---------------------------------------------------------------------------------------------------
 
 
 class RoutingReplayer:
-    """The recorded ids of one training batch, on the device, for every MoE layer of one model.
+    """The recorded ids of a training batch (or of ``num_slots`` micro-batches), on the device, for
+    every MoE layer of one model.
 
     Args:
         shape: the model's :class:`~moe_ops.RoutingShape` (the layer axis holds MoE layers only).
         max_num_tokens: rows of the buffer: the most router rows one forward has (a padded batch
             of ``(batch, seq)`` has ``batch * seq``).
         device: where the buffer lives (``"cuda"``, ``"cuda:1"``, ``"cpu"``): the model's device.
+        num_slots: micro-batches held at once (pipeline schedules: the micro-batches in flight
+            between a forward and its backward, e.g. the pipeline depth for 1F1B). Slot ``i`` is
+            filled by ``set_batch(..., slot=i)`` and read after ``select(i)``.
+        num_mtp_layers: multi-token-prediction layers with a router (their own columns, read with
+            ``layer_ids(i, n, kind="mtp")``; 0: none).
+        no_record: what marks a row without a record in the batches given to :meth:`set_batch`
+            besides -1: -1 (only -1) or 0 (all-zero rows too, as verl, slime and NeMo-RL send them;
+            needs ``top_k >= 2``). Such rows are routed live and never counted as faults.
 
     Attributes:
-        buffer: (max_num_tokens, shape.num_layers, shape.top_k) int32 on ``device`` - the current
-            batch's ids in rows ``[0, num_tokens)``, -1 everywhere else; allocated once, never
-            reallocated, marked as a static address (CUDA graphs and inductor's CUDA-graph trees
-            keep reading it).
-        row_count: (1,) int32 on ``device`` - ``num_tokens`` on the device (for a graphed step
-            that masks its padding rows; the routers do not need it, the rows past it are -1).
-        num_tokens: host int, the rows of the last :meth:`set_batch` (0 before the first).
+        buffer: (max_num_tokens, shape.num_layers, shape.top_k) int32 on ``device`` - the rows
+            the routers read: the selected slot's batch in rows ``[0, num_tokens)``, -1 everywhere
+            else; allocated once, never reallocated, marked as a static address (CUDA graphs and
+            inductor's CUDA-graph trees keep reading it).
+        mtp_buffer: (max_num_tokens, num_mtp_layers, shape.top_k) int32 on ``device`` - the same
+            for the MTP layers; -1 where the batch came without MTP rows.
+        row_count: (1,) int32 on ``device`` - ``num_tokens`` on the device, what a compiled or
+            CUDA-graphed router checks its row count against.
+        num_tokens: host int, the rows of the selected slot's batch (0 before its first
+            :meth:`set_batch`).
+        slot: host int, the selected slot (0 until :meth:`select`).
 
-    Thread safety: :meth:`set_batch` is serialised by a lock, so concurrent calls leave the buffer
-    holding exactly one of their batches (never a mix), with ``num_tokens`` and ``row_count``
-    matching it. Which batch a forward reads is the caller's ordering: set the batch, then run the
-    forward and backward that use it, on the stream the copy was enqueued on. :meth:`layer_ids`
-    only slices (no lock: it runs inside compiled graphs).
+    With ``num_slots > 1`` every slot has its own storage beside ``buffer`` (``num_slots + 1``
+    buffers in all) and :meth:`select` copies the selected slot's rows into ``buffer`` on the
+    device: the routers keep reading one static address, so selecting costs one device copy per
+    micro-batch and nothing per router call. With one slot, ``set_batch`` writes ``buffer``.
+
+    Thread safety: :meth:`set_batch` and :meth:`select` are serialised by a lock (the backward
+    hook of :meth:`select_in_backward` runs on autograd's thread), so concurrent calls leave every
+    slot holding exactly one of their batches (never a mix) and ``buffer``, ``num_tokens`` and
+    ``row_count`` matching the selected slot. Which batch a forward reads is the caller's ordering:
+    select the slot, then run the forward that uses it, on the stream the copies were enqueued on.
+    :meth:`layer_ids` only slices and checks host values (no lock: it runs inside compiled graphs).
     """
 
-    def __init__(self, shape: RoutingShape, max_num_tokens: int, device: torch.device | str):
+    def __init__(
+        self,
+        shape: RoutingShape,
+        max_num_tokens: int,
+        device: torch.device | str,
+        *,
+        num_slots: int = 1,
+        num_mtp_layers: int = 0,
+        no_record: int = -1,
+    ):
         if not isinstance(shape, RoutingShape):
             raise TypeError(f"shape must be a RoutingShape, got {type(shape).__name__}")
         max_num_tokens = _check_int("max_num_tokens", max_num_tokens, 1)
         if max_num_tokens > _INT32_MAX:
             raise ValueError(f"max_num_tokens must be < 2**31 (row_count is int32), got {max_num_tokens}")
+        num_slots = _check_int("num_slots", num_slots, 1)
+        num_mtp_layers = _check_int("num_mtp_layers", num_mtp_layers, 0)
+        self.no_record = check_no_record(no_record, shape.top_k)
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.shape = shape
         self.max_num_tokens = max_num_tokens
         self.device = device
+        self.num_slots = num_slots
+        self.num_mtp_layers = num_mtp_layers
         self.num_tokens = 0
+        self.slot = 0
+        # rows of each slot's batch (host ints); the selected one is num_tokens
+        self._slot_tokens = [0] * num_slots
+        # whether each slot was ever set (an empty batch is a batch; a never-set slot is a mistake)
+        self._slot_set = [False] * num_slots
         # model layer -> buffer column, looked up at every router call (also while tracing)
         self._column = {layer: i for i, layer in enumerate(shape.moe_layers)}
         self._lock = threading.Lock()
-        self.buffer = torch.full(
-            (max_num_tokens, shape.num_layers, shape.top_k), -1, dtype=torch.int32, device=device
-        )
+        rows = (max_num_tokens, shape.num_layers, shape.top_k)
+        mtp_rows = (max_num_tokens, num_mtp_layers, shape.top_k)
+        self.buffer = torch.full(rows, -1, dtype=torch.int32, device=device)
+        self.mtp_buffer = torch.full(mtp_rows, -1, dtype=torch.int32, device=device)
         self.row_count = torch.zeros(1, dtype=torch.int32, device=device)
-        for t in (self.buffer, self.row_count):
+        for t in (self.buffer, self.mtp_buffer, self.row_count):
             torch._dynamo.mark_static_address(t)
+        # each slot's storage (num_slots > 1): select() copies one into buffer / mtp_buffer
+        self._slots = self._mtp_slots = None
+        if num_slots > 1:
+            self._slots = torch.full((num_slots, *rows), -1, dtype=torch.int32, device=device)
+            self._mtp_slots = torch.full((num_slots, *mtp_rows), -1, dtype=torch.int32, device=device)
 
     def __repr__(self) -> str:
         s = self.shape
         return (
             f"RoutingReplayer(layers={s.num_layers}, experts={s.num_experts}, top_k={s.top_k}, "
-            f"max_num_tokens={self.max_num_tokens}, device={self.device}, num_tokens={self.num_tokens})"
+            f"max_num_tokens={self.max_num_tokens}, device={self.device}, num_slots={self.num_slots}, "
+            f"num_mtp_layers={self.num_mtp_layers}, slot={self.slot}, num_tokens={self.num_tokens})"
         )
 
+    # -- filling a slot -------------------------------------------------------------------------
+
     def set_batch(
-        self, routing: np.ndarray | torch.Tensor, *, stream: torch.cuda.Stream | None = None
+        self,
+        routing: np.ndarray | torch.Tensor,
+        *,
+        slot: int = 0,
+        mtp_routing: np.ndarray | torch.Tensor | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """Copies one batch's ids into ``buffer`` in place; rows past them read as -1.
+        """Copies one batch's ids into slot ``slot`` in place; rows past them read as -1.
 
         Args:
             routing: (num_tokens, shape.num_layers, top_k) integer - the ids of every router row
-                of the next forward on the MoE-only layer axis (what :func:`replay_batch` builds),
-                ``num_tokens <= max_num_tokens``; a row of -1 (a padding token, a last token, a
-                token to route live) keeps the router's live routing. Either a host array (numpy
-                or a CPU tensor) or a tensor on the replayer's device.
+                of the forward on the MoE-only layer axis (what :func:`replay_batch` builds),
+                ``num_tokens <= max_num_tokens``: the routers of that forward must have exactly
+                ``num_tokens`` rows (:meth:`layer_ids`). A row of -1 (a padding token, a last
+                token, a token to route live), or of the ``no_record`` marker, keeps the router's
+                live routing. Either a host array (numpy or a CPU tensor) or a tensor on the
+                replayer's device.
+            slot: which slot to fill, in ``[0, num_slots)``; when it is the selected slot the
+                routers read the new batch from the next forward on.
+            mtp_routing: (num_tokens, num_mtp_layers, top_k) integer - the MTP layers' ids for
+                the same tokens, as ``routing``; None: the MTP layers route live.
             stream: the stream the step runs on (default: the current stream).
 
         Host arrays are checked here: every id must be in ``[0, num_experts)`` or -1, else
         ValueError naming the first bad id, and nothing is written. A device tensor is not read on
         the host (no sync): an id outside ``[-1, num_experts)`` is stored as ``num_experts``, so its
         row is faulty for ``replay_routing`` (routed live and counted for
-        ``check_replay_errors``), never wrapped into range. Shapes, dtypes and devices raise
-        ValueError (TypeError for a non-array) before anything changes.
+        ``check_replay_errors``), never wrapped into range. Shapes, dtypes, devices and the slot
+        raise ValueError (TypeError for a non-array) before anything changes.
 
         Ordering: enqueued on ``stream`` as non-blocking copies (from freshly pinned host memory,
-        which the caching host allocator keeps until the copy ran). Call it after the previous
-        batch's backward was enqueued: checkpointed layers read the buffer again in backward.
+        which the caching host allocator keeps until the copy ran). Filling the selected slot:
+        call it after the previous batch's backward was enqueued (checkpointed layers read the
+        buffer again in backward); filling another slot never touches what the routers read.
         """
-        if isinstance(routing, torch.Tensor) and routing.device.type != "cpu":
-            with self._on(stream):  # the rule's kernels run where the copy will
-                src = self._device_rows(routing)
-            n = src.shape[0]
-        else:
-            array = _as_host_array("routing", routing)
-            self._check_shape(array.shape)
-            src = _host_ids("routing", array, self.shape.num_experts, unsigned_fill=False)
-            n = src.shape[0]
+        slot = self._check_slot(slot)
+        src = self._rows("routing", routing, self.shape.num_layers, stream)
+        n = src.shape[0]
+        mtp = None
+        if mtp_routing is not None:
+            if self.num_mtp_layers == 0:
+                raise ValueError("mtp_routing given, but this replayer has num_mtp_layers=0 (no MTP columns)")
+            mtp = self._rows("mtp_routing", mtp_routing, self.num_mtp_layers, stream)
+            if mtp.shape[0] != n:
+                raise ValueError(f"mtp_routing must have routing's {n} rows, got {mtp.shape[0]}")
         with self._lock:
-            # rows [0, num_tokens) may hold the last batch; rows past it are -1 already
-            stale = self.num_tokens
-            if isinstance(src, np.ndarray):
-                rows = np.full((max(n, stale), *self.buffer.shape[1:]), -1, dtype=np.int32)
-                rows[:n] = src
-                self._copy(self.buffer[: rows.shape[0]], torch.from_numpy(rows), stream)
+            stale = self._slot_tokens[slot]
+            if self._slots is None:
+                self._write(self.buffer, src, stale, stream)
+                self._write(self.mtp_buffer, mtp, stale, stream)
             else:
-                with self._on(stream):
-                    self.buffer[:n].copy_(src)
-                    if stale > n:
-                        self.buffer[n:stale].fill_(-1)
-            self._copy(self.row_count, torch.tensor([n], dtype=torch.int32), stream)
-            self.num_tokens = n
+                self._write(self._slots[slot], src, stale, stream)
+                self._write(self._mtp_slots[slot], mtp, stale, stream)
+            self._slot_tokens[slot] = n
+            self._slot_set[slot] = True
+            if slot == self.slot:
+                self._load(slot, stale, stream)
 
-    def _check_shape(self, shape: tuple[int, ...]) -> None:
+    def _check_slot(self, slot: Any) -> int:
+        is_int = isinstance(slot, (int, np.integer)) and not isinstance(slot, bool)
+        if not is_int or not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot must be an int in [0, num_slots={self.num_slots}), got {slot!r}")
+        return int(slot)
+
+    def _rows(self, name: str, routing: Any, width: int, stream) -> np.ndarray | torch.Tensor:
+        """``routing`` checked and converted: int32 host rows, or int32 device rows (the rule's
+        kernels enqueued on ``stream``), no-record rows set to -1."""
+        if isinstance(routing, torch.Tensor) and routing.device.type != "cpu":
+            with self._on(stream):
+                return self._device_rows(name, routing, width)
+        array = _as_host_array(name, routing)
+        self._check_shape(name, array.shape, width)
+        return _mark_no_record(
+            _host_ids(name, array, self.shape.num_experts, unsigned_fill=False), self.no_record
+        )
+
+    def _check_shape(self, name: str, shape: tuple[int, ...], width: int) -> None:
         s = self.shape
-        if len(shape) != 3 or tuple(shape[1:]) != (s.num_layers, s.top_k):
+        axis = "MoE-only layer axis" if name == "routing" else "MTP layer axis"
+        if len(shape) != 3 or tuple(shape[1:]) != (width, s.top_k):
             hint = ""
-            if len(shape) == 3 and tuple(shape[1:]) == (s.num_model_layers, s.top_k):
+            if name == "routing" and len(shape) == 3 and tuple(shape[1:]) == (s.num_model_layers, s.top_k):
                 hint = "; a column per model layer (vLLM's axis): use replay_batch(..., layer_axis='model')"
             raise ValueError(
-                f"routing must have shape (num_tokens, {s.num_layers}, {s.top_k}) on the MoE-only layer "
-                f"axis, got {tuple(shape)}{hint}"
+                f"{name} must have shape (num_tokens, {width}, {s.top_k}) on the {axis}, got "
+                f"{tuple(shape)}{hint}"
             )
         if shape[0] > self.max_num_tokens:
             raise ValueError(
-                f"routing has {shape[0]} rows, more than max_num_tokens={self.max_num_tokens} "
+                f"{name} has {shape[0]} rows, more than max_num_tokens={self.max_num_tokens} "
                 "(the rows of the replay buffer)"
             )
 
-    def _device_rows(self, routing: torch.Tensor) -> torch.Tensor:
+    def _device_rows(self, name: str, routing: torch.Tensor, width: int) -> torch.Tensor:
         if routing.device != self.device:
             raise ValueError(
-                f"routing must be on the replayer's device {self.device} or the host, got {routing.device}"
+                f"{name} must be on the replayer's device {self.device} or the host, got {routing.device}"
             )
         if routing.dtype.is_floating_point or routing.dtype.is_complex or routing.dtype == torch.bool:
-            raise ValueError(f"routing must hold integer expert ids, got dtype {routing.dtype}")
-        self._check_shape(tuple(routing.shape))
+            raise ValueError(f"{name} must hold integer expert ids, got dtype {routing.dtype}")
+        self._check_shape(name, tuple(routing.shape), width)
         wide = routing.to(torch.int64)
         num_experts = self.shape.num_experts
         # out of [-1, num_experts) -> num_experts: the row stays faulty, nothing wraps into range
-        return torch.where((wide < -1) | (wide >= num_experts), num_experts, wide).to(torch.int32)
+        wide = torch.where((wide < -1) | (wide >= num_experts), num_experts, wide)
+        if self.no_record != -1:
+            wide = torch.where((wide == self.no_record).all(-1, keepdim=True), -1, wide)
+        return wide.to(torch.int32)
+
+    def _write(self, dst: torch.Tensor, src: Any, stale: int, stream) -> None:
+        """``dst[:n] = src``, ``dst[n:stale] = -1`` (``src`` None: ``n = 0``)."""
+        if dst.shape[1] == 0:
+            return
+        n = 0 if src is None else src.shape[0]
+        if src is None or isinstance(src, np.ndarray):
+            rows = np.full((max(n, stale), *dst.shape[1:]), -1, dtype=np.int32)
+            if n:
+                rows[:n] = src
+            if rows.shape[0]:
+                self._copy(dst[: rows.shape[0]], torch.from_numpy(rows), stream)
+        else:
+            with self._on(stream):
+                dst[:n].copy_(src)
+                if stale > n:
+                    dst[n:stale].fill_(-1)
+
+    # -- selecting a slot -----------------------------------------------------------------------
+
+    def select(self, slot: int, *, stream: torch.cuda.Stream | None = None) -> None:
+        """Makes slot ``slot`` the batch the routers read from the next forward (or recompute) on.
+
+        With one slot there is nothing to select (``slot`` must be 0). With more, the slot's rows
+        are copied into ``buffer`` / ``mtp_buffer`` on ``stream`` (a device copy of the rows of
+        the previously and newly selected batches, no host sync) and ``num_tokens`` / ``row_count``
+        follow; selecting the selected slot again does nothing. Call it between forwards (never
+        inside a compiled function or a CUDA-graph capture: a host method, like ``set_batch``).
+        ValueError for a slot outside ``[0, num_slots)``.
+        """
+        slot = self._check_slot(slot)
+        with self._lock:
+            if slot != self.slot:
+                self._load(slot, self.num_tokens, stream)
+
+    def _load(self, slot: int, stale: int, stream) -> None:
+        """``buffer`` and ``mtp_buffer`` (rows ``[0, max(n, stale))``) from slot ``slot``'s storage,
+        and the host and device row counts; the lock is held."""
+        n = self._slot_tokens[slot]
+        rows = max(n, stale)
+        if self._slots is not None and rows:
+            with self._on(stream):
+                self.buffer[:rows].copy_(self._slots[slot, :rows])
+                if self.num_mtp_layers:
+                    self.mtp_buffer[:rows].copy_(self._mtp_slots[slot, :rows])
+        self._copy(self.row_count, torch.tensor([n], dtype=torch.int32), stream)
+        self.slot, self.num_tokens = slot, n
+
+    def select_in_backward(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
+        """Returns ``tensor`` itself, with a gradient hook that selects slot ``slot`` when the
+        backward reaches it, before the gradient flows on into the layers that produced it.
+
+        Put it on a micro-batch's output (a pipeline stage's output, or the loss): the backward of
+        that micro-batch starts there, so its checkpointed layers recompute with its own ids even
+        when other micro-batches' forwards ran in between (1F1B, interleaved 1F1B). The hook runs
+        on autograd's thread and enqueues the copy on the stream the backward runs on (autograd
+        runs a node's backward on its forward's stream). No copy of ``tensor``, no view: a
+        schedule may free the output's storage after sending it (Megatron's
+        ``deallocate_output_tensor``), the hook lives on its ``grad_fn``. A tensor that does not
+        require grad is returned as is (no backward reaches it). Call it outside compiled regions.
+        """
+        slot = self._check_slot(slot)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.requires_grad:
+
+            def reselect(grad: torch.Tensor) -> None:
+                self.select(slot)
+
+            tensor.register_hook(reselect)
+        return tensor
+
+    def slot_tokens(self, slot: int) -> int:
+        """Rows of slot ``slot``'s batch (host int; 0 before its first :meth:`set_batch`)."""
+        return self._slot_tokens[self._check_slot(slot)]
+
+    # -- reading ----------------------------------------------------------------------------------
 
     def _on(self, stream):
         if self.device.type != "cuda":
@@ -340,22 +613,73 @@ class RoutingReplayer:
         else:
             dst.copy_(src)
 
-    def layer_ids(self, model_layer_index: int, num_tokens: int) -> torch.Tensor:
+    def layer_ids(self, model_layer_index: int, num_tokens: int, *, kind: str = "decoder") -> torch.Tensor:
         """(num_tokens, top_k) int32 view ``buffer[:num_tokens, column]`` of one MoE layer.
 
         Args:
-            model_layer_index: the MODEL layer index of the router (mapped to the buffer's MoE-only
-                layer axis; IndexError outside the model, ValueError for a dense layer).
-            num_tokens: the router's row count this call; ValueError above ``max_num_tokens``.
+            model_layer_index: ``kind="decoder"``: the MODEL layer index of the router (mapped to
+                the buffer's MoE-only layer axis; IndexError outside the model, ValueError for a
+                dense layer). ``kind="mtp"``: the MTP layer's own index in
+                ``[0, num_mtp_layers)`` (IndexError outside), a column of ``mtp_buffer``.
+            num_tokens: the router's row count this call: it must equal the rows of the batch that
+                was set (``num_tokens``), else the router would read another batch's rows or a
+                prefix of this one.
+            kind: ``"decoder"`` or ``"mtp"`` (:data:`LAYER_KINDS`).
 
-        No host reads of device values and no copies: safe inside torch.compile and CUDA graphs.
+        The row count is checked on the host where that is exact: an eager call raises ValueError
+        (also when no batch was set). Inside a compiled function (where ``num_tokens`` may be
+        symbolic and the host count is not part of the graph) and inside a CUDA-graph capture
+        (where later replays run with later batches), the check is on the device: a mismatch counts
+        one faulty call (``REPLAY_FAULT_ROW_COUNT``) for ``check_replay_errors``, without a host
+        read, a graph break or a recompile. No copies: safe inside torch.compile and CUDA graphs.
         """
-        column = self._column.get(model_layer_index)
-        if column is None:
-            column = self.shape.buffer_layer(model_layer_index)  # raises the precise error
+        if kind == "decoder":
+            column = self._column.get(model_layer_index)
+            if column is None:
+                column = self.shape.buffer_layer(model_layer_index)  # raises the precise error
+            source, what = self.buffer, f"the router of layer {model_layer_index}"
+        elif kind == "mtp":
+            if (
+                isinstance(model_layer_index, bool)
+                or not isinstance(model_layer_index, int)
+                or not 0 <= model_layer_index < self.num_mtp_layers
+            ):
+                raise IndexError(
+                    f"MTP layer index must be an int in [0, num_mtp_layers={self.num_mtp_layers}), "
+                    f"got {model_layer_index!r}"
+                )
+            column, source = model_layer_index, self.mtp_buffer
+            what = f"the router of MTP layer {model_layer_index}"
+        else:
+            raise ValueError(f"kind must be one of {LAYER_KINDS}, got {kind!r}")
+        if num_tokens < 0:
+            raise ValueError(f"{what} asks for {num_tokens} rows: num_tokens must be >= 0")
         if num_tokens > self.max_num_tokens:
             raise ValueError(
-                f"the router of layer {model_layer_index} has {num_tokens} rows, more than the "
-                f"replayer's max_num_tokens={self.max_num_tokens}"
+                f"{what} has {num_tokens} rows, more than the replayer's max_num_tokens={self.max_num_tokens}"
             )
-        return self.buffer[:num_tokens, column]
+        if torch.compiler.is_compiling():
+            self._check_rows_on_device(num_tokens)
+        else:
+            if num_tokens != self.num_tokens:
+                raise ValueError(self._row_message(what, num_tokens))
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                self._check_rows_on_device(num_tokens)
+        return source[:num_tokens, column]
+
+    def _check_rows_on_device(self, num_tokens: int) -> None:
+        torch.ops.moe_ops.replay_check_rows_(self.row_count, num_tokens, replay_fault_counter(self.device))
+
+    def _row_message(self, what: str, num_tokens: int) -> str:
+        if not self._slot_set[self.slot]:
+            return (
+                f"{what} has {num_tokens} rows but no batch was set for slot {self.slot}: call "
+                "replayer.set_batch(routing) before the forward (without a batch the routers would "
+                "route live, as if no replay were attached)"
+            )
+        return (
+            f"{what} has {num_tokens} rows but the batch set for slot {self.slot} has {self.num_tokens}: "
+            "the routers would read another batch's rows or part of this one. Build the batch with "
+            "the forward's token layout (replay_batch(..., num_tokens=..., pad_to=...) for a padded "
+            "batch, packed otherwise) or select the micro-batch's slot"
+        )
