@@ -867,12 +867,15 @@ class MismatchCase:
     valid: np.ndarray | None
     # whether to pass the 2-D (n, top_k) form (num_layers is then 1)
     flat: bool
+    # the no-record marker of the recorded rows: -1, or 0 (all-zero rows; top_k >= 2 only)
+    no_record: int = -1
 
 
 @st.composite
 def mismatch_cases(draw, max_tokens: int = 20, max_layers: int = 4, max_top_k: int = 6):
     """Recorded and live routings of the same tokens: some rows equal up to column order, some
-    sharing part of their experts, some disjoint, some with an id listed twice (on either side)."""
+    sharing part of their experts, some disjoint, some with an id listed twice (on either side),
+    some recorded rows without a record (all -1, or all ``no_record``)."""
     n = draw(st.integers(0, max_tokens))
     flat = draw(st.booleans())
     layers = 1 if flat else draw(st.integers(1, max_layers))
@@ -895,8 +898,13 @@ def mismatch_cases(draw, max_tokens: int = 20, max_layers: int = 4, max_top_k: i
                 live[t, layer, rng.integers(k)] = live[t, layer, rng.integers(k)]  # maybe a duplicate
             elif how == 3:
                 recorded[t, layer, rng.integers(k)] = recorded[t, layer, rng.integers(k)]
+    no_record = draw(st.sampled_from([-1, 0])) if k >= 2 else -1
+    unrecorded = rng.random((n, layers)) < 0.15
+    recorded[unrecorded] = -1
+    if no_record == 0:
+        recorded[unrecorded & (rng.random((n, layers)) < 0.5)] = 0
     valid = rng.random(n) < 0.7 if draw(st.booleans()) else None
-    return MismatchCase(recorded, live, valid, flat)
+    return MismatchCase(recorded, live, valid, flat, no_record)
 
 
 # ---------------------------------------------------------------------------------------------------

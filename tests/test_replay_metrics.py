@@ -10,24 +10,32 @@ import torch
 from hypothesis import given, settings
 from strategies import MismatchCase, mismatch_cases
 
-from moe_ops import RoutingMismatch, replay_routing, route, routing_mismatch
+import moe_ops
+from moe_ops import RoutingMismatch, replay_batch, replay_routing, route, routing_mismatch
 
 
-def _oracle(case: MismatchCase) -> tuple[list[float], list[float], list[float], int]:
-    """(changed, overlap, disjoint) per layer and the token count, from Python sets."""
+def _oracle(case: MismatchCase) -> tuple[list[float], list[float], list[float], list[int]]:
+    """(changed, overlap, disjoint) and the token count per layer, from Python sets: a layer counts
+    the valid tokens whose recorded row is a record (not all -1, not all the no-record marker)."""
     n, layers, k = case.recorded.shape
-    rows = [t for t in range(n) if case.valid is None or case.valid[t]]
-    changed, overlap, disjoint = [], [], []
+    changed, overlap, disjoint, counts = [], [], [], []
     for layer in range(layers):
+        rows = [
+            t
+            for t in range(n)
+            if (case.valid is None or case.valid[t])
+            and set(case.recorded[t, layer].tolist()) not in ({-1}, {case.no_record})
+        ]
         a = [set(case.recorded[t, layer].tolist()) for t in rows]
         b = [set(case.live[t, layer].tolist()) for t in rows]
+        counts.append(len(rows))
         if not rows:
             changed.append(math.nan), overlap.append(math.nan), disjoint.append(math.nan)
             continue
         changed.append(sum(x != y for x, y in zip(a, b)) / len(rows))
         overlap.append(sum(len(x & y) / k for x, y in zip(a, b)) / len(rows))
         disjoint.append(sum(not (x & y) for x, y in zip(a, b)) / len(rows))
-    return changed, overlap, disjoint, len(rows)
+    return changed, overlap, disjoint, counts
 
 
 def _tensors(case: MismatchCase, dtypes=(torch.int32, torch.int64)):
@@ -43,14 +51,23 @@ def _tensors(case: MismatchCase, dtypes=(torch.int32, torch.int64)):
 @given(case=mismatch_cases())
 def test_matches_python_sets(case):
     recorded, live, valid = _tensors(case, (torch.int16, torch.int64))
-    m = routing_mismatch(recorded, live, valid=valid)
+    m = routing_mismatch(recorded, live, valid=valid, no_record=case.no_record)
     changed, overlap, disjoint, count = _oracle(case)
     layers = case.recorded.shape[1]
     for name, got, want in (("changed", m.changed, changed), ("overlap", m.overlap, overlap)):
         assert got.shape == (layers,) and got.dtype == torch.float32, name
         torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-7, equal_nan=True, msg=name)
     torch.testing.assert_close(m.disjoint, torch.tensor(disjoint), rtol=1e-6, atol=1e-7, equal_nan=True)
-    assert int(m.num_tokens) == count and m.num_tokens.dtype == torch.int64
+    assert m.num_tokens.tolist() == count and m.num_tokens.dtype == torch.int64
+    # the same from numpy arrays
+    as_numpy = routing_mismatch(
+        recorded.numpy(),
+        live.numpy(),
+        valid=None if valid is None else valid.numpy(),
+        no_record=case.no_record,
+    )
+    for name in ("changed", "overlap", "disjoint", "num_tokens"):
+        torch.testing.assert_close(getattr(as_numpy, name), getattr(m, name), equal_nan=True)
 
 
 @settings(max_examples=50)
@@ -59,10 +76,9 @@ def test_column_order_and_argument_order_do_not_matter(case):
     recorded, live, valid = _tensors(case)
     rng = np.random.default_rng(0)
     perm = torch.from_numpy(rng.permutation(recorded.shape[-1]))
-    a = routing_mismatch(recorded, live, valid=valid)
-    b = routing_mismatch(recorded[..., perm], live.flip(-1), valid=valid)
-    c = routing_mismatch(live, recorded, valid=valid)  # symmetric in the two routings
-    for m in (b, c):
+    a = routing_mismatch(recorded, live, valid=valid, no_record=case.no_record)
+    b = routing_mismatch(recorded[..., perm], live.flip(-1), valid=valid, no_record=case.no_record)
+    for m in (b,):
         for field in ("changed", "overlap", "disjoint"):
             torch.testing.assert_close(getattr(m, field), getattr(a, field), equal_nan=True)
 
@@ -78,9 +94,39 @@ def test_known_values_and_padding():
     padded = routing_mismatch(recorded, live, valid=torch.tensor([True, True, False, False]))
     torch.testing.assert_close(padded.changed, torch.tensor([0.5]))
     torch.testing.assert_close(padded.disjoint, torch.tensor([0.0]))
-    assert int(padded.num_tokens) == 2
+    assert padded.num_tokens.tolist() == [2]
     empty = routing_mismatch(recorded, live, valid=torch.zeros(4, dtype=torch.bool))
-    assert torch.isnan(empty.changed).all() and int(empty.num_tokens) == 0
+    assert torch.isnan(empty.changed).all() and empty.num_tokens.tolist() == [0]
+    # symmetric in the two routings where every row is a record
+    swapped = routing_mismatch(live, recorded)
+    for field in ("changed", "overlap", "disjoint"):
+        torch.testing.assert_close(getattr(swapped, field), getattr(m, field))
+
+
+def test_rows_without_a_record_are_not_counted():
+    """The issue's reproducer: the documented CI check fed replay_batch(..., pad_to=40) and the
+    attention mask, live == recorded on every recorded token, reported each request's last-token
+    row of -1 as disjoint (2.86% per layer). Rows without a record count nowhere."""
+    shape = moe_ops.RoutingShape(num_layers=2, num_experts=16, top_k=2)
+    rng = np.random.default_rng(0)
+    lengths = [35, 40, 12]
+    requests = [
+        np.stack([np.stack([rng.permutation(16)[:2] for _ in range(2)]) for _ in range(t - 1)])
+        for t in lengths
+    ]
+    recorded = replay_batch(requests, shape, num_tokens=lengths, pad_to=40)
+    mask = torch.tensor([[j < t for j in range(40)] for t in lengths])
+    live = torch.from_numpy(np.where(recorded == -1, 3, recorded))  # the live router routes -1 rows
+    m = routing_mismatch(torch.from_numpy(recorded), live, valid=mask.flatten())
+    assert m.disjoint.tolist() == [0.0, 0.0] and m.changed.tolist() == [0.0, 0.0]
+    assert m.num_tokens.tolist() == [sum(lengths) - 3] * 2  # every valid token but the three last ones
+    # verl-style all-zero rows with no_record=0; a uint8 255 (a valid id at 256 experts) is a record
+    zeros = torch.tensor([[[0, 0]], [[1, 2]]])
+    other = torch.tensor([[[5, 6]], [[1, 2]]])
+    assert routing_mismatch(zeros, other, no_record=0).num_tokens.tolist() == [1]
+    assert routing_mismatch(zeros, other).disjoint.tolist() == [0.5]
+    wide = torch.tensor([[255], [7]], dtype=torch.uint8)
+    assert routing_mismatch(wide, torch.tensor([[255], [7]])).num_tokens.tolist() == [2]
 
 
 def test_ci_check_of_the_docs_fails_a_run_above_one_percent_disjoint():
@@ -117,7 +163,7 @@ def test_replayed_ids_have_no_mismatch_and_live_ones_are_measured():
 
 
 BAD = [
-    (dict(recorded_ids=[[1]]), TypeError, "recorded_ids must be a torch.Tensor"),
+    (dict(recorded_ids=[[1]]), TypeError, "recorded_ids must be a torch.Tensor or a numpy array"),
     (dict(recorded_ids=torch.zeros(4, dtype=torch.int32)), ValueError, r"recorded_ids must be \(n, top_k\)"),
     (dict(live_ids=torch.zeros(4, 3, 2, 1, dtype=torch.int32)), ValueError, "live_ids must be"),
     (dict(live_ids=torch.zeros(4, 3)), ValueError, "live_ids must be uint8, int8, int16, int32 or int64"),
@@ -125,7 +171,17 @@ BAD = [
     (dict(recorded_ids=torch.zeros(4, 0, dtype=torch.int32)), ValueError, "at least one expert column"),
     (dict(valid=torch.ones(4)), ValueError, r"valid must be a \(4,\) bool tensor"),
     (dict(valid=torch.ones(5, dtype=torch.bool)), ValueError, r"valid must be a \(4,\) bool tensor"),
-    (dict(valid=[True] * 4), TypeError, "valid must be a torch.Tensor or None"),
+    (dict(valid=[True] * 4), TypeError, "valid must be a torch.Tensor, a numpy array or None"),
+    (dict(no_record=1), ValueError, "no_record must be -1 or 0"),
+    (
+        dict(
+            no_record=0,
+            recorded_ids=torch.zeros(4, 1, dtype=torch.int32),
+            live_ids=torch.zeros(4, 1, dtype=torch.int8),
+        ),
+        ValueError,
+        "needs top_k >= 2",
+    ),
     (dict(live_ids=torch.zeros(4, 3, dtype=torch.int32, device="meta")), ValueError, "device cpu, got meta"),
 ]
 
@@ -137,5 +193,6 @@ def test_bad_arguments(change, exc, message):
     )
     args.update(change)
     valid = args.pop("valid", None)
+    no_record = args.pop("no_record", -1)
     with pytest.raises(exc, match=message):
-        routing_mismatch(args["recorded_ids"], args["live_ids"], valid=valid)
+        routing_mismatch(args["recorded_ids"], args["live_ids"], valid=valid, no_record=no_record)

@@ -218,7 +218,8 @@ def train_check(
     wire_mismatched = sum(
         received[i].shape != routing[i].shape or bool((received[i] != routing[i]).any()) for i in ids
     )
-    batch = replay_batch([received[i] for i in ids], shape)  # (sum(T), L, K), -1 at last tokens
+    # (sum(T), L, K), -1 at last tokens; each request checked against its token count
+    batch = replay_batch([received[i] for i in ids], shape, num_tokens=[len(s) for s in seqs])
     rows = batch.shape[0]
     recorded = torch.from_numpy(batch).to(device)
     valid = (recorded != -1).all(-1).all(-1)

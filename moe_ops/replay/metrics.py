@@ -1,15 +1,19 @@
 """Routing-mismatch metrics: how far the trainer's live routing strays from the rollout's record.
 
 Set semantics: a token's routing is the *set* of its experts, so column order never matters and an
-id listed twice counts once. All arithmetic stays on the device in fixed shapes (no boolean
-indexing, no ``.item()``), so the metrics trace under ``torch.compile(fullgraph=True)`` and capture
-in CUDA graphs; the host waits only when the caller reads a value.
+id listed twice counts once. A recorded row without a record (all -1: a last token, padding, a
+dropped step; or all ``no_record``) is no routing at all, so it is left out of every count of its
+layer. All arithmetic stays on the device in fixed shapes (no boolean indexing, no ``.item()``), so
+the metrics trace under ``torch.compile(fullgraph=True)`` and capture in CUDA graphs; the host waits
+only when the caller reads a value.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["RoutingMismatch", "routing_mismatch"]
@@ -19,25 +23,31 @@ _ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 @dataclass(frozen=True)
 class RoutingMismatch:
-    """Per-layer mismatch between recorded and live routing, over the valid tokens.
+    """Per-layer mismatch between recorded and live routing, over the counted tokens of each layer:
+    the valid tokens whose recorded row in that layer holds a record.
 
     Every tensor is on the inputs' device; reading one (``float(m.disjoint.max())``) is a host sync.
-    With no valid token the fractions are NaN (0 / 0), never a made-up 0.
+    With no counted token the fractions are NaN (0 / 0), never a made-up 0.
     """
 
-    # (num_layers,) float32 in [0, 1]: fraction of valid tokens whose expert set differs
+    # (num_layers,) float32 in [0, 1]: fraction of counted tokens whose expert set differs
     changed: torch.Tensor
-    # (num_layers,) float32 in [0, 1]: mean over valid tokens of |recorded & live| / top_k
+    # (num_layers,) float32 in [0, 1]: mean over counted tokens of |recorded & live| / top_k
     overlap: torch.Tensor
-    # (num_layers,) float32 in [0, 1]: fraction of valid tokens with no expert in common
+    # (num_layers,) float32 in [0, 1]: fraction of counted tokens with no expert in common
     disjoint: torch.Tensor
-    # () int64: valid tokens counted (the denominator of every fraction)
+    # (num_layers,) int64: tokens counted per layer, valid and recorded (each fraction's denominator)
     num_tokens: torch.Tensor
+
+
+def _tensor(t: Any) -> Any:
+    """A numpy array as a CPU tensor (no copy); anything else unchanged."""
+    return torch.from_numpy(t) if isinstance(t, np.ndarray) else t
 
 
 def _check(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor or a numpy array, got {type(t).__name__}")
     if t.dim() not in (2, 3):
         raise ValueError(f"{name} must be (n, top_k) or (n, num_layers, top_k), got shape {tuple(t.shape)}")
     if t.dtype not in _ID_DTYPES:
@@ -67,23 +77,35 @@ def _first_occurrence(a: torch.Tensor) -> torch.Tensor:
 
 
 def routing_mismatch(
-    recorded_ids: torch.Tensor, live_ids: torch.Tensor, *, valid: torch.Tensor | None = None
+    recorded_ids: torch.Tensor | np.ndarray,
+    live_ids: torch.Tensor | np.ndarray,
+    *,
+    valid: torch.Tensor | np.ndarray | None = None,
+    no_record: int = -1,
 ) -> RoutingMismatch:
     """Compares two routings of the same tokens, per layer, as sets of experts.
 
     Args:
-        recorded_ids: (n, top_k) or (n, num_layers, top_k) integer - e.g. the rollout's record.
+        recorded_ids: (n, top_k) or (n, num_layers, top_k) integer - e.g. the rollout's record
+            (``replay_batch``'s rows, or a replayer's ``buffer[:n]``). A row that is all -1 (or all
+            ``no_record``) has no record: it is not counted in its layer.
         live_ids: same shape, integer (any of the dtypes; they need not match) - e.g. what the
-            trainer's router chooses live for the same tokens.
+            trainer's router chooses live for the same tokens (``RoutingReplayer.live_buffer``
+            of a replayed forward).
         valid: (n,) bool or None - tokens to count (padding False); None counts every token.
+        no_record: the no-record marker of ``recorded_ids`` besides -1: -1 or 0 (all-zero rows, as
+            verl, slime and NeMo-RL send them; needs ``top_k >= 2``).
+
+    Each argument is a torch tensor or a numpy array (taken as a CPU tensor, no copy).
 
     Returns:
         A :class:`RoutingMismatch`; a 2-D input is one layer (``num_layers = 1``).
 
     No host reads, no synchronisation; temporaries of (n, num_layers, top_k) elements. Raises
-    ValueError naming the argument for shapes, dtypes or devices that disagree (TypeError for
-    non-tensors).
+    ValueError naming the argument for shapes, dtypes, devices or a marker that disagree
+    (TypeError for non-arrays).
     """
+    recorded_ids, live_ids, valid = _tensor(recorded_ids), _tensor(live_ids), _tensor(valid)
     _check("recorded_ids", recorded_ids)
     _check("live_ids", live_ids)
     if live_ids.shape != recorded_ids.shape:
@@ -97,7 +119,9 @@ def routing_mismatch(
     n = recorded_ids.shape[0]
     if valid is not None:
         if not isinstance(valid, torch.Tensor):
-            raise TypeError(f"valid must be a torch.Tensor or None, got {type(valid).__name__}")
+            raise TypeError(
+                f"valid must be a torch.Tensor, a numpy array or None, got {type(valid).__name__}"
+            )
         if valid.dtype != torch.bool or tuple(valid.shape) != (n,):
             raise ValueError(
                 f"valid must be a ({n},) bool tensor (one flag per token), got "
@@ -107,6 +131,17 @@ def routing_mismatch(
             raise ValueError(
                 f"valid must be on recorded_ids' device {recorded_ids.device}, got {valid.device}"
             )
+
+    if (
+        isinstance(no_record, bool)
+        or not isinstance(no_record, (int, np.integer))
+        or no_record not in (-1, 0)
+    ):
+        raise ValueError(f"no_record must be -1 or 0 (all-zero rows), got {no_record!r}")
+    if no_record == 0 and recorded_ids.shape[-1] == 1:
+        raise ValueError(
+            "no_record=0 needs top_k >= 2: with top_k == 1 the row [0] is expert 0, a valid choice"
+        )
 
     common = torch.promote_types(recorded_ids.dtype, live_ids.dtype)
     a = recorded_ids.to(common)
@@ -122,12 +157,20 @@ def routing_mismatch(
     changed = ~((shared == size_a) & (shared == size_b))
     disjoint = shared == 0
 
-    weight = torch.ones(n, dtype=torch.float32, device=a.device) if valid is None else valid.to(torch.float32)
-    count = weight.sum()
-    w = weight[:, None]
+    # (n, L): the row holds a record. An unsigned dtype holds no -1 (a uint8 compare with -1 would
+    # match 255, a valid id at 256 experts)
+    recorded = torch.ones(a.shape[:-1], dtype=torch.bool, device=a.device)
+    if a.dtype.is_signed:
+        recorded &= ~(a == -1).all(-1)
+    if no_record != -1:
+        recorded &= ~(a == no_record).all(-1)
+    weight = recorded.to(torch.float32)
+    if valid is not None:
+        weight = weight * valid.to(torch.float32)[:, None]
+    count = weight.sum(0)  # (L,)
     return RoutingMismatch(
-        changed=(changed.to(torch.float32) * w).sum(0) / count,
-        overlap=(shared.to(torch.float32) * w).sum(0) / (count * top_k),
-        disjoint=(disjoint.to(torch.float32) * w).sum(0) / count,
+        changed=(changed.to(torch.float32) * weight).sum(0) / count,
+        overlap=(shared.to(torch.float32) * weight).sum(0) / (count * top_k),
+        disjoint=(disjoint.to(torch.float32) * weight).sum(0) / count,
         num_tokens=count.to(torch.int64),
     )
