@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_MODEL_LAYERS", "RoutingShape", "narrow_dtype", "resolve_routing_shape"]
+__all__ = ["MAX_MODEL_LAYERS", "RoutingShape", "narrow_dtype", "resolve_routing_shape", "vllm_dtype"]
 
 # Layers a shape may have (MoE or not). The deepest released decoder stacks have ~100-200 layers;
 # past this a config is refused before any per-layer list is built, so a hostile
@@ -64,13 +64,30 @@ _LAYER_COUNT_FIELD_BY_MODEL_TYPE = {"longcat_flash": "num_layers"}
 
 
 def narrow_dtype(num_experts: int) -> np.dtype:
-    """The smallest dtype that holds ids in ``[0, num_experts)``: uint8 up to 256 experts, uint16 up
-    to 65536, int32 beyond."""
+    """The smallest dtype that holds ids in ``[0, num_experts)`` AND a fill value that is no id:
+    uint8 up to 255 experts, uint16 up to 65535, int32 beyond. The fill - the unsigned maximum, -1
+    for int32 - marks every row without data (a slot never written, a layer not captured in its
+    step, a dropped step), so it must never read as an expert: at exactly 256 experts (DeepSeek-V3,
+    Kimi-K2, GLM-4.5) uint8's 255 is a valid id, so those models get uint16."""
+    if num_experts < 1 << 8:
+        return np.dtype(np.uint8)
+    if num_experts < 1 << 16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+def vllm_dtype(num_experts: int) -> np.dtype:
+    """The dtype vLLM returns ``routed_experts`` in: uint8 up to 256 experts, uint16 up to 65536
+    (docs/wire.md cites the source). At 256 and 65536 experts it has no value left for a row
+    without data: such a row cannot be said in vLLM's format (pass the ledger's ``missing`` mask to
+    ``replay_batch`` instead)."""
     if num_experts <= 1 << 8:
         return np.dtype(np.uint8)
     if num_experts <= 1 << 16:
         return np.dtype(np.uint16)
-    return np.dtype(np.int32)
+    raise ValueError(
+        f"vLLM's routed_experts holds uint8 / uint16 ids; num_experts={num_experts} does not fit"
+    )
 
 
 def _is_int(value: Any) -> bool:
@@ -153,7 +170,8 @@ class RoutingShape:
 
     @property
     def id_dtype(self) -> np.dtype:
-        """The narrow dtype of this model's ids (uint8 / uint16 / int32), see :func:`narrow_dtype`."""
+        """The narrow dtype of this model's ids and their fill (uint8 / uint16 / int32), see
+        :func:`narrow_dtype`."""
         return narrow_dtype(self.num_experts)
 
     @property
@@ -230,11 +248,7 @@ class RoutingShape:
         Raises ValueError for a wrong shape, a non-integer dtype, ids outside ``[0, num_experts)``,
         or more than 65536 experts (vLLM has no wider id dtype).
         """
-        if self.num_experts > 1 << 16:
-            raise ValueError(
-                f"vLLM's routed_experts holds uint8 / uint16 ids; num_experts={self.num_experts} does not fit"
-            )
-        return self._engine_layout(routing, self.id_dtype)
+        return self._engine_layout(routing, vllm_dtype(self.num_experts))
 
     def sglang_layout(self, routing: np.ndarray, dtype: np.dtype | type = np.int32) -> np.ndarray:
         """The array SGLang returns in ``meta_info["routed_experts"]`` (before raw bytes + base64).

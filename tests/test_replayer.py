@@ -663,3 +663,37 @@ def test_gpu_slots_and_row_checks_inside_a_cuda_graph(cuda_device):
     with pytest.raises(ReplayFaultError, match="row count differed") as err:
         check_replay_errors(cuda_device)
     assert err.value.rows == SHAPE.num_layers and err.value.flags == REPLAY_FAULT_ROW_COUNT
+
+
+def test_the_issues_dropped_step_reaches_the_trainer_as_no_record():
+    """The issue's reproducer, end to end: at 256 experts a dropped step went through the wire and
+    replay_batch as expert 255 (uint8's fill). The store's dtype now keeps a fill that is no id
+    (uint16 at 256 experts), so the row arrives as no record with or without the mask."""
+    from moe_ops import RoutingLedger, SlotStore, decode_routing, encode_routing
+
+    sh = RoutingShape(num_layers=2, num_experts=256, top_k=1)
+    store = SlotStore(8, sh)
+    led = RoutingLedger(store, 4)
+    led.add_request("r")
+    led.append_blocks("r", [0])
+    a = led.schedule([("r", 2)])
+    b = led.schedule([("r", 1)])
+    led.land(a.seq, np.zeros((2, 2, 1), np.uint8))
+    led.drop(b.seq)
+    led.finish("r")
+    done = led.collect()[0]
+    assert done.missing.tolist() == [False, False, True]
+    received = decode_routing(encode_routing(done.routing))
+    assert received.dtype == np.uint16 and received[2].ravel().tolist() == [65535, 65535]
+    for kwargs in ({}, {"missing": [done.missing]}):
+        batch = replay_batch([received], sh, **kwargs)
+        assert batch[:, :, 0].tolist() == [[0, 0], [0, 0], [-1, -1], [-1, -1]]
+    # and top_k = 8: the row is no record, not a "repeated" fault that check_replay_errors raises
+    sh8 = RoutingShape(num_layers=1, num_experts=256, top_k=8)
+    rows = np.full((2, 1, 8), 65535, np.uint16)
+    rows[0, 0] = np.arange(8)
+    rep = RoutingReplayer(sh8, 3, "cpu")
+    rep.set_batch(replay_batch([rows], sh8))
+    check_replay_errors("cpu", raise_error=False)
+    moe_ops.replay_routing(torch.randn(3, 256), rep.layer_ids(0, 3), RoutingMethod.RENORMALIZE)
+    assert check_replay_errors("cpu", raise_error=False) == 0

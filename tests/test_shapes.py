@@ -371,7 +371,7 @@ def test_deepseek_v3_full_size_layer_axis():
     shape = resolve_routing_shape(transformers.DeepseekV3Config())
     assert (shape.num_layers, shape.num_model_layers, shape.num_experts, shape.top_k) == (58, 61, 256, 8)
     assert shape.moe_layers == tuple(range(3, 61)) and shape.dense_layers == (0, 1, 2)
-    assert shape.id_dtype == np.uint8
+    assert shape.id_dtype == np.uint16  # 256 experts: uint8 has no fill left (255 is an id)
 
 
 @needs_hf
@@ -529,11 +529,24 @@ def test_to_model_layers_puts_columns_back_and_fills_dense(shape, n, seed):
 
 @pytest.mark.parametrize(
     "num_experts, dtype",
-    [(1, np.uint8), (8, np.uint8), (256, np.uint8), (257, np.uint16), (65536, np.uint16), (65537, np.int32)],
+    [
+        (1, np.uint8),
+        (8, np.uint8),
+        (255, np.uint8),
+        (256, np.uint16),
+        (257, np.uint16),
+        (65535, np.uint16),
+        (65536, np.int32),
+        (65537, np.int32),
+    ],
 )
 def test_narrow_dtype_thresholds(num_experts, dtype):
+    """Every id fits, and the fill (the unsigned maximum, or -1) is never an id: at 256 experts
+    uint8's 255 would be one."""
     assert narrow_dtype(num_experts) == dtype
     assert np.iinfo(dtype).max >= num_experts - 1
+    fill = np.iinfo(dtype).max if np.dtype(dtype).kind == "u" else -1
+    assert not 0 <= fill < num_experts
     assert RoutingShape(1, num_experts, 1).id_dtype == dtype
 
 
@@ -559,7 +572,7 @@ def test_routing_shape_rejects_bad_fields(kwargs, match):
 def test_routing_shape_defaults_and_bytes():
     shape = RoutingShape(num_layers=61, num_experts=256, top_k=8)
     assert shape.moe_layers == tuple(range(61)) and shape.num_model_layers == 61 and shape.dense_layers == ()
-    assert shape.row_bytes() == 61 * 8 and shape.row_bytes(np.int32) == 61 * 8 * 4
+    assert shape.row_bytes() == 61 * 8 * 2 and shape.row_bytes(np.int32) == 61 * 8 * 4  # uint16 at 256
     assert shape == RoutingShape(61, 256, 8, moe_layers=range(61), num_model_layers=61)
 
 
@@ -577,7 +590,9 @@ def test_vllm_and_sglang_layouts_put_moe_columns_back_and_zero_the_dense_ones(sh
         layouts["vllm"] = shape.vllm_layout(rows)
         assert layouts["vllm"].dtype == (np.uint8 if shape.num_experts <= 256 else np.uint16)
         # the one call equals the two-step recipe with an explicit fill=0
-        assert np.array_equal(layouts["vllm"], shape.to_model_layers(rows, fill=0).astype(shape.id_dtype))
+        assert np.array_equal(
+            layouts["vllm"], shape.to_model_layers(rows, fill=0).astype(layouts["vllm"].dtype)
+        )
     else:
         with pytest.raises(ValueError, match="uint8 / uint16 ids; num_experts=70000 does not fit"):
             shape.vllm_layout(rows)

@@ -11,7 +11,7 @@ from strategies import routing_rows, routing_shapes
 from moe_ops import RoutingShape, SlotStore
 from moe_ops.store import slots_for
 
-SHAPE = RoutingShape(num_layers=4, num_experts=256, top_k=2)
+SHAPE = RoutingShape(num_layers=4, num_experts=255, top_k=2)  # the largest uint8 store (fill 255)
 
 
 @settings(max_examples=200)
@@ -105,6 +105,9 @@ def test_out_of_range_never_wraps_and_leaves_the_store_unchanged(call, exc, matc
 
 def test_dtypes():
     assert SlotStore(4, RoutingShape(1, 257, 1)).dtype == np.uint16
+    # 256 experts: 255 is an id, so the store widens to keep a fill that is none
+    wide = SlotStore(4, RoutingShape(1, 256, 1))
+    assert wide.dtype == np.uint16 and wide.fill == 65535
     assert SlotStore(4, RoutingShape(1, 70000, 1)).dtype == np.int32
     store = SlotStore(4, SHAPE, dtype=np.int32)
     assert store.fill == -1 and (store.data == -1).all()

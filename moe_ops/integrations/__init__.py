@@ -2,7 +2,8 @@
 
 ``moe_ops.integrations.hf``: Hugging Face transformers - :func:`attach_capture` records the routing
 of a transformers MoE model without editing its code, :func:`attach_replay` makes its routers
-replay recorded ids; tiny real models for tests and the demo.
+replay recorded ids; tiny real models for tests and the demo; :func:`generate_with_routing` splits
+a batched ``generate()`` into one routing array per request (``hf_generate``).
 """
 
 from .hf import (
@@ -16,15 +17,18 @@ from .hf import (
     normalize_arch,
     tiny_config,
 )
+from .hf_generate import GeneratedRouting, generate_with_routing
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "CaptureHandle",
+    "GeneratedRouting",
     "HFArchitecture",
     "attach_capture",
     "attach_replay",
     "build_tiny_model",
     "find_routers",
+    "generate_with_routing",
     "normalize_arch",
     "tiny_config",
 ]

@@ -328,6 +328,10 @@ class RoutingReplayer:
         no_record: what marks a row without a record in the batches given to :meth:`set_batch`
             besides -1: -1 (only -1) or 0 (all-zero rows too, as verl, slime and NeMo-RL send them;
             needs ``top_k >= 2``). Such rows are routed live and never counted as faults.
+        record_live: keep what each router chose live during a replayed forward in
+            ``live_buffer`` (the routers wrapped by ``attach_replay`` write it), for
+            ``routing_mismatch`` without a second forward. Costs one small device copy per router
+            call.
 
     Attributes:
         buffer: (max_num_tokens, shape.num_layers, shape.top_k) int32 on ``device`` - the rows
@@ -338,6 +342,10 @@ class RoutingReplayer:
             for the MTP layers; -1 where the batch came without MTP rows.
         row_count: (1,) int32 on ``device`` - ``num_tokens`` on the device, what a compiled or
             CUDA-graphed router checks its row count against.
+        live_buffer: (max_num_tokens, shape.num_layers, shape.top_k) int32 on ``device``, only
+            with ``record_live`` (else None) - rows ``[0, n)`` of each layer: the ids that layer's
+            router chose itself in the last replayed forward (n = its rows), -1 before the first.
+        mtp_live_buffer: the same for the MTP layers (None without ``record_live``).
         num_tokens: host int, the rows of the selected slot's batch (0 before its first
             :meth:`set_batch`).
         slot: host int, the selected slot (0 until :meth:`select`).
@@ -364,6 +372,7 @@ class RoutingReplayer:
         num_slots: int = 1,
         num_mtp_layers: int = 0,
         no_record: int = -1,
+        record_live: bool = False,
     ):
         if not isinstance(shape, RoutingShape):
             raise TypeError(f"shape must be a RoutingShape, got {type(shape).__name__}")
@@ -373,6 +382,9 @@ class RoutingReplayer:
         num_slots = _check_int("num_slots", num_slots, 1)
         num_mtp_layers = _check_int("num_mtp_layers", num_mtp_layers, 0)
         self.no_record = check_no_record(no_record, shape.top_k)
+        if not isinstance(record_live, bool):
+            raise TypeError(f"record_live must be True or False, got {record_live!r}")
+        self.record_live = record_live
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -395,8 +407,13 @@ class RoutingReplayer:
         self.buffer = torch.full(rows, -1, dtype=torch.int32, device=device)
         self.mtp_buffer = torch.full(mtp_rows, -1, dtype=torch.int32, device=device)
         self.row_count = torch.zeros(1, dtype=torch.int32, device=device)
-        for t in (self.buffer, self.mtp_buffer, self.row_count):
-            torch._dynamo.mark_static_address(t)
+        self.live_buffer = self.mtp_live_buffer = None
+        if record_live:
+            self.live_buffer = torch.full(rows, -1, dtype=torch.int32, device=device)
+            self.mtp_live_buffer = torch.full(mtp_rows, -1, dtype=torch.int32, device=device)
+        for t in (self.buffer, self.mtp_buffer, self.row_count, self.live_buffer, self.mtp_live_buffer):
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
         # each slot's storage (num_slots > 1): select() copies one into buffer / mtp_buffer
         self._slots = self._mtp_slots = None
         if num_slots > 1:
@@ -666,6 +683,23 @@ class RoutingReplayer:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 self._check_rows_on_device(num_tokens)
         return source[:num_tokens, column]
+
+    def write_live(self, model_layer_index: int, live_ids: torch.Tensor, *, kind: str = "decoder") -> None:
+        """Copies a router's own choice ``live_ids`` ``(n, top_k)`` into rows ``[0, n)`` of its
+        layer's column of ``live_buffer`` (``kind="mtp"``: ``mtp_live_buffer``); nothing without
+        ``record_live``. What the wrappers of ``attach_replay`` call on every router call, after
+        :meth:`layer_ids` (which checked ``n``). A device copy, no host read: safe inside compiled
+        functions and CUDA graphs."""
+        if not self.record_live:
+            return
+        if kind == "mtp":
+            column, target = model_layer_index, self.mtp_live_buffer
+        else:
+            column = self._column.get(model_layer_index)
+            if column is None:
+                column = self.shape.buffer_layer(model_layer_index)
+            target = self.live_buffer
+        target[: live_ids.shape[0], column].copy_(live_ids)
 
     def _check_rows_on_device(self, num_tokens: int) -> None:
         torch.ops.moe_ops.replay_check_rows_(self.row_count, num_tokens, replay_fault_counter(self.device))
