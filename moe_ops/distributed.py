@@ -59,6 +59,7 @@ import torch
 from ._library import destination_op
 from .capture.errors import FAULT_SLOT, FAULT_SOURCE_SHORT, cpu_counter_lock
 from .capture.monolithic import MoEDispatchConfig
+from .capture.op import check_process_group
 from .layout import BatchLayout, layout_from_value
 from .route import RoutingMethod, route
 from .wire import decode_routing, encode_routing
@@ -213,6 +214,28 @@ class ProcessGroups:
     ep_group: Any
     # every rank on a CPU (gloo) backend: the plan's host exchange of shapes
     host_group: Any
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, ParallelLayout):
+            raise TypeError(f"layout must be a ParallelLayout, got {type(self.layout).__name__}")
+        ranks = self.layout.ranks_of(self.rank)
+        if (self.dp_rank, self.tp_rank) != ranks:
+            raise ValueError(
+                f"dp_rank and tp_rank must be {ranks} for rank {self.rank} of the layout (DP-major), "
+                f"got ({self.dp_rank!r}, {self.tp_rank!r})"
+            )
+        layout = self.layout
+        sizes = {
+            "dp_group": layout.dp_size,
+            "tp_group": layout.tp_size,
+            "ep_group": layout.world_size,
+            "host_group": layout.world_size,
+        }
+        for name, size in sizes.items():
+            group = getattr(self, name)
+            check_process_group(name, group, optional=False)
+            if group.size() != size:
+                raise ValueError(f"{name} must have {size} ranks for {layout}, got {group.size()}")
 
     @classmethod
     def build(cls, layout: ParallelLayout) -> ProcessGroups:
@@ -689,10 +712,13 @@ def gather_routing(routing: np.ndarray, *, dst: int = 0, group: Any = None) -> l
     arrays in group-rank order; None elsewhere. ``dst`` is a global rank.
 
     A rank whose ``routing`` cannot be encoded still takes part in the gather (nobody is left
-    waiting), then raises ValueError; ``dst`` raises too, naming it.
+    waiting), then raises ValueError; ``dst`` raises too, naming it. A ``group`` that is not a
+    ``torch.distributed.ProcessGroup`` (or None: the default group) raises TypeError before the
+    gather.
     """
     import torch.distributed as dist
 
+    check_process_group("group", group)
     try:
         text, error = encode_routing(routing), None
     except (TypeError, ValueError) as exc:
@@ -716,10 +742,12 @@ def scatter_routing(chunks: Sequence[np.ndarray] | None, *, src: int = 0, group:
     routing, in the trainer's split); elsewhere it is ignored (pass None). Returns this rank's
     array. ``src`` is a global rank. Bad ``chunks`` (a wrong count, an array that cannot be
     encoded) raise ValueError on every rank: ``src`` still scatters, the reason instead of the
-    arrays, so nobody is left waiting.
+    arrays, so nobody is left waiting. A ``group`` that is not a ``torch.distributed.ProcessGroup``
+    (or None: the default group) raises TypeError before the scatter.
     """
     import torch.distributed as dist
 
+    check_process_group("group", group)
     world = dist.get_world_size(group)
     payload = None
     if dist.get_rank() == src:

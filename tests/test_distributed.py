@@ -11,6 +11,7 @@ exactly that rank's real tokens, computed here from the rank-specific router inp
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -34,7 +35,15 @@ from strategies import (
     dist_logits,
 )
 
-from moe_ops import BatchLayout, RoutingCapturer, RoutingShape, replay_routing, route, routing_mismatch
+from moe_ops import (
+    BatchLayout,
+    RoutingCapturer,
+    RoutingShape,
+    capture_routing,
+    replay_routing,
+    route,
+    routing_mismatch,
+)
 from moe_ops.distributed import (
     DistributedStep,
     ParallelLayout,
@@ -664,6 +673,71 @@ def test_process_groups_need_an_initialised_default_group():
         pytest.skip("this process already joined a default group")
     with pytest.raises(ValueError, match=r"torch\.distributed is not initialised"):
         ProcessGroups.build(ParallelLayout(2))
+
+
+# ------------------------------------------------------------------ process-group arguments
+
+
+def _bad_group_arguments() -> list[str]:
+    """Every public argument that takes a process group, given an object that is not one (and a
+    real group where none belongs): what each raised on this rank, before any collective."""
+    parallel = ParallelLayout(2, 2, layout=BatchLayout.SEQUENCE_PARALLEL)
+    groups = _groups(parallel)
+    capturer = _capturer(parallel, groups)
+    capturer.set_step(torch.tensor([3, 2], dtype=torch.int32))
+    capturer.buffer.fill_(POISON)
+    ids = torch.zeros(2, DIST_TOP_K, dtype=torch.int32)
+    calls = [
+        lambda: capture_routing(
+            capturer.buffer,
+            ids,
+            0,
+            token_counts=capturer.token_counts,
+            dp_rank=groups.dp_rank,
+            layout=BatchLayout.SEQUENCE_PARALLEL,
+            tp_group=object(),
+        ),
+        lambda: capturer.capture(0, ids, BatchLayout.SEQUENCE_PARALLEL, tp_group="tp"),
+        lambda: capturer.capture(0, ids, BatchLayout.LOCAL, tp_group=groups.tp_group),
+        lambda: gather_routing(np.zeros((2, 2, DIST_TOP_K), dtype=np.int32), group=object()),
+        lambda: scatter_routing(None, group=[0, 1]),
+        lambda: dataclasses.replace(groups, dp_group=object()),
+        lambda: dataclasses.replace(groups, host_group=None),
+        lambda: dataclasses.replace(groups, dp_group=groups.ep_group),
+        lambda: dataclasses.replace(groups, tp_rank=1 - groups.tp_rank),
+    ]
+    errors = []
+    for call in calls:
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        else:
+            errors.append("no error")
+    errors.append(f"untouched: {bool((capturer.buffer == POISON).all())}")
+    return errors
+
+
+@needs_gloo
+def test_bad_process_group_arguments_raise_type_errors_gloo():
+    """A process-group argument that is not a ``torch.distributed.ProcessGroup`` raises a TypeError
+    naming the argument, on the calling rank, before anything is written or gathered."""
+    patterns = [
+        r"TypeError: tp_group must be a torch\.distributed\.ProcessGroup or None, got object",
+        r"TypeError: tp_group must be a torch\.distributed\.ProcessGroup or None, got str",
+        r"ValueError: tp_group is only used by SEQUENCE_PARALLEL, not LOCAL",
+        r"TypeError: group must be a torch\.distributed\.ProcessGroup or None, got object",
+        r"TypeError: group must be a torch\.distributed\.ProcessGroup or None, got list",
+        r"TypeError: dp_group must be a torch\.distributed\.ProcessGroup, got object",
+        r"TypeError: host_group must be a torch\.distributed\.ProcessGroup, got NoneType",
+        r"ValueError: dp_group must have 2 ranks for ParallelLayout\(dp_size=2, tp_size=2, .*\), got 4",
+        r"ValueError: dp_rank and tp_rank must be \(\d, \d\) for rank \d of the layout",
+        r"untouched: True",
+    ]
+    for rank, messages in enumerate(pool_for(4).run(_bad_group_arguments)):
+        assert len(messages) == len(patterns), messages
+        for message, pattern in zip(messages, patterns):
+            assert re.search(pattern, message), f"rank {rank}: {message!r} !~ {pattern!r}"
 
 
 # ------------------------------------------------------------------ item 4: the monolithic scratch
