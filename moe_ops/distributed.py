@@ -49,6 +49,8 @@ data-parallel split the trainer uses; ``replay_routing`` then replays it.
 
 from __future__ import annotations
 
+import datetime
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +61,7 @@ import torch
 from ._library import destination_op
 from .capture.errors import FAULT_SLOT, FAULT_SOURCE_SHORT, cpu_counter_lock
 from .capture.monolithic import MoEDispatchConfig
+from .capture.op import check_process_group
 from .layout import BatchLayout, layout_from_value
 from .route import RoutingMethod, route
 from .wire import decode_routing, encode_routing
@@ -100,6 +103,64 @@ def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     return value
+
+
+def _host_all_gather(mine: Sequence[int], group: Any) -> list[list[int]]:
+    """COLLECTIVE (host): every rank's ``mine`` (ints, the same count on every rank) over the gloo
+    ``group``, rank order. One all-gather of int64 CPU tensors."""
+    import torch.distributed as dist
+
+    n = len(mine)
+    table = torch.empty(dist.get_world_size(group) * n, dtype=torch.int64)
+    # all_gather_single replaces all_gather_into_tensor in torch 2.13; 2.11 only has the latter.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(table, torch.tensor(list(mine), dtype=torch.int64), group=group)
+    return table.view(-1, n).tolist()
+
+
+def _layout_fields(layout: ParallelLayout) -> tuple[int, int, int, int]:
+    """What ranks exchange of their layout, in ProcessGroups.build and in every plan."""
+    return layout.dp_size, layout.tp_size, int(layout.use_ep), int(layout.layout)
+
+
+def _check_layouts(fields_of: Sequence[Sequence[int]], where: str) -> None:
+    """The same ValueError on every rank when the gathered ``_layout_fields`` differ (every rank
+    holds the same table): ranks that disagree on the layout would issue different collectives
+    and wait for each other until the timeout."""
+    kinds: dict[tuple[int, ...], list[int]] = {}
+    for rank, fields in enumerate(fields_of):
+        kinds.setdefault(tuple(fields), []).append(rank)
+    if len(kinds) == 1:
+        return
+
+    def text(fields: tuple[int, ...]) -> str:
+        dp, tp, use_ep, layout = fields
+        return f"dp_size={dp} x tp_size={tp}, use_ep={bool(use_ep)}, {BatchLayout(layout).name}"
+
+    parts = "; ".join(f"ranks {ranks} have {text(fields)}" for fields, ranks in kinds.items())
+    raise ValueError(
+        f"{where}: the ranks disagree on the ParallelLayout ({parts}); every rank must use the same "
+        "(raised on every rank)"
+    )
+
+
+def _default_timeout(group: Any) -> datetime.timedelta | None:
+    """The collective timeout of ``group`` (the default group: ``init_process_group(timeout=)``),
+    or None when its backend does not expose one.
+
+    torch has no public getter: ``new_group`` without ``timeout=`` takes torch's default for the
+    backend (30 minutes for gloo), not the default group's. The backend's options hold the value
+    the group was created with (``ProcessGroup._get_backend(device).options._timeout``: gloo and
+    NCCL, torch 2.11 and 2.13).
+    """
+    for device in getattr(group, "_device_types", ()):
+        try:
+            timeout = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(timeout, datetime.timedelta):
+            return timeout
+    return None
 
 
 @dataclass(frozen=True)
@@ -214,16 +275,46 @@ class ProcessGroups:
     # every rank on a CPU (gloo) backend: the plan's host exchange of shapes
     host_group: Any
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, ParallelLayout):
+            raise TypeError(f"layout must be a ParallelLayout, got {type(self.layout).__name__}")
+        ranks = self.layout.ranks_of(self.rank)
+        if (self.dp_rank, self.tp_rank) != ranks:
+            raise ValueError(
+                f"dp_rank and tp_rank must be {ranks} for rank {self.rank} of the layout (DP-major), "
+                f"got ({self.dp_rank!r}, {self.tp_rank!r})"
+            )
+        layout = self.layout
+        sizes = {
+            "dp_group": layout.dp_size,
+            "tp_group": layout.tp_size,
+            "ep_group": layout.world_size,
+            "host_group": layout.world_size,
+        }
+        for name, size in sizes.items():
+            group = getattr(self, name)
+            check_process_group(name, group, optional=False)
+            if group.size() != size:
+                raise ValueError(f"{name} must have {size} ranks for {layout}, got {group.size()}")
+
     @classmethod
     def build(cls, layout: ParallelLayout) -> ProcessGroups:
         """Creates the DP, TP and host groups of ``layout`` in the initialised default group.
 
-        COLLECTIVE: every rank calls it, with the same layout, in the same order relative to its
-        other group creations (``torch.distributed.new_group`` is collective). The host group is the
-        default group when its backend is gloo, else a new gloo group over every rank.
+        COLLECTIVE: every rank calls it, in the same order relative to its other group creations
+        (``torch.distributed.new_group`` is collective). The host group is the default group when
+        its backend is gloo, else a new gloo group over every rank. Every group gets the default
+        group's timeout (``init_process_group(timeout=)``; ``new_group`` alone would give gloo
+        groups 30 minutes), so a rank left waiting for a peer raises as it would in the default
+        group. A backend that does not expose its timeout leaves torch's default, with a warning.
 
-        Raises ValueError when torch.distributed is not initialised or its world size is not
-        ``layout.world_size`` (every rank raises alike: both are the same on every rank).
+        The ranks first all-gather their layouts over the host group (four int64 per rank) and
+        compare them, before creating any DP or TP group: ranks that disagree (another layout, or
+        another ``dp_size x tp_size``) would create different groups and wait for each other.
+
+        Raises ValueError when torch.distributed is not initialised (on the calling rank: nothing
+        collective started), and on every rank alike when the ranks' layouts differ or the world
+        size is not ``layout.world_size``.
         """
         import torch.distributed as dist
 
@@ -232,6 +323,22 @@ class ProcessGroups:
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("torch.distributed is not initialised: call init_process_group first")
         world, rank = dist.get_world_size(), dist.get_rank()
+        world_group = dist.group.WORLD
+        timeout = _default_timeout(world_group)
+        if timeout is None:
+            warnings.warn(
+                f"the default group's {dist.get_backend(world_group)} backend does not expose its "
+                "timeout: the DP, TP and host groups get torch's default timeout for their backend",
+                stacklevel=2,
+            )
+        # new_group is collective over the default group: every rank creates every group, in order.
+        # The host group comes first: it is the same whatever the layout, and the layouts travel on it.
+        options = {} if timeout is None else {"timeout": timeout}
+        if dist.get_backend(world_group) == "gloo":
+            host_group = world_group
+        else:
+            host_group = dist.new_group(list(range(world)), backend="gloo", **options)
+        _check_layouts(_host_all_gather(_layout_fields(layout), host_group), "ProcessGroups.build")
         if world != layout.world_size:
             raise ValueError(
                 f"the layout needs dp_size * tp_size = {layout.dp_size} * {layout.tp_size} = "
@@ -239,14 +346,8 @@ class ProcessGroups:
             )
         dp, tp = layout.dp_size, layout.tp_size
         dp_rank, tp_rank = divmod(rank, tp)
-        # new_group is collective over the default group: every rank creates every group, in order
-        tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
-        dp_groups = [dist.new_group([d * tp + t for d in range(dp)]) for t in range(tp)]
-        world_group = dist.group.WORLD
-        if dist.get_backend(world_group) == "gloo":
-            host_group = world_group
-        else:
-            host_group = dist.new_group(list(range(world)), backend="gloo")
+        tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp)), **options) for d in range(dp)]
+        dp_groups = [dist.new_group([d * tp + t for d in range(dp)], **options) for t in range(tp)]
         return cls(
             layout=layout,
             rank=rank,
@@ -433,29 +534,24 @@ class DistributedStep:
                 size, or its real count when unpadded). The TP ranks of one DP rank hold one batch
                 and pass the same value.
 
-        One all-gather of four int64 per rank over the host group, then pure host arithmetic:
-        every rank checks the same numbers, so every rank raises the same ValueError (naming the
-        rank and the limit) or none does, before any device collective of the step. Checks, in
-        this order: ``num_rows`` is an int >= 0 on every rank; the TP ranks of each DP rank agree;
+        One all-gather of eight int64 per rank over the host group (``num_rows``, the capture
+        buffer's ``max_num_tokens``, the dispatch config's two limits, the four fields of the
+        layout), then pure host arithmetic: every rank checks the same numbers, so every rank
+        raises the same ValueError (naming the rank and the limit) or none does, before any device
+        collective of the step. Checks, in this order: every rank's step has the same
+        :class:`ParallelLayout` (ranks that disagree would issue different collectives and wait
+        for each other); ``num_rows`` is an int >= 0 on every rank; the TP ranks of each DP rank agree;
         each DP batch fits the capture buffer of each of its ranks (``max_num_tokens``: every real
         token may be among its rows); with ``dispatch``, each rank's rows entering the layer fit
         ``dispatch.max_num_tokens`` and the dispatched batch fits the scratch.
         """
-        import torch.distributed as dist
-
         # checked without raising: a rank that raised here would leave the others in the all-gather
         valid = not isinstance(num_rows, bool) and isinstance(num_rows, int) and 0 <= num_rows <= _INT32_MAX
         fed_limit, scratch_rows = _dispatch_limits(self.dispatch_config)
-        mine = torch.tensor(
-            [num_rows if valid else _INVALID, self.capturer.max_num_tokens, fed_limit, scratch_rows],
-            dtype=torch.int64,
-        )
-        world = self.layout.world_size
-        table = torch.empty(world * 4, dtype=torch.int64)
-        # all_gather_single replaces all_gather_into_tensor in torch 2.13; 2.11 only has the latter.
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        all_gather(table, mine, group=self.groups.host_group)
-        rows_of, buffer_of, fed_of, scratch_of = table.view(world, 4).T.tolist()
+        mine = [num_rows if valid else _INVALID, self.capturer.max_num_tokens, fed_limit, scratch_rows]
+        table = _host_all_gather([*mine, *_layout_fields(self.layout)], self.groups.host_group)
+        _check_layouts([row[len(mine) :] for row in table], "DistributedStep.plan")
+        rows_of, buffer_of, fed_of, scratch_of = ([row[i] for row in table] for i in range(len(mine)))
         if not valid:
             raise ValueError(f"num_rows must be an int in [0, 2**31) (this batch's rows), got {num_rows!r}")
         padded = self._check_plan(rows_of, buffer_of, fed_of, scratch_of)
@@ -689,10 +785,13 @@ def gather_routing(routing: np.ndarray, *, dst: int = 0, group: Any = None) -> l
     arrays in group-rank order; None elsewhere. ``dst`` is a global rank.
 
     A rank whose ``routing`` cannot be encoded still takes part in the gather (nobody is left
-    waiting), then raises ValueError; ``dst`` raises too, naming it.
+    waiting), then raises ValueError; ``dst`` raises too, naming it. A ``group`` that is not a
+    ``torch.distributed.ProcessGroup`` (or None: the default group) raises TypeError before the
+    gather.
     """
     import torch.distributed as dist
 
+    check_process_group("group", group)
     try:
         text, error = encode_routing(routing), None
     except (TypeError, ValueError) as exc:
@@ -716,10 +815,12 @@ def scatter_routing(chunks: Sequence[np.ndarray] | None, *, src: int = 0, group:
     routing, in the trainer's split); elsewhere it is ignored (pass None). Returns this rank's
     array. ``src`` is a global rank. Bad ``chunks`` (a wrong count, an array that cannot be
     encoded) raise ValueError on every rank: ``src`` still scatters, the reason instead of the
-    arrays, so nobody is left waiting.
+    arrays, so nobody is left waiting. A ``group`` that is not a ``torch.distributed.ProcessGroup``
+    (or None: the default group) raises TypeError before the scatter.
     """
     import torch.distributed as dist
 
+    check_process_group("group", group)
     world = dist.get_world_size(group)
     payload = None
     if dist.get_rank() == src:

@@ -194,17 +194,20 @@ class RankPool:
         self._dir.cleanup()
 
 
-_POOLS: dict[tuple[int, str], RankPool] = {}
+_POOLS: dict[tuple[int, str, float], RankPool] = {}
 
 
-def pool_for(world: int, backend: str = "gloo") -> RankPool:
-    """The running pool of ``world`` ranks on ``backend``, started (or restarted after a hang) on demand."""
-    key = (world, backend)
+def pool_for(
+    world: int, backend: str = "gloo", *, collective_timeout: float = COLLECTIVE_TIMEOUT
+) -> RankPool:
+    """The running pool of ``world`` ranks on ``backend`` whose collectives time out after
+    ``collective_timeout`` seconds, started (or restarted after a hang or a close) on demand."""
+    key = (world, backend, collective_timeout)
     pool = _POOLS.get(key)
     if pool is None or pool.broken:
         if pool is not None:
             pool.close()
-        pool = _POOLS[key] = RankPool(world, backend)
+        pool = _POOLS[key] = RankPool(world, backend, collective_timeout=collective_timeout)
     return pool
 
 

@@ -263,7 +263,23 @@ def test_no_retrace_per_layer_or_count():
             ValueError,
             "buffer has 4 rows but the LOCAL batch has 6",
         ),
-        (lambda a: a.update(tp_group=object()), ValueError, "tp_group is only used by SEQUENCE_PARALLEL"),
+        # not a ProcessGroup: a TypeError naming tp_group, whatever the layout (a real group given
+        # to a layout that does not use it: test_bad_process_group_arguments_raise_type_errors_gloo)
+        (
+            lambda a: a.update(tp_group=object()),
+            TypeError,
+            "tp_group must be a torch.distributed.ProcessGroup or None, got object",
+        ),
+        (
+            lambda a: a.update(layout=BatchLayout.SEQUENCE_PARALLEL, tp_group=object()),
+            TypeError,
+            "tp_group must be a torch.distributed.ProcessGroup or None, got object",
+        ),
+        (
+            lambda a: a.update(layout=BatchLayout.SEQUENCE_PARALLEL, tp_group=2),
+            TypeError,
+            "tp_group must be a torch.distributed.ProcessGroup or None, got int",
+        ),
     ],
 )
 def test_bad_input_raises_and_leaves_buffer_untouched(mutate, exc, match):

@@ -11,6 +11,7 @@ exactly that rank's real tokens, computed here from the rank-specific router inp
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -34,7 +35,15 @@ from strategies import (
     dist_logits,
 )
 
-from moe_ops import BatchLayout, RoutingCapturer, RoutingShape, replay_routing, route, routing_mismatch
+from moe_ops import (
+    BatchLayout,
+    RoutingCapturer,
+    RoutingShape,
+    capture_routing,
+    replay_routing,
+    route,
+    routing_mismatch,
+)
 from moe_ops.distributed import (
     DistributedStep,
     ParallelLayout,
@@ -664,6 +673,221 @@ def test_process_groups_need_an_initialised_default_group():
         pytest.skip("this process already joined a default group")
     with pytest.raises(ValueError, match=r"torch\.distributed is not initialised"):
         ProcessGroups.build(ParallelLayout(2))
+
+
+# ------------------------------------------------------------------ ranks that disagree, group timeouts
+
+# seconds a collective of the short-timeout pool waits for a peer. A rank left waiting in a group
+# that has the default group's timeout raises within it; a group with torch's own default for gloo
+# (30 minutes) would wait until the task's hang guard kills the ranks instead.
+SHORT_TIMEOUT = 8.0
+# the hang guard of those tasks: 10x the timeout, which is itself far above what they take when
+# nobody waits (a layout exchange and one step: 0.01 to 0.05 s on 2 cores)
+SHORT_GUARD = 10 * SHORT_TIMEOUT
+
+
+def _short_pool():
+    return pool_for(2, collective_timeout=SHORT_TIMEOUT)
+
+
+def _step_in_own_layout(layouts: tuple[ParallelLayout, ...], relabel: bool) -> int:
+    """Rank r runs one step in ``layouts[r]``: it builds its groups in that layout, or (``relabel``)
+    takes the groups every rank built for LOCAL of the same dp x tp and gives them its layout, as
+    an engine that creates its own groups does. Returns the rows the router saw."""
+    parallel = layouts[dist.get_rank()]
+    if relabel:
+        agreed = _groups(ParallelLayout(parallel.dp_size, parallel.tp_size))
+        groups = dataclasses.replace(agreed, layout=parallel)
+    else:
+        groups = ProcessGroups.build(parallel)
+    step = DistributedStep(groups, _capturer(parallel, groups))
+    plan = step.plan(6)
+    step.begin(plan, torch.tensor([4], dtype=torch.int32))
+    logits = torch.randn(6, DIST_NUM_EXPERTS, generator=torch.Generator().manual_seed(groups.dp_rank))
+    _, ids = step.route(plan, SHAPE.moe_layers[0], step.shard(plan, logits), DIST_TOP_K)
+    return ids.shape[0]
+
+
+DISAGREEMENTS = {
+    # rank 0 dispatches over the DP group, rank 1 routes its own rows: rank 0 would wait in the gather
+    "layout": (
+        (ParallelLayout(2, layout=BatchLayout.GATHERED), ParallelLayout(2, layout=BatchLayout.LOCAL)),
+        False,
+        r"ProcessGroups\.build: the ranks disagree on the ParallelLayout \(ranks \[0\] have dp_size=2 x "
+        r"tp_size=1, use_ep=False, GATHERED; ranks \[1\] have dp_size=2 x tp_size=1, use_ep=False, LOCAL\)",
+    ),
+    # the ranks would create different groups: new_group waits for peers that create others
+    "dp x tp": (
+        (ParallelLayout(2, 1), ParallelLayout(1, 2)),
+        False,
+        r"ranks \[0\] have dp_size=2 x tp_size=1, .*; ranks \[1\] have dp_size=1 x tp_size=2,",
+    ),
+    "use_ep": (
+        (
+            ParallelLayout(2, use_ep=True, layout=BatchLayout.GATHERED),
+            ParallelLayout(2, layout=BatchLayout.GATHERED),
+        ),
+        False,
+        r"ranks \[0\] have dp_size=2 x tp_size=1, use_ep=True, GATHERED; ranks \[1\] have .*use_ep=False",
+    ),
+    # groups every rank built alike, given different layouts: the plan's exchange catches it
+    "layout, own groups": (
+        (ParallelLayout(2, layout=BatchLayout.GATHERED), ParallelLayout(2, layout=BatchLayout.LOCAL)),
+        True,
+        r"DistributedStep\.plan: the ranks disagree on the ParallelLayout \(ranks \[0\] have .*GATHERED; "
+        r"ranks \[1\] have .*LOCAL\)",
+    ),
+}
+
+
+@needs_gloo
+@pytest.mark.parametrize("case", list(DISAGREEMENTS))
+def test_ranks_that_disagree_on_the_layout_raise_on_every_rank_gloo(case):
+    """Each rank has its own layout. Every rank raises the same ValueError, naming both layouts,
+    before any collective that depends on the layout (no rank waits for a peer: the task ends well
+    within the short pool's collective timeout); then the ranks run a step together."""
+    layouts, relabel, pattern = DISAGREEMENTS[case]
+    pool = _short_pool()
+    start = time.monotonic()
+    results = pool.run(_step_in_own_layout, layouts, relabel, timeout=SHORT_GUARD, allow_errors=True)
+    elapsed = time.monotonic() - start
+    for rank, got in enumerate(results):
+        assert isinstance(got, RankFailure), f"rank {rank} ran the step: {got}"
+        assert got.type_name == "ValueError", f"rank {rank}: {got.type_name}: {got.message}"
+        assert re.search(pattern, got.message), f"rank {rank}: {got.message}"
+        assert got.message.endswith("(raised on every rank)"), f"rank {rank}: {got.message}"
+    assert results[0].message == results[1].message, "the ranks raised different errors"
+    assert elapsed < SHORT_TIMEOUT, f"a rank waited for a peer ({elapsed:.1f} s)"
+    agreed = (layouts[1], layouts[1])
+    want = 12 if layouts[1].layout == BatchLayout.GATHERED else 6
+    assert pool.run(_step_in_own_layout, agreed, relabel, timeout=SHORT_GUARD) == [want, want]
+
+
+def _backend_timeout(group) -> float:
+    """Seconds of the timeout ``group``'s backend was created with (torch keeps it in the backend's
+    options; there is no public getter)."""
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    return group._get_backend(device).options._timeout.total_seconds()
+
+
+def _group_timeouts(parallel: ParallelLayout) -> dict[str, float]:
+    groups = _groups(parallel)
+    names = ("dp_group", "tp_group", "ep_group", "host_group")
+    return {name: _backend_timeout(getattr(groups, name)) for name in names}
+
+
+def _one_rank_fails_before_the_dispatch() -> tuple[str, str, float] | str:
+    """GATHERED over 2 DP ranks: both plan and begin; rank 0 then stops (an error of its own before
+    the dispatch) while rank 1 dispatches, alone in the DP group's all-gather. Rank 1 returns what
+    its all-gather raised and after how many seconds."""
+    parallel = ParallelLayout(2, layout=BatchLayout.GATHERED)
+    groups = _groups(parallel)
+    step = DistributedStep(groups, _capturer(parallel, groups))
+    plan = step.plan(4)
+    step.begin(plan, torch.tensor([3], dtype=torch.int32))
+    if groups.rank == 0:
+        return "stopped"
+    start = time.monotonic()
+    try:
+        step.dispatch(plan, torch.zeros(4, DIST_NUM_EXPERTS))
+    except Exception as exc:  # whatever gloo raises for a peer that never came
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "the all-gather completed without its peer"
+
+
+@needs_gloo
+def test_groups_get_the_default_groups_timeout_gloo():
+    """Every group ProcessGroups.build creates has the default group's timeout (the pool's 8 s),
+    not gloo's 30 minutes: a rank whose peer failed before a collective raises within about that
+    timeout, and the test's hang guard (10x it) never fires."""
+    pool = _short_pool()
+    try:
+        for parallel in (ParallelLayout(2, 1), ParallelLayout(1, 2)):
+            for rank, timeouts in enumerate(pool.run(_group_timeouts, parallel, timeout=SHORT_GUARD)):
+                assert timeouts == dict.fromkeys(timeouts, SHORT_TIMEOUT), f"rank {rank}, {parallel}"
+        stopped, waited = pool.run(_one_rank_fails_before_the_dispatch, timeout=SHORT_GUARD)
+        assert stopped == "stopped"
+        assert isinstance(waited, tuple), waited
+        name, message, seconds = waited
+        assert re.search(r"[Tt]imed out|[Tt]imeout", message), f"{name} after {seconds:.1f} s: {message}"
+    finally:
+        pool.close()  # rank 1's DP group saw a timeout: the next test gets fresh ranks
+
+
+@pytest.mark.gpu
+def test_groups_get_the_default_groups_timeout_nccl():
+    """The same with NCCL groups and the gloo host group beside them (the pool's 60 s)."""
+    from dist_launch import COLLECTIVE_TIMEOUT
+
+    pool = nccl_pool(2)
+    for parallel in (ParallelLayout(2, 1), ParallelLayout(1, 2)):
+        for rank, timeouts in enumerate(pool.run(_group_timeouts, parallel)):
+            assert timeouts == dict.fromkeys(timeouts, COLLECTIVE_TIMEOUT), f"rank {rank}, {parallel}"
+
+
+# ------------------------------------------------------------------ process-group arguments
+
+
+def _bad_group_arguments() -> list[str]:
+    """Every public argument that takes a process group, given an object that is not one (and a
+    real group where none belongs): what each raised on this rank, before any collective."""
+    parallel = ParallelLayout(2, 2, layout=BatchLayout.SEQUENCE_PARALLEL)
+    groups = _groups(parallel)
+    capturer = _capturer(parallel, groups)
+    capturer.set_step(torch.tensor([3, 2], dtype=torch.int32))
+    capturer.buffer.fill_(POISON)
+    ids = torch.zeros(2, DIST_TOP_K, dtype=torch.int32)
+    calls = [
+        lambda: capture_routing(
+            capturer.buffer,
+            ids,
+            0,
+            token_counts=capturer.token_counts,
+            dp_rank=groups.dp_rank,
+            layout=BatchLayout.SEQUENCE_PARALLEL,
+            tp_group=object(),
+        ),
+        lambda: capturer.capture(0, ids, BatchLayout.SEQUENCE_PARALLEL, tp_group="tp"),
+        lambda: capturer.capture(0, ids, BatchLayout.LOCAL, tp_group=groups.tp_group),
+        lambda: gather_routing(np.zeros((2, 2, DIST_TOP_K), dtype=np.int32), group=object()),
+        lambda: scatter_routing(None, group=[0, 1]),
+        lambda: dataclasses.replace(groups, dp_group=object()),
+        lambda: dataclasses.replace(groups, host_group=None),
+        lambda: dataclasses.replace(groups, dp_group=groups.ep_group),
+        lambda: dataclasses.replace(groups, tp_rank=1 - groups.tp_rank),
+    ]
+    errors = []
+    for call in calls:
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        else:
+            errors.append("no error")
+    errors.append(f"untouched: {bool((capturer.buffer == POISON).all())}")
+    return errors
+
+
+@needs_gloo
+def test_bad_process_group_arguments_raise_type_errors_gloo():
+    """A process-group argument that is not a ``torch.distributed.ProcessGroup`` raises a TypeError
+    naming the argument, on the calling rank, before anything is written or gathered."""
+    patterns = [
+        r"TypeError: tp_group must be a torch\.distributed\.ProcessGroup or None, got object",
+        r"TypeError: tp_group must be a torch\.distributed\.ProcessGroup or None, got str",
+        r"ValueError: tp_group is only used by SEQUENCE_PARALLEL, not LOCAL",
+        r"TypeError: group must be a torch\.distributed\.ProcessGroup or None, got object",
+        r"TypeError: group must be a torch\.distributed\.ProcessGroup or None, got list",
+        r"TypeError: dp_group must be a torch\.distributed\.ProcessGroup, got object",
+        r"TypeError: host_group must be a torch\.distributed\.ProcessGroup, got NoneType",
+        r"ValueError: dp_group must have 2 ranks for ParallelLayout\(dp_size=2, tp_size=2, .*\), got 4",
+        r"ValueError: dp_rank and tp_rank must be \(\d, \d\) for rank \d of the layout",
+        r"untouched: True",
+    ]
+    for rank, messages in enumerate(pool_for(4).run(_bad_group_arguments)):
+        assert len(messages) == len(patterns), messages
+        for message, pattern in zip(messages, patterns):
+            assert re.search(pattern, message), f"rank {rank}: {message!r} !~ {pattern!r}"
 
 
 # ------------------------------------------------------------------ item 4: the monolithic scratch

@@ -22,7 +22,7 @@ if HAS_TRITON:
     from .kernels import _capture_rows_kernel as capture_kernel
 from .target import CaptureTarget
 
-__all__ = ["capture_into", "capture_routing", "target_tensors", "tp_world_size"]
+__all__ = ["capture_into", "capture_routing", "check_process_group", "target_tensors", "tp_world_size"]
 
 
 def _capture_schema(
@@ -99,8 +99,23 @@ def target_tensors(target: CaptureTarget) -> tuple[torch.Tensor, torch.Tensor, t
     return errors, target.layer_stamps, target.step_tensor
 
 
+def check_process_group(name: str, group: object, *, optional: bool = True) -> None:
+    """TypeError naming ``name`` unless ``group`` is a ``torch.distributed.ProcessGroup`` (or None
+    when ``optional``). Host metadata only; it creates and joins nothing."""
+    if group is None and optional:
+        return
+    import torch.distributed as dist
+
+    # a torch built without distributed has no ProcessGroup: no object can be one there
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        allowed = "a torch.distributed.ProcessGroup" + (" or None" if optional else "")
+        raise TypeError(f"{name} must be {allowed}, got {type(group).__name__}")
+
+
 def tp_world_size(tp_group) -> int:
-    """Size of ``tp_group`` (1 for None). Host metadata only; reads no device values."""
+    """Size of ``tp_group`` (1 for None); TypeError naming ``tp_group`` when it is not a
+    ``ProcessGroup``. Host metadata only; reads no device values."""
+    check_process_group("tp_group", tp_group)
     if tp_group is None:
         return 1
     import torch.distributed as dist
@@ -183,8 +198,8 @@ def capture_routing(
         shard_sizes: GATHERED/SHARDED only - (dp_size * shards_per_rank,) int32, any stride: rows
             each rank (shards_per_rank 1) or each shard occupies in the gathered batch, padding
             included (GATHERED without it reads ``token_counts``). Read on the device.
-        tp_group: SEQUENCE_PARALLEL only - the torch.distributed group to all-gather over (None:
-            tp_size 1, which is LOCAL).
+        tp_group: SEQUENCE_PARALLEL only - the ``torch.distributed.ProcessGroup`` to all-gather
+            over (None: tp_size 1, which is LOCAL); anything else is a TypeError.
         fault_counter: where faults are recorded (None: the device-wide counter that
             :func:`moe_ops.check_capture_errors` reads).
 
@@ -195,6 +210,7 @@ def capture_routing(
     No host reads, no synchronisation, no allocation (except the all-gather output of
     SEQUENCE_PARALLEL with tp_size > 1).
     """
+    check_process_group("tp_group", tp_group)
     target = CaptureTarget(
         buffer,
         layer_id,
