@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
 from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, option, sizes_option, switch
-from moe_ops import RoutingMethod, replay_routing, route
+from moe_ops import RoutingMethod, RoutingReplayer, RoutingShape, replay_routing, route
 from moe_ops._triton import HAS_TRITON, next_power_of_2, triton_runs_on
 from moe_ops.models import ReferenceMoEModel, reference_config
 from moe_ops.replay.kernels import (
@@ -69,6 +69,7 @@ from moe_ops.route.kernels import tile_shape
 from moe_ops.route.reference import weights_for_ids
 
 GRAPH_CALLS = 61  # DeepSeek-V3's MoE-bearing depth
+SLOTS, SELECTED = 4, 2  # micro-batch slots of the replayer peers, and the one they read
 REF_CALLS = 8  # the eager reference is slow: a shorter graph
 LAYER_CALLS = 4  # a MoE layer step with dense experts takes milliseconds at 4096+ tokens
 ROLLOUT_NOISE = 0.1  # std of the rollout/trainer logit difference the record is drawn with
@@ -76,6 +77,7 @@ DRY_SIZES = (1, 8)
 TARGET_FORWARD = 1.0
 TARGET_BACKWARD_SPEEDUP = 5.0
 TARGET_LAYER = 1.02
+TARGET_SLOT = 1.02  # reading the record through a replayer's selected slot against a plain tensor
 
 
 # the routers measured (tests/strategies.py BenchRouter: a RouterConfig and the test that checks it)
@@ -98,6 +100,8 @@ class Inputs:
     grad_out: torch.Tensor
     # replay_routing / route backend: "triton" on a GPU, "torch" in the dry run
     backend: str
+    # a RoutingReplayer of SLOTS micro-batch slots whose selected slot holds ``recorded`` (one layer)
+    replayer: RoutingReplayer | None = None
 
     def kwargs(self, case) -> dict:
         return dict(
@@ -120,6 +124,11 @@ def make_inputs(case, n: int, device: torch.device, backend: str) -> Inputs:
         routed_scaling_factor=case.routed_scaling_factor,
     )
     recorded = route(logits.float() + noise, case.top_k, case.method, backend=backend, **kw)[1]
+    shape = RoutingShape(num_layers=1, num_experts=case.num_experts, top_k=case.top_k)
+    replayer = RoutingReplayer(shape, n, device, num_slots=SLOTS)
+    for slot in range(SLOTS):  # the other micro-batches' slots hold other ids
+        replayer.set_batch(recorded.roll(slot - SELECTED, dims=1)[:, None], slot=slot)
+    replayer.select(SELECTED)
     return Inputs(
         logits=logits,
         trainable=logits.clone().requires_grad_(),
@@ -127,6 +136,7 @@ def make_inputs(case, n: int, device: torch.device, backend: str) -> Inputs:
         recorded=recorded,
         grad_out=torch.randn(n, case.top_k, device=device, generator=g),
         backend=backend,
+        replayer=replayer,
     )
 
 
@@ -144,6 +154,14 @@ def fwd_replay(case, x: Inputs, compile: bool) -> Callable[[], object]:
     return lambda: replay_routing(x.logits, x.recorded, case.method, backend=x.backend, **kw)
 
 
+def fwd_replay_slot(case, x: Inputs, compile: bool) -> Callable[[], object]:
+    """replay_routing reading the record as a trainer's router does: ``layer_ids`` of the selected
+    slot of a SLOTS-slot replayer (inside a CUDA graph with its device-side row-count check)."""
+    kw = x.kwargs(case)
+    n = x.logits.shape[0]
+    return lambda: replay_routing(x.logits, x.replayer.layer_ids(0, n), case.method, backend=x.backend, **kw)
+
+
 def fwd_route(case, x: Inputs, compile: bool) -> Callable[[], object]:
     kw = x.kwargs(case)
     return lambda: route(x.logits, case.top_k, case.method, backend=x.backend, **kw)
@@ -154,6 +172,18 @@ def fb_replay(case, x: Inputs, compile: bool) -> Callable[[], object]:
 
     def step():
         weights, _ = replay_routing(x.trainable, x.recorded, case.method, backend=x.backend, **kw)
+        return torch.autograd.grad(weights, x.trainable, x.grad_out)
+
+    return step
+
+
+def fb_replay_slot(case, x: Inputs, compile: bool) -> Callable[[], object]:
+    kw = x.kwargs(case)
+    n = x.logits.shape[0]
+
+    def step():
+        recorded = x.replayer.layer_ids(0, n)
+        weights, _ = replay_routing(x.trainable, recorded, case.method, backend=x.backend, **kw)
         return torch.autograd.grad(weights, x.trainable, x.grad_out)
 
     return step
@@ -176,8 +206,13 @@ def fb_compiled_reference(case, x: Inputs, compile: bool) -> Callable[[], object
     return lambda: torch.autograd.grad(ref(x.trainable), x.trainable, x.grad_out)
 
 
-FORWARD_PEERS = {"replay": fwd_replay, "route": fwd_route}
-BACKWARD_PEERS = {"replay": fb_replay, "eager-ref": fb_eager_reference, "compiled-ref": fb_compiled_reference}
+FORWARD_PEERS = {"replay": fwd_replay, "replay-slot": fwd_replay_slot, "route": fwd_route}
+BACKWARD_PEERS = {
+    "replay": fb_replay,
+    "replay-slot": fb_replay_slot,
+    "eager-ref": fb_eager_reference,
+    "compiled-ref": fb_compiled_reference,
+}
 BACKWARD_REFERENCES = ("eager-ref", "compiled-ref")
 
 
@@ -185,6 +220,8 @@ def check_forward(case, x: Inputs) -> None:
     """The benchmarked replay returns the record, and route's own weights when given route's ids."""
     _, ids = fwd_replay(case, x, False)()
     assert torch.equal(ids, x.recorded), "replay did not return the record"
+    _, ids = fwd_replay_slot(case, x, False)()
+    assert torch.equal(ids, x.recorded), "replay through the selected slot did not return its record"
     route_w, route_ids = fwd_route(case, x, False)()
     same_w, same_ids = replay_routing(x.logits, route_ids, case.method, backend=x.backend, **x.kwargs(case))
     assert torch.equal(same_ids, route_ids)
@@ -352,6 +389,9 @@ def measure_ops(sizes: list[int], tables: set[str], cases=CASES) -> list[Table]:
             f"<= {TARGET_FORWARD}",
             "eager-ref/replay fwd+bwd",
             "compiled-ref/replay",
+            "slot/replay fwd",
+            "slot/replay fwd+bwd",
+            f"<= {TARGET_SLOT}",
         ],
     )
     for case in cases:
@@ -361,7 +401,7 @@ def measure_ops(sizes: list[int], tables: set[str], cases=CASES) -> list[Table]:
             x = make_inputs(case, n, dev, "triton")
             check_forward(case, x)
             torch.cuda.synchronize()
-            fwd_ratio = bwd_ratio = compiled_ratio = ""
+            fwd_ratio = bwd_ratio = compiled_ratio = slot_fwd = slot_bwd = ""
             if "forward" in tables:
                 fns = {name: build(case, x, True) for name, build in FORWARD_PEERS.items()}
                 graph = graph_calls_us(fns, calls=GRAPH_CALLS)
@@ -376,6 +416,7 @@ def measure_ops(sizes: list[int], tables: set[str], cases=CASES) -> list[Table]:
                         graph[name] / graph["replay"],
                     )
                 fwd_ratio = graph["replay"] / graph["route"]
+                slot_fwd = graph["replay-slot"] / graph["replay"]
             if "backward" in tables:
                 fns = {name: build(case, x, True) for name, build in BACKWARD_PEERS.items()}
                 fns = {name: fn for name, fn in fns.items() if fn is not None}
@@ -394,9 +435,11 @@ def measure_ops(sizes: list[int], tables: set[str], cases=CASES) -> list[Table]:
                         graph[name] / graph["replay"],
                     )
                 bwd_ratio = graph["eager-ref"] / graph["replay"]
+                slot_bwd = graph["replay-slot"] / graph["replay"]
                 compiled_ratio = graph["compiled-ref"] / graph["replay"]
             ok = "" if fwd_ratio == "" else fwd_ratio <= TARGET_FORWARD
-            summary.add(case.name, n, fwd_ratio, ok, bwd_ratio, compiled_ratio)
+            slots_ok = all(r == "" or r <= TARGET_SLOT for r in (slot_fwd, slot_bwd))
+            summary.add(case.name, n, fwd_ratio, ok, bwd_ratio, compiled_ratio, slot_fwd, slot_bwd, slots_ok)
     out = [t for t, key in ((forward, "forward"), (backward, "backward")) if key in tables]
     return [*out, summary]
 
@@ -491,6 +534,35 @@ def measure_forward_sweep(sizes: list[int], cases=CASES) -> Table:
     return table
 
 
+def measure_select(sizes: list[int]) -> Table:
+    """What selecting a micro-batch's slot costs, once per micro-batch (never per router call):
+    ``select`` alternating between two slots of a DeepSeek-V3-shaped replayer (58 MoE layers x 8
+    ids), against ``copy_`` of the same rows, its floor. Eager (select is a host method), medians of
+    ``do_bench``, host time included."""
+    dev = torch.device("cuda")
+    shape = RoutingShape(num_layers=58, num_experts=256, top_k=8)
+    table = Table(
+        "select(slot): copy of a micro-batch's rows into the read buffer (58 layers x 8, eager)",
+        ["n", "select_us", "copy_us", "select/copy", "MB"],
+    )
+    for n in sizes:
+        replayer = RoutingReplayer(shape, n, dev, num_slots=2)
+        rows = torch.randint(0, 256, (n, 58, 8), dtype=torch.int32, device=dev)
+        replayer.set_batch(rows, slot=0)
+        replayer.set_batch(rows.flip(0), slot=1)
+        state = [0]
+
+        def select():
+            state[0] ^= 1
+            replayer.select(state[0])
+
+        src = replayer._slots[1]
+        select_us = do_bench_median_us(select)
+        copy_us = do_bench_median_us(lambda: replayer.buffer.copy_(src))
+        table.add(n, select_us, copy_us, select_us / copy_us, rows.numel() * 4 / 1e6)
+    return table
+
+
 def measure_layer(sizes: list[int]) -> Table:
     dev = torch.device("cuda")
     config = reference_config("deepseek_small", num_layers=2)  # one dense, one MoE layer
@@ -576,7 +648,11 @@ def dry_run(sizes: list[int], compile: bool = False, cases=CASES) -> Table:
     options=[
         sizes_option("--sizes", BENCH_SIZES["replay"]),
         sizes_option("--layer-sizes", BENCH_SIZES["replay"]),
-        option("--tables", "forward,backward,layer", help="comma-separated: forward, backward, layer"),
+        option(
+            "--tables",
+            "forward,backward,select,layer",
+            help="comma-separated: forward, backward, select, layer",
+        ),
         switch("--launch-floor", "also time do-nothing kernels with replay's grids (two launches' floor)"),
         switch("--sweep-backward", "also time the backward kernel alone per (rows per program, warps)"),
         switch("--sweep-forward", "also time the forward kernel alone per (rows per program, warps)"),
@@ -586,9 +662,11 @@ def dry_run(sizes: list[int], compile: bool = False, cases=CASES) -> Table:
 def replay(cases, run) -> list[Table]:
     """replay_routing forward/backward against the router and the reference; a compiled MoE layer."""
     tables = set(run.tables.split(","))
-    unknown = tables - {"forward", "backward", "layer"}
+    unknown = tables - {"forward", "backward", "select", "layer"}
     if unknown:
-        raise ValueError(f"--tables takes forward, backward and layer, got {', '.join(sorted(unknown))}")
+        raise ValueError(
+            f"--tables takes forward, backward, select and layer, got {', '.join(sorted(unknown))}"
+        )
     sizes = list(run.sizes)
     out = measure_ops(sizes, tables, cases) if tables & {"forward", "backward"} else []
     if run.launch_floor:
@@ -597,6 +675,8 @@ def replay(cases, run) -> list[Table]:
         out.append(measure_forward_sweep(sizes, cases))
     if run.sweep_backward:
         out.append(measure_sweep(sizes, cases))
+    if "select" in tables:
+        out.append(measure_select(sizes))
     if "layer" in tables:
         out.append(measure_layer(list(run.layer_sizes)))
     return out
