@@ -217,25 +217,26 @@ def test_repeated_preemptions_before_the_first_sample_contribute_no_rows():
 @pytest.mark.parametrize("policy", ["sampling", "latest"])
 @pytest.mark.parametrize("while_preempted", [False, True])
 def test_a_request_that_never_sampled(policy, while_preempted):
-    """Aborted before its first sample (5, then 3 tokens of a 6-token prompt): no forward's outputs
-    were used, so ``sampling`` returns no row; ``latest`` keeps its meaning, the most complete
-    attempt (the first, 5 rows)."""
+    """Aborted before its first sample (5 tokens of a 6-token prompt, preempted; aborted then, or
+    after a second attempt computed 3): no forward's outputs were used, so ``sampling`` returns no
+    row; ``latest`` keeps its meaning, the most complete attempt (the first, 5 rows)."""
     ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4, policy)
-    lengths = [5] if while_preempted else [5, 3]
-    a0, *_ = _attempts(ledger, lengths, [[0, 1], [2]], abort_last=True, prompt_len=6)
-    if while_preempted:  # _attempts aborted the running first attempt: run the preempted case here
-        ledger.collect()
-        ledger.add_request("p", prompt_len=6)
-        ledger.append_blocks("p", [0, 1])
-        ledger.land(ledger.schedule([("p", 5)]).seq, a0)
-        ledger.preempt("p")
-        ledger.abort("p")
+    ledger.add_request("r", prompt_len=6)
+    ledger.append_blocks("r", [0, 1])
+    first = _ids(range(5))
+    ledger.land(ledger.schedule([("r", 5)]).seq, first)
+    ledger.preempt("r")
+    if not while_preempted:
+        ledger.resume("r")
+        ledger.append_blocks("r", [2])
+        ledger.land(ledger.schedule([("r", 3)]).seq, _ids([20, 21, 22]))
+    ledger.abort("r")
     (done,) = ledger.collect()
     assert done.aborted
     if policy == "sampling":
         assert done.routing.shape == (0, 1, 1) and done.missing.shape == (0,)
     else:
-        assert np.array_equal(done.routing, a0) and not done.missing.any()
+        assert np.array_equal(done.routing, first) and not done.missing.any()
 
 
 @pytest.mark.parametrize("fate", ["land", "drop"])
