@@ -2,13 +2,14 @@
 prefix hits, steps in flight, dropped steps, rejected draft tokens, start offsets.
 
 The state machine simulates an engine scheduler (paged KV allocator with a prefix cache and LRU-less
-eviction, chunked prefill, decode with speculative draft tokens that a verify outcome rejects,
-preemption by recompute, abort, finish) and drives the REAL data path for every step:
-``RoutingCapturer.set_step`` / ``capture`` (the capture op, LOCAL layout with padding rows) /
-``snapshot`` through the transfer ring (1..4 steps in flight, landing in any order, some dropped)
-into ``RoutingLedger`` and ``SlotStore``. Its invariant: every finished request's routing equals
-what its tokens were routed to under the ledger's policy, row for row, with exactly the rows of
-dropped steps marked missing.
+eviction, chunked prefill whose last chunk samples, decode with speculative draft tokens that a
+verify outcome rejects, preemption by recompute that keeps the sampled tokens, abort, finish) and
+drives the REAL data path for every step: ``RoutingCapturer.set_step`` / ``capture`` (the capture
+op, LOCAL layout with padding rows) / ``snapshot`` through the transfer ring (1..4 steps in flight,
+landing in any order, some dropped) into ``RoutingLedger`` and ``SlotStore``. Its invariant: every
+finished request's routing equals what its tokens were routed to under the ledger's policy, row for
+row, with exactly the rows of dropped steps marked missing; under ``"sampling"`` an attempt that
+never sampled contributes no row.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from strategies import routing_rows
@@ -149,13 +150,22 @@ def test_policy_of_the_issue_example(policy, expected):
     assert not done.missing.any() and done.missing.shape == (6,)
 
 
-def _attempts(ledger, lengths, blocks_of_attempt, abort_last=False):
-    """Runs one request through attempts computing ``lengths[a]`` tokens (rows 10 * a + position),
-    preempting between them; returns the rows each attempt computed."""
+# Twins of SGLang's CPU test test/registered/unit/managers/test_retract_routed_experts.py
+# (sgl-project/sglang): its request has a 4-token prompt and 2 sampled tokens, and each prefill there
+# computes every token but the last (rows = tokens - 1). Not ported: test_stop_before_saved_prefix_
+# end_trims_routes (the ledger returns every computed position; cutting at a stop token is the
+# engine's slice), test_discarded_input_embeds_output_discards_its_routes (SGLang drops the outputs
+# and restarts: to the ledger that is a new request), and the opt-in / no-capturer plumbing tests.
+SGLANG_PROMPT = 4
+
+
+def _attempts(ledger, lengths, blocks_of_attempt, abort_last=False, prompt_len=None):
+    """Runs one request through attempts computing ``lengths[a]`` tokens in one step each (rows
+    10 * a + position), preempting between them; returns the rows each attempt computed."""
     computed = []
     for a, n in enumerate(lengths):
         if a == 0:
-            ledger.add_request("r")
+            ledger.add_request("r", prompt_len=prompt_len)
         else:
             ledger.resume("r")
         ledger.append_blocks("r", blocks_of_attempt[a])
@@ -172,21 +182,124 @@ def _attempts(ledger, lengths, blocks_of_attempt, abort_last=False):
     return computed
 
 
-@pytest.mark.parametrize("policy", ["sampling", "latest"])
-def test_repeated_preemptions_keep_each_positions_first_version(policy):
-    """SGLang's test_repeated_retracts_keep_each_sampling_version: 6, then 8, then 9 tokens."""
-    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4, policy)
-    a0, a1, a2 = _attempts(ledger, [6, 8, 9], [[0, 1], [5, 3], [2, 7, 4]])
+@pytest.mark.parametrize("first_chunks", [[2], [1, 1]])
+@pytest.mark.parametrize("reprefill_chunks", [[4], [3, 1]])
+def test_an_attempt_preempted_before_its_first_sample_contributes_no_rows(first_chunks, reprefill_chunks):
+    """SGLang's test_initial_chunked_prefill_has_no_sampling_routes_to_preserve: the chunked prefill
+    of a 4-token prompt computes 2 tokens and is preempted before anything was sampled; the
+    re-prefill samples the first token, attending to its own KV: every row is the re-prefill's
+    (versions [1, 1, 1, 1]; the per-position rule gave [0, 0, 1, 1])."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("r", prompt_len=SGLANG_PROMPT)
+    ledger.append_blocks("r", [0])
+    for n in first_chunks:
+        ledger.land(ledger.schedule([("r", n)]).seq, _const(0, n))
+    ledger.preempt("r")
+    ledger.resume("r")
+    ledger.append_blocks("r", [1])
+    for n in reprefill_chunks:
+        ledger.land(ledger.schedule([("r", n)]).seq, _const(1, n))
+    ledger.finish("r")
     (done,) = ledger.collect()
-    expected = np.concatenate([a0, a1[6:], a2[8:]]) if policy == "sampling" else a2
+    assert done.routing[:, 0, 0].tolist() == [1, 1, 1, 1]
+    assert done.missing.tolist() == [False] * 4
+
+
+def test_repeated_preemptions_before_the_first_sample_contribute_no_rows():
+    """Three attempts cut off in the prefill of a 6-token prompt (3, 5, then 2 tokens), the fourth
+    samples: every row is the fourth's."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    *_, last = _attempts(ledger, [3, 5, 2, 7], [[0], [1, 2], [3], [4, 5]], prompt_len=6)
+    (done,) = ledger.collect()
+    assert np.array_equal(done.routing, last)
+
+
+@pytest.mark.parametrize("policy", ["sampling", "latest"])
+@pytest.mark.parametrize("while_preempted", [False, True])
+def test_a_request_that_never_sampled(policy, while_preempted):
+    """Aborted before its first sample (5 tokens of a 6-token prompt, preempted; aborted then, or
+    after a second attempt computed 3): no forward's outputs were used, so ``sampling`` returns no
+    row; ``latest`` keeps its meaning, the most complete attempt (the first, 5 rows)."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4, policy)
+    ledger.add_request("r", prompt_len=6)
+    ledger.append_blocks("r", [0, 1])
+    first = _ids(range(5))
+    ledger.land(ledger.schedule([("r", 5)]).seq, first)
+    ledger.preempt("r")
+    if not while_preempted:
+        ledger.resume("r")
+        ledger.append_blocks("r", [2])
+        ledger.land(ledger.schedule([("r", 3)]).seq, _ids([20, 21, 22]))
+    ledger.abort("r")
+    (done,) = ledger.collect()
+    assert done.aborted
+    if policy == "sampling":
+        assert done.routing.shape == (0, 1, 1) and done.missing.shape == (0,)
+    else:
+        assert np.array_equal(done.routing, first) and not done.missing.any()
+
+
+@pytest.mark.parametrize("fate", ["land", "drop"])
+def test_steps_of_an_attempt_that_never_sampled_never_reach_the_request(fate):
+    """The unsampled attempt's step is still in flight at preemption: the request does not wait for
+    it, and whether it lands or is dropped, none of its rows (nor missing flags) reach the request."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("r", prompt_len=SGLANG_PROMPT)
+    ledger.append_blocks("r", [0])
+    s0 = ledger.schedule([("r", 2)])
+    ledger.preempt("r")
+    ledger.resume("r")
+    ledger.append_blocks("r", [1])
+    ledger.land(ledger.schedule([("r", 4)]).seq, _const(1, 4))
+    ledger.finish("r")
+    (done,) = ledger.collect()
+    assert done.routing[:, 0, 0].tolist() == [1, 1, 1, 1] and not done.missing.any()
+    if fate == "land":
+        ledger.land(s0.seq, _const(0, 2))
+    else:
+        ledger.drop(s0.seq)
+    assert ledger.collect() == [] and ledger.in_flight == [] and ledger.held_requests() == []
+
+
+def test_a_prefix_hit_on_the_unsampled_attempts_block_returns_its_rows():
+    """The first attempt computed 5 of 6 prompt tokens and was preempted before sampling; the engine
+    cached its first block and the re-prefill starts on it. The sample attended to the first
+    attempt's KV in that block, so tokens 0..3 are the first attempt's rows, 4 and 5 the
+    re-prefill's (the first attempt's row of token 4 was never used)."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("r", prompt_len=6)
+    ledger.append_blocks("r", [2, 5])
+    ledger.land(ledger.schedule([("r", 5)]).seq, _ids(range(5)))
+    ledger.preempt("r")
+    ledger.resume("r", cached_blocks=[2], num_cached_tokens=4)
+    ledger.append_blocks("r", [7])
+    ledger.land(ledger.schedule([("r", 2)]).seq, _ids([24, 25]))
+    ledger.finish("r")
+    (done,) = ledger.collect()
+    assert done.routing[:, 0, 0].tolist() == [0, 1, 2, 3, 24, 25]
+
+
+@pytest.mark.parametrize("prompt_len", [None, SGLANG_PROMPT])
+@pytest.mark.parametrize("policy", ["sampling", "latest"])
+def test_repeated_preemptions_keep_each_positions_first_version(policy, prompt_len):
+    """SGLang's test_repeated_retracts_keep_each_sampling_version: 5, then 7, then 8 tokens, each
+    attempt sampled."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4, policy)
+    a0, a1, a2 = _attempts(ledger, [5, 7, 8], [[0, 1], [5, 3], [2, 7]], prompt_len=prompt_len)
+    (done,) = ledger.collect()
+    expected = np.concatenate([a0, a1[5:], a2[7:]]) if policy == "sampling" else a2
     assert np.array_equal(done.routing, expected)
 
 
+@pytest.mark.parametrize("prompt_len", [None, SGLANG_PROMPT])
 @pytest.mark.parametrize("policy", ["sampling", "latest"])
 @pytest.mark.parametrize("abort_during_partial", [False, True])
-def test_preemption_during_a_partial_reprefill_reads_no_uncomputed_row(policy, abort_during_partial):
-    """SGLang's test_retract_during_reprefill_does_not_read_uncomputed_rows: the partial attempt's
-    blocks hold another request's old rows past the 2 tokens it computed; none may come back."""
+def test_preemption_during_a_partial_reprefill_reads_no_uncomputed_row(
+    policy, abort_during_partial, prompt_len
+):
+    """SGLang's test_retract_during_reprefill_does_not_read_uncomputed_rows: 5 tokens, a re-prefill
+    cut off after 2 (its blocks hold another request's old rows past them; none may come back),
+    then 6 tokens."""
     ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4, policy)
     ledger.add_request("old")
     ledger.append_blocks("old", [2, 3])
@@ -194,21 +307,55 @@ def test_preemption_during_a_partial_reprefill_reads_no_uncomputed_row(policy, a
     ledger.land(step.seq, _const(63, 8))  # poison left in blocks 2, 3
     ledger.finish("old")
     ledger.collect()
-    lengths = [6, 2] if abort_during_partial else [6, 2, 7]
-    computed = _attempts(ledger, lengths, [[0, 1], [2, 3], [3, 2]], abort_last=abort_during_partial)
+    lengths = [5, 2] if abort_during_partial else [5, 2, 6]
+    computed = _attempts(
+        ledger, lengths, [[0, 1], [2, 3], [3, 2]], abort_last=abort_during_partial, prompt_len=prompt_len
+    )
     (done,) = ledger.collect()
     assert not (done.routing == 63).any(), "rows the partial attempt never computed came back"
     a0 = computed[0]
     if abort_during_partial:  # the 2-token attempt is shorter: both policies keep the first
         expected = a0
     else:
-        expected = np.concatenate([a0, computed[2][6:]]) if policy == "sampling" else computed[2]
+        expected = np.concatenate([a0, computed[2][5:]]) if policy == "sampling" else computed[2]
     assert np.array_equal(done.routing, expected)
 
 
-def test_sampling_keeps_the_rows_of_a_first_attempt_that_only_prefilled():
-    """The rule is per position, not per sampled token: a first attempt cut off during its chunked
-    prefill keeps its 2 rows (SGLang drops them; docs/transfer.md says why the ledger does not)."""
+def test_a_step_in_flight_at_preemption_counts_for_the_attempt():
+    """SGLang's test_pause_retract_preserves_the_drained_overlap_result: the decode step of token 5
+    is in flight when the request is preempted (the engine keeps its sampled token); it lands after
+    the re-prefill: the original's 6 rows, then the re-prefill's row of token 6."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("r", prompt_len=SGLANG_PROMPT)
+    ledger.append_blocks("r", [0, 1])
+    s0 = ledger.schedule([("r", 5)])
+    s1 = ledger.schedule([("r", 1)])
+    ledger.land(s0.seq, _ids(range(5)))
+    ledger.preempt("r")
+    ledger.resume("r")
+    ledger.append_blocks("r", [3, 2])
+    ledger.land(ledger.schedule([("r", 7)]).seq, _ids(range(20, 27)))
+    ledger.finish("r")
+    assert ledger.collect() == [], "the request must wait for its step in flight"
+    ledger.land(s1.seq, _ids([5]))
+    (done,) = ledger.collect()
+    assert done.routing[:, 0, 0].tolist() == [0, 1, 2, 3, 4, 5, 26]
+
+
+def test_non_retracted_request_is_unchanged():
+    """SGLang's test_non_retracted_request_is_unchanged: one prefill, start 3."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("r", start=3, prompt_len=SGLANG_PROMPT)
+    ledger.append_blocks("r", [1, 0])
+    ledger.land(ledger.schedule([("r", 5)]).seq, _ids(range(5)))
+    ledger.finish("r")
+    (done,) = ledger.collect()
+    assert done.routing[:, 0, 0].tolist() == [3, 4] and done.start == 3
+
+
+def test_without_prompt_len_every_attempt_counts_from_its_first_token():
+    """The documented default (``prompt_len=None``): the ledger cannot tell when the request first
+    samples, so a first attempt cut off during its chunked prefill keeps its 2 rows."""
     ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
     a0, a1 = _attempts(ledger, [2, 6], [[0], [1, 2]])
     (done,) = ledger.collect()
@@ -223,11 +370,12 @@ def test_policy_must_be_known():
 # ------------------------------------------------------------------------------------- start offsets
 
 
+@pytest.mark.parametrize("prompt_len", [None, SGLANG_PROMPT])
 @pytest.mark.parametrize("start", [0, 3, 4, 5, 10])
-def test_start_cuts_the_sampling_rows(start):
+def test_start_cuts_the_sampling_rows(start, prompt_len):
     """SGLang's test_sampling_routes_survive_reprefill: cat(original, recomputed[len(original):])[start:]."""
     ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
-    ledger.add_request("r", start=start)
+    ledger.add_request("r", start=start, prompt_len=prompt_len)
     ledger.append_blocks("r", [0, 1])
     s = ledger.schedule([("r", 5)])
     original = _ids(range(5))
@@ -479,6 +627,26 @@ def test_reject_cannot_take_back_prefix_hit_tokens():
         (lambda led: led.reject("zz", 1), KeyError, "unknown request"),
         (lambda led: led.add_request("c", start=-1), ValueError, "start must be an int >= 0, got -1"),
         (lambda led: led.add_request("c", start=2.0), ValueError, "start must be an int >= 0, got 2.0"),
+        (
+            lambda led: led.add_request("c", prompt_len=0),
+            ValueError,
+            "prompt_len must be an int >= 1 or None, got 0",
+        ),
+        (
+            lambda led: led.add_request("c", prompt_len=3.0),
+            ValueError,
+            "prompt_len must be an int >= 1 or None, got 3.0",
+        ),
+        (
+            lambda led: led.add_request("c", prompt_len=True),
+            ValueError,
+            "prompt_len must be an int >= 1 or None, got True",
+        ),
+        (
+            lambda led: led.add_request("c", [1], 2, prompt_len=2),
+            ValueError,
+            r"num_cached_tokens=2 must be < 2",
+        ),
     ],
 )
 def test_engine_mistakes_raise_and_change_nothing(call, exc, match):
@@ -490,12 +658,32 @@ def test_engine_mistakes_raise_and_change_nothing(call, exc, match):
         call(ledger)
     # the ledger goes on as if the call never happened
     assert ledger.held_requests() == ["a"] and ledger.in_flight == [0] and ledger.pending_slots() == 2
+    assert [ledger.block_refs(b) for b in range(8)] == [1, 1, 0, 0, 0, 0, 0, 0]
     rows = _rows(8, 3)
     ledger.land(0, rows[:2])
     ledger.land(ledger.schedule([("a", 1)]).seq, rows[2:])
     ledger.finish("a")
     (done,) = ledger.collect()
     assert np.array_equal(done.routing, rows) and not done.missing.any()
+
+
+def test_a_prefix_hit_must_leave_the_token_that_samples_to_compute():
+    """After an attempt that computed 4 tokens of a 4-token prompt and sampled, the request knows 5:
+    a resumed attempt's hit may cover 4 (the re-prefill computes token 4 and samples), never 8."""
+    ledger = RoutingLedger(SlotStore(16 * 4, SMALL), 4)
+    ledger.add_request("r", prompt_len=4)
+    ledger.append_blocks("r", [0, 1])
+    ledger.land(ledger.schedule([("r", 4)]).seq, _ids(range(4)))
+    ledger.preempt("r")
+    with pytest.raises(ValueError, match=r"num_cached_tokens=8 must be < 5 \(the tokens request 'r' knows"):
+        ledger.resume("r", cached_blocks=[0, 1], num_cached_tokens=8)
+    assert ledger.state("r") == "preempted" and ledger.block_refs(0) == ledger.block_refs(1) == 0
+    ledger.resume("r", cached_blocks=[0], num_cached_tokens=4)
+    ledger.append_blocks("r", [3])
+    ledger.land(ledger.schedule([("r", 1)]).seq, _ids([24]))
+    ledger.finish("r")
+    (done,) = ledger.collect()
+    assert done.routing[:, 0, 0].tolist() == [0, 1, 2, 3, 24]
 
 
 def test_reject_needs_a_running_request():
@@ -513,7 +701,14 @@ def test_reject_needs_a_running_request():
 
 class EngineMachine(RuleBasedStateMachine):
     """A small paged-KV engine with async scheduling and speculative decoding, driving the real
-    capture -> store path; some steps' rows never arrive (dropped)."""
+    capture -> store path; some steps' rows never arrive (dropped).
+
+    Sampling is modelled as an engine does it: a request's tokens are its prompt and the tokens it
+    sampled. A (re-)prefill computes known tokens in chunks; the chunk that computes the last one
+    samples the next token. A decode computes the token sampled last plus draft tokens; the verify
+    outcome takes back the rejected drafts and appends the token sampled after the accepted ones.
+    Preemption keeps the tokens; the next attempt re-prefills all of them. Each attempt records
+    whether it sampled; the oracle reads only that record."""
 
     DEVICE = "cpu"
     POLICY = "sampling"
@@ -521,6 +716,7 @@ class EngineMachine(RuleBasedStateMachine):
     NUM_BLOCKS = 6  # few blocks: freed blocks are reallocated (and cached ones evicted) soon
     MAX_STEP_TOKENS = 8
     MAX_DRAFT = 2  # draft tokens per decode step of a request
+    MAX_RUNNING = 3  # arrivals wait while this many run (resumes do not)
     VOCAB = 3  # few token values: prompts share prefixes, so the prefix cache hits
 
     @initialize(depth=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
@@ -553,22 +749,27 @@ class EngineMachine(RuleBasedStateMachine):
         req["table"] = []
 
     def _close_attempt(self, req):
-        """Records the attempt's truth: position -> (seq, row) of tokens [0, computed)."""
+        """Records the attempt's truth: position -> (seq, row) of tokens [0, computed), and whether
+        it sampled."""
         assert sorted(req["truth"]) == list(range(req["computed"]))
-        req["attempts"].append(dict(req["truth"]))
+        req["attempts"].append((dict(req["truth"]), req["sampled"]))
         req["computed"] = 0
         req["truth"] = {}
+        req["sampled"] = False
 
     def _expected(self, req):
         """(rows, missing) the ledger must return, from the attempts' truth and the dropped steps."""
-        if self.POLICY == "sampling":  # each position from the first attempt that computed it
+        if self.POLICY == "sampling":
+            # each position from the first attempt that computed it and sampled; without prompt_len
+            # the ledger cannot tell, and every attempt counts
             merged = {}
-            for truth in req["attempts"]:
-                for p, entry in truth.items():
-                    merged.setdefault(p, entry)
-        else:  # the attempt with the most positions; the later one on a tie
+            for truth, sampled in req["attempts"]:
+                if sampled or req["prompt_len"] is None:
+                    for p, entry in truth.items():
+                        merged.setdefault(p, entry)
+        else:  # the attempt with the most positions; the later one on a tie, sampled or not
             merged = {}
-            for truth in req["attempts"]:
+            for truth, _ in req["attempts"]:
                 if len(truth) >= len(merged):
                     merged = truth
         positions = range(req["start"], len(merged))
@@ -599,17 +800,21 @@ class EngineMachine(RuleBasedStateMachine):
         if req["state"] == "preempted":
             self.ledger.resume(rid, hit, len(hit) * bs)
         else:
-            self.ledger.add_request(rid, hit, len(hit) * bs, start=req["start"])
+            self.ledger.add_request(rid, hit, len(hit) * bs, start=req["start"], prompt_len=req["prompt_len"])
         req["state"] = "running"
 
     def _verify(self, rid, k):
-        """The verify step's outcome: the last ``k`` of the request's draft tokens are rejected."""
+        """The verify step's outcome: the last ``k`` of the request's draft tokens are rejected, and
+        the token after the accepted ones is sampled."""
         req = self.reqs[rid]
+        if k:
+            event("reject")
         self.ledger.reject(rid, k)
         for p in range(req["computed"] - k, req["computed"]):
             del req["truth"][p]
         req["computed"] -= k
         del req["tokens"][len(req["tokens"]) - k :]
+        req["tokens"].append(int(self.rng.integers(0, self.VOCAB)))
         req["draft"] = 0
 
     def _settle(self, rid, data):
@@ -634,14 +839,30 @@ class EngineMachine(RuleBasedStateMachine):
 
     # -- rules ---------------------------------------------------------------------------------
 
-    @rule(prefix=st.integers(0, 1), length=st.integers(1, 8), start=st.sampled_from([0, 0, 1, 3, 6, 20]))
-    def arrive(self, prefix, length, start):
-        """A new request arrives and is scheduled at once (prefix hit included)."""
+    @precondition(lambda self: len(self._ids("running")) < self.MAX_RUNNING)
+    @rule(
+        prefix=st.integers(0, 1),
+        length=st.integers(1, 8),
+        start=st.sampled_from([0, 0, 1, 3, 6, 20]),
+        tell_prompt=st.sampled_from([True, True, True, False]),
+    )
+    def arrive(self, prefix, length, start, tell_prompt):
+        """A new request arrives and is scheduled at once (prefix hit included); most engines tell
+        the ledger its prompt length, some (old callers) do not."""
         common = [[0, 1, 2, 0, 1, 2], [2, 2, 1, 1, 0, 0]][prefix]
         tokens = common[: max(length, 3)] + self.rng.integers(0, self.VOCAB, size=length).tolist()
         rid = len(self.reqs)
         self.reqs[rid] = dict(
-            tokens=tokens, state="waiting", table=[], computed=0, draft=0, truth={}, attempts=[], start=start
+            tokens=tokens,
+            prompt_len=len(tokens) if tell_prompt else None,
+            state="waiting",
+            table=[],
+            computed=0,
+            draft=0,
+            sampled=False,  # the current attempt has sampled
+            truth={},
+            attempts=[],
+            start=start,
         )
         self._start(rid)
 
@@ -664,25 +885,30 @@ class EngineMachine(RuleBasedStateMachine):
         if len(self.in_flight) >= self.depth:
             self.land(data)  # the ring is full: the engine consumes a step first
         running = self._ids("running")
-        chosen = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=len(running), unique=True))
+        chosen = data.draw(st.permutations(running))  # every running request, budget permitting
         bs, budget, entries, rows = self.BLOCK_SIZE, self.MAX_STEP_TOKENS, [], []
         for rid in chosen:
             req = self.reqs[rid]
             if budget == 0:
                 break
             self._settle(rid, data)
-            if req["computed"] == len(req["tokens"]):  # decode: the sampled token and drafts after it
+            if req["sampled"]:  # decode: the token sampled last and drafts after it
+                assert req["computed"] == len(req["tokens"]) - 1
                 draft = data.draw(st.integers(0, min(self.MAX_DRAFT, budget - 1)))
                 n = 1 + draft
-            else:  # (chunked) prefill
+            else:  # (chunked, re-)prefill of known tokens; the chunk that reaches the last samples
                 draft = 0
-                n = data.draw(st.integers(1, min(len(req["tokens"]) - req["computed"], budget)))
+                cap = min(len(req["tokens"]) - req["computed"], budget)
+                n = data.draw(st.one_of(st.just(cap), st.integers(1, cap)))  # often all the step can take
             need = -(-(req["computed"] + n) // bs) - len(req["table"])
             free = [b for b in range(self.NUM_BLOCKS) if self.refs[b] == 0]
             if need > len(free):
                 continue  # no KV space for this request this step
-            if req["computed"] == len(req["tokens"]):
-                req["tokens"] += self.rng.integers(0, self.VOCAB, size=n).tolist()
+            if req["sampled"]:  # the drafts; without any, the sampled token comes with the step
+                req["tokens"] += self.rng.integers(0, self.VOCAB, size=draft or 1).tolist()
+            elif req["computed"] + n == len(req["tokens"]):  # the prefill's last chunk samples
+                req["tokens"].append(int(self.rng.integers(0, self.VOCAB)))
+                req["sampled"] = True
             fresh = data.draw(st.permutations(free))[:need]  # any free block, cached ones evicted
             for b in fresh:
                 if self.block_key[b] is not None:
@@ -732,6 +958,7 @@ class EngineMachine(RuleBasedStateMachine):
         idx = data.draw(st.integers(0, len(self.in_flight) - 1))
         seq, handle = self.in_flight.pop(idx)
         if data.draw(st.integers(0, 5), label="drop if 0") == 0:
+            event("drop")
             self.dropped.add(seq)
             self.ledger.drop(seq)
         else:
@@ -745,6 +972,16 @@ class EngineMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(self._ids("running")))
         self._settle(rid, data)
         req = self.reqs[rid]
+        if req["sampled"]:
+            event("preempt after the attempt sampled")
+        elif not req["attempts"]:
+            event("preempt during the first prefill, before the first sample")
+        elif any(sampled for _, sampled in req["attempts"]):
+            event("preempt during a re-prefill, after an earlier attempt sampled")
+        else:
+            event("preempt during a re-prefill, no attempt sampled yet")
+        if len(req["attempts"]) >= 2:
+            event("preempt a third or later attempt")
         self.ledger.preempt(rid)
         self._release(req)
         self._close_attempt(req)
@@ -753,9 +990,11 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: self._ids("running", "preempted"))
     @rule(data=st.data(), aborted=st.booleans())
     def end(self, data, aborted):
-        """Finish a running request, or abort a running or preempted one."""
+        """Finish a running request whose attempt has sampled (a request finishes on a sampled
+        token), or abort a running or preempted one."""
+        finishable = [r for r in self._ids("running") if self.reqs[r]["sampled"]]
         rid = data.draw(
-            st.sampled_from(self._ids("running", "preempted") if aborted else self._ids("running") or [None])
+            st.sampled_from(self._ids("running", "preempted") if aborted else finishable or [None])
         )
         if rid is not None:
             if self.reqs[rid]["state"] == "running":
@@ -764,6 +1003,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _end(self, rid, aborted):
         req = self.reqs[rid]
+        if not req["sampled"] and not any(sampled for _, sampled in req["attempts"]):
+            event("abort a request that never sampled")
         if aborted:
             self.ledger.abort(rid)
         else:
@@ -787,7 +1028,8 @@ class EngineMachine(RuleBasedStateMachine):
         if not hasattr(self, "ledger"):
             return
         for rid in self._ids("running", "preempted"):  # every request ends: all rows are checked
-            self._end(rid, aborted=self.reqs[rid]["state"] == "preempted")
+            req = self.reqs[rid]
+            self._end(rid, aborted=req["state"] == "preempted" or not req["sampled"])
         while self.in_flight:  # drain the pipeline, then every finished request must be returned
             seq, handle = self.in_flight.pop()
             self.ledger.land(seq, handle.result(copy=False))

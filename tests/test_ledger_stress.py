@@ -1,15 +1,19 @@
 """RoutingLedger under load: thousands of requests with dropped steps, and two threads at once.
 
-``Engine`` is an independent model of a paged-KV serving engine (chunked prefill, decode with
-draft tokens and rejection, preemption by recompute when blocks run out, aborts, immediate reuse of
-freed blocks) with its own oracle: for every attempt of every request, which step computed each
-position and with which row. What a request must get back follows from that record and the policy
-rule alone (never from the ledger's code): sampling keeps each position's first attempt, latest
-the most complete attempt; rows of dropped steps are the store's fill value and marked missing.
+``Engine`` is an independent model of a paged-KV serving engine (chunked prefill whose last chunk
+samples, decode with draft tokens and rejection, preemption by recompute that keeps the sampled
+tokens, when blocks run out or at random, aborts, immediate reuse of freed blocks) with its own
+oracle: for every attempt of every request, which step computed each position and with which row,
+and whether the attempt sampled. What a request must get back follows from that record and the
+policy rule alone (never from the ledger's code): sampling keeps each position from the first
+attempt that computed it and sampled (every attempt, for the requests added without
+``prompt_len``), latest the most complete attempt; rows of dropped steps are the store's fill value
+and marked missing.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import sys
@@ -28,8 +32,14 @@ ROW = (SHAPE.num_layers, SHAPE.top_k)
 class Engine:
     """A scheduler driving a ledger, and the oracle of what each request must get back.
 
+    A request's ``tokens`` are its prompt and the tokens it sampled. A (re-)prefill computes known
+    tokens in chunks; the chunk that computes the last one samples the next token. A decode computes
+    the token sampled last plus drafts; the verify outcome takes back the rejected drafts and
+    appends the token sampled after the accepted ones. Preemption keeps the tokens.
+
     Only :meth:`step` and the request-lifecycle helpers touch the engine's state (the scheduler
     thread); ``dropped`` is written by whoever gives steps up, before the ledger hears of it.
+    ``events`` counts the cases the run went through.
     """
 
     def __init__(self, ledger: RoutingLedger, seed: int, num_blocks: int, max_running: int, budget: int):
@@ -45,6 +55,7 @@ class Engine:
         self.dropped: set[int] = set()
         self.ended: list[int] = []  # finished or aborted, in that order
         self.next_id = 0
+        self.events: collections.Counter = collections.Counter()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -53,19 +64,22 @@ class Engine:
         self.next_id += 1
         prompt = int(rng.integers(1, 24))
         start = int(rng.choice([0, 0, rng.integers(0, prompt + 4)]))
+        tell_prompt = rng.random() < 0.9  # some callers do not pass prompt_len
         self.reqs[rid] = dict(
             prompt=prompt,
+            tell_prompt=tell_prompt,
             max_new=int(rng.integers(1, 12)),
             tokens=prompt,
             computed=0,
             draft=0,
+            sampled=False,  # the current attempt has sampled
             table=[],
             truth={},
             attempts=[],
             start=start,
             state="running",
         )
-        self.ledger.add_request(rid, start=start)
+        self.ledger.add_request(rid, start=start, prompt_len=prompt if tell_prompt else None)
         self.running.append(rid)
 
     def _free_blocks(self, req: dict) -> None:
@@ -74,12 +88,25 @@ class Engine:
 
     def _close(self, req: dict) -> None:
         assert sorted(req["truth"]) == list(range(req["computed"]))
-        req["attempts"].append(req["truth"])
-        req["truth"], req["computed"] = {}, 0
+        req["attempts"].append((req["truth"], req["sampled"]))
+        req["truth"], req["computed"], req["sampled"] = {}, 0, False
+
+    def _ever_sampled(self, req: dict) -> bool:
+        return req["sampled"] or any(sampled for _, sampled in req["attempts"])
 
     def _preempt(self, rid: int) -> None:
         req = self.reqs[rid]
         self._verify(rid)
+        if req["sampled"]:
+            self.events["preempt after the attempt sampled"] += 1
+        elif not req["attempts"]:
+            self.events["preempt during the first prefill"] += 1
+        elif self._ever_sampled(req):
+            self.events["preempt during a re-prefill after a sample"] += 1
+        else:
+            self.events["preempt during a re-prefill, never sampled"] += 1
+        if len(req["attempts"]) >= 2:
+            self.events["preempt a third or later attempt"] += 1
         self.ledger.preempt(rid)
         self._free_blocks(req)
         self._close(req)
@@ -97,6 +124,8 @@ class Engine:
         req = self.reqs[rid]
         if req["state"] == "running":
             self._verify(rid)
+        if not self._ever_sampled(req):
+            self.events["end a request that never sampled"] += 1
         (self.ledger.abort if aborted else self.ledger.finish)(rid)
         if req["state"] == "running":
             self._free_blocks(req)
@@ -108,16 +137,18 @@ class Engine:
         self.ended.append(rid)
 
     def _verify(self, rid: int) -> None:
-        """The verify outcome: the last k of the request's drafts are rejected (k may be 0)."""
+        """The verify outcome: the last k of the request's drafts are rejected (k may be 0), and
+        the token after the accepted ones is sampled."""
         req = self.reqs[rid]
         if not req["draft"]:
             return
         k = int(self.rng.integers(0, req["draft"] + 1))
+        self.events["reject"] += k > 0
         self.ledger.reject(rid, k)
         for p in range(req["computed"] - k, req["computed"]):
             del req["truth"][p]
         req["computed"] -= k
-        req["tokens"] -= k
+        req["tokens"] += 1 - k
         req["draft"] = 0
 
     # -- one scheduler iteration -------------------------------------------------------------
@@ -134,7 +165,7 @@ class Engine:
             req = self.reqs[rid]
             if rng.random() < 0.5:
                 self._verify(rid)
-            if req["tokens"] >= req["prompt"] + req["max_new"] and req["computed"] == req["tokens"]:
+            if req["tokens"] >= req["prompt"] + req["max_new"] and req["sampled"] and not req["draft"]:
                 self._end(rid, aborted=False)
             elif rng.random() < 0.02:
                 self._end(rid, aborted=True)
@@ -149,10 +180,11 @@ class Engine:
             # drafts in flight: verified before scheduling again; a victim preempted for space: skip
             if budget == 0 or req["draft"] or req["state"] != "running":
                 continue
-            if req["computed"] == req["tokens"]:  # decode: the sampled token, then drafts
+            if req["sampled"]:  # decode: the token sampled last, then drafts
+                assert req["computed"] == req["tokens"] - 1
                 draft = int(rng.integers(0, min(3, budget - 1) + 1))
                 n = 1 + draft
-            else:
+            else:  # (re-)prefill of known tokens; the chunk that computes the last one samples
                 draft, n = 0, int(rng.integers(1, min(req["tokens"] - req["computed"], budget) + 1))
             need = -(-(req["computed"] + n) // BLOCK_SIZE) - len(req["table"])
             while need > len(self.free):  # out of KV blocks: preempt the newest other request
@@ -165,8 +197,11 @@ class Engine:
             fresh = [self.free.pop() for _ in range(need)]
             req["table"] += fresh
             self.ledger.append_blocks(rid, fresh)
-            if req["computed"] == req["tokens"]:
-                req["tokens"] += n
+            if req["sampled"]:  # the drafts; without any, the sampled token comes with the step
+                req["tokens"] += draft or 1
+            elif req["computed"] + n == req["tokens"]:
+                req["tokens"] += 1
+                req["sampled"] = True
             req["draft"] = draft
             entries.append((rid, n))
             parts.append(n)
@@ -187,7 +222,7 @@ class Engine:
 
     def end_all(self) -> None:
         for rid in list(self.running):
-            self._end(rid, aborted=False)
+            self._end(rid, aborted=not self.reqs[rid]["sampled"])
         for rid in list(self.preempted):
             self._end(rid, aborted=True)
 
@@ -197,10 +232,11 @@ class Engine:
         """(rows, missing) of tokens [start, n) of the request, by the policy's rule."""
         req = self.reqs[rid]
         merged: dict[int, tuple[int, int]] = {}
-        for truth in req["attempts"]:
+        for truth, sampled in req["attempts"]:
             if policy == "sampling":
-                for p, entry in truth.items():
-                    merged.setdefault(p, entry)
+                if sampled or not req["tell_prompt"]:
+                    for p, entry in truth.items():
+                        merged.setdefault(p, entry)
             elif len(truth) >= len(merged):
                 merged = truth
         positions = range(req["start"], len(merged))
@@ -226,6 +262,23 @@ class Engine:
             ):
                 wrong.append(done.req_id)
         assert not wrong, f"{len(wrong)} of {len(delivered)} requests have wrong rows: {wrong[:10]}"
+
+
+# every case of the sampling rule a run must go through (Engine.events)
+CASES = (
+    "preempt during the first prefill",
+    "preempt during a re-prefill, never sampled",
+    "preempt during a re-prefill after a sample",
+    "preempt after the attempt sampled",
+    "preempt a third or later attempt",
+    "end a request that never sampled",
+    "reject",
+)
+
+
+def _assert_exercised(engine: Engine) -> None:
+    missed = [case for case in CASES if not engine.events[case]]
+    assert not missed, f"the run never went through: {missed} ({dict(engine.events)})"
 
 
 def _assert_drained(ledger: RoutingLedger, num_blocks: int) -> None:
@@ -287,6 +340,7 @@ def test_thousands_of_requests_with_dropped_steps(policy, seed):
         ledger.land(seq, rows)
     delivered += ledger.collect()
     assert engine.dropped and any(d.missing.any() for d in delivered), "the run dropped nothing"
+    _assert_exercised(engine)
     engine.check(delivered, policy)
     _assert_drained(ledger, num_blocks)
 
@@ -357,5 +411,6 @@ def test_scheduler_and_output_threads_against_the_oracle():
     assert not errors, f"{len(errors)} errors, first: {errors[0]!r}"
     delivered.extend(ledger.collect())
     assert engine.dropped
+    _assert_exercised(engine)
     engine.check(delivered, "sampling")
     _assert_drained(ledger, num_blocks)

@@ -14,8 +14,10 @@ that request's tokens were routed to, row for row, and marks the rows that never
   go to the private rows of the requests that computed them). So an aborted request's late rows
   cannot leak into the next owner of its blocks, whatever order steps land in.
 - Preemption and resume (``policy``): ``"sampling"`` (default) keeps, for every position, the row of
-  the earliest attempt that computed it, the forward whose logits were sampled; ``"latest"`` returns
-  the most complete attempt (the latest on a tie).
+  the forward that sampling used: the earliest attempt that computed it and sampled; an attempt
+  preempted (or ended) before its first sample contributes no row (``add_request(prompt_len=)``
+  tells the ledger when a request first samples). ``"latest"`` returns the most complete attempt
+  (the latest on a tie).
 - Prefix hits: a request that starts on cached blocks reads the rows the computing request wrote
   (or will write, if that step is still in flight) at those slots.
 - Speculative decoding: ``reject`` takes back the last positions of a request; their rows never
@@ -66,7 +68,8 @@ class FinishedRouting:
     # (num_tokens, num_layers, top_k) rows of the request's tokens [start, start + num_tokens),
     # token order; rows where missing is True hold the store's fill value
     routing: np.ndarray
-    # True when the request was aborted (the routing covers the tokens computed until then)
+    # True when the request was aborted (the routing covers the tokens the policy keeps until then:
+    # under "sampling", none of an attempt that had not sampled yet)
     aborted: bool
     # (num_tokens,) bool - True where a row never arrived (its step was dropped)
     missing: np.ndarray
@@ -99,7 +102,15 @@ class _Request:
     computed: int = 0
     # "running", "preempted", "finished" or "aborted"
     state: str = "running"
-    # sampling: the longest ended attempt (tokens [0, covered) have their rows in result);
+    # tokens of the prompt; None: not given (every attempt counts as sampling from its first token)
+    prompt_len: int | None = None
+    # the current attempt first samples with the step that makes tokens [0, sample_at) computed: the
+    # tokens the request knows (its prompt; after an attempt that sampled, the positions it computed
+    # and the token it sampled last); 0 when prompt_len is None
+    sample_at: int = 0
+    # the current attempt has scheduled the step that samples (True from the start if prompt_len is None)
+    sampled: bool = True
+    # sampling: the longest ended attempt that sampled (tokens [0, covered) have their rows in result);
     # latest: the length of the attempt whose rows are in result
     covered: int = 0
     # the rows to return, tokens [start, start + len); None while no attempt has ended
@@ -140,10 +151,15 @@ class RoutingLedger:
         store: the :class:`SlotStore` of the KV cache's slots.
         block_size: tokens per KV block; ``store.num_slots`` must be a multiple of it.
         policy: which rows a preempted and resumed request returns. ``"sampling"`` (default): for
-            every position, the rows of the earliest attempt that computed it (the forward whose
-            logits were sampled, which an RL trainer corrects against); later attempts only fill
-            positions no earlier attempt computed. ``"latest"``: the most complete attempt (the
-            most tokens; the latest on a tie).
+            every position, the rows of the forward that sampling used (whose logits were sampled,
+            which an RL trainer corrects against): the earliest attempt that computed the position
+            and sampled. An attempt preempted or ended before its first sample contributes no row
+            (its outputs were never used: the first token is sampled by a later attempt, attending
+            to that attempt's KV); later attempts only fill positions no earlier sampling attempt
+            computed. The ledger knows when a request first samples from
+            ``add_request(prompt_len=)``; without it every attempt counts from its first token.
+            ``"latest"``: the most complete attempt (the most tokens; the latest on a tie), whether
+            it sampled or not.
 
     Host-side only. Calls mirror an engine scheduler; see docs/transfer.md for the mapping to one.
 
@@ -202,28 +218,50 @@ class RoutingLedger:
         cached_blocks: Sequence[int] = (),
         num_cached_tokens: int = 0,
         start: int = 0,
+        *,
+        prompt_len: int | None = None,
     ) -> None:
         """Starts a request, optionally on a prefix-cache hit.
 
         Args:
             req_id: any hashable id, unused so far.
             cached_blocks: blocks of the prefix hit, shared with whoever computed them.
-            num_cached_tokens: tokens covered by the hit, ``len(cached_blocks) * block_size``.
+            num_cached_tokens: tokens covered by the hit, ``len(cached_blocks) * block_size``; less
+                than ``prompt_len`` when that is given (the forward of the last prompt token samples).
             start: first token position whose row is returned (multi-turn clients ask for the rows
                 after the previous turn's; SGLang's ``routed_experts_start_len``). Rows of tokens
                 before it are never copied out of the store. Fixed for the request's life: every
                 attempt is cut at the same position, and prefix hits do not move it.
+            prompt_len: tokens of the prompt (vLLM's ``num_prompt_tokens``, SGLang's
+                ``len(origin_input_ids)``), an int >= 1. The request first samples with the step
+                that computes its last prompt token; an attempt preempted before that step, or
+                ended before it, contributes no row under ``policy="sampling"``. After an attempt
+                that sampled, a resumed attempt samples once it has recomputed every position that
+                attempt computed plus the token it sampled last (the engine keeps sampled tokens
+                across preemption, and preempts once it has the outputs of the steps it scheduled).
+                None (default): the ledger cannot tell, and every attempt counts from its first
+                scheduled token (what the ledger did before it took ``prompt_len``).
         """
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} already exists (state {self._requests[req_id].state})")
         start = _check_int("start", start, 0)
+        if prompt_len is not None and (
+            isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)) or prompt_len < 1
+        ):
+            raise ValueError(f"prompt_len must be an int >= 1 or None, got {prompt_len!r}")
         req = _Request(req_id, start=start)
+        if prompt_len is not None:
+            req.prompt_len = req.sample_at = int(prompt_len)
         self._start_attempt(req, cached_blocks, num_cached_tokens)
         self._requests[req_id] = req
 
     @_locked
     def resume(self, req_id: Hashable, cached_blocks: Sequence[int] = (), num_cached_tokens: int = 0) -> None:
-        """Starts a new attempt of a preempted request (recompute from token 0, or from a prefix hit)."""
+        """Starts a new attempt of a preempted request (recompute from token 0, or from a prefix hit).
+
+        With ``prompt_len`` given, the hit must leave the request's last known token to compute
+        (the forward that samples): ValueError otherwise.
+        """
         req = self._get(req_id, "running", "preempted")
         if req.state != "preempted":
             raise ValueError(f"request {req_id!r} is {req.state}, only a preempted request can resume")
@@ -241,9 +279,17 @@ class RoutingLedger:
             )
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"cached_blocks has duplicates: {blocks}")
+        if req.prompt_len is not None and num_cached_tokens >= req.sample_at:
+            # engines cap a hit at the known tokens - 1 (vLLM: num_tokens - 1, SGLang: input_len - 1)
+            raise ValueError(
+                f"num_cached_tokens={num_cached_tokens} must be < {req.sample_at} (the tokens request "
+                f"{req.req_id!r} knows): the forward of the last one samples, so a prefix hit leaves it "
+                "to compute"
+            )
         self._refs[blocks] += 1
         req.blocks = list(blocks)
         req.cached = req.computed = int(num_cached_tokens)
+        req.sampled = req.prompt_len is None
 
     @_locked
     def append_blocks(self, req_id: Hashable, block_ids: Sequence[int]) -> None:
@@ -275,9 +321,10 @@ class RoutingLedger:
 
         Each request's next ``num_new_tokens`` tokens (after those already computed) must be
         covered by its blocks. Draft tokens of speculative decoding are scheduled like any other
-        (take back the rejected ones with :meth:`reject`). Returns the step's sequence number and
-        a read-only slot mapping; the rows the step produces must be passed to :meth:`land` in this
-        order (or the step given up with :meth:`drop`).
+        (take back the rejected ones with :meth:`reject`). The entry that makes every token the
+        request knows computed is its attempt's first sample (see ``prompt_len``). Returns the
+        step's sequence number and a read-only slot mapping; the rows the step produces must be
+        passed to :meth:`land` in this order (or the step given up with :meth:`drop`).
         """
         bs = self.block_size
         parts = []
@@ -319,6 +366,8 @@ class RoutingLedger:
         self._next_seq += 1
         for req, n in plan:
             req.computed += n
+            if not req.sampled and req.computed >= req.sample_at:
+                req.sampled = True
         self._pending_seq[slots] = seq
         self._pending_row[slots] = np.arange(slots.size, dtype=np.int64)
         self._no_row[slots] = True  # until this step lands
@@ -389,7 +438,8 @@ class RoutingLedger:
         and the step that computes those positions again writes them. ``num_tokens`` may be at
         most the positions scheduled in the current attempt (prefix-hit tokens are not scheduled).
         The blocks stay with the request. Positions a prefix hit of another request shares are not
-        to be rejected (engines cache only blocks of verified tokens).
+        to be rejected (engines cache only blocks of verified tokens), nor positions a sample used
+        (the attempt stays sampled).
         """
         req = self._get(req_id, "running")
         scheduled = req.computed - req.cached
@@ -408,7 +458,8 @@ class RoutingLedger:
 
     @_locked
     def preempt(self, req_id: Hashable) -> None:
-        """Frees a running request's blocks after copying its rows out; :meth:`resume` restarts it."""
+        """Frees a running request's blocks after copying out the rows the policy keeps (none of an
+        attempt that has not sampled yet, under ``"sampling"``); :meth:`resume` restarts it."""
         req = self._get(req_id, "running")
         self._detach(req)
         req.state = "preempted"
@@ -511,21 +562,28 @@ class RoutingLedger:
     def _detach(self, req: _Request) -> None:
         """Pre-free capture: copies the attempt's rows that the policy keeps, then frees its blocks."""
         end = req.computed
+        if req.sampled:
+            # the engine keeps the sampled tokens: the next attempt samples after recomputing these
+            # positions and the token sampled last
+            req.sample_at = max(req.sample_at, end + 1)
         if self.policy == "sampling":
-            # earlier attempts own tokens [0, covered): only the tokens after them are copied
-            lo = max(req.covered, req.start)
-            if end > lo:
-                n = end - req.start
-                if req.result is None:
-                    req.result = self._rows(n)
-                else:  # grow in place: redirects into the same _Rows keep their positions
-                    old = req.result
-                    new = self._rows(n)
-                    new.rows[: old.rows.shape[0]] = old.rows
-                    new.missing[: old.missing.shape[0]] = old.missing
-                    old.rows, old.missing = new.rows, new.missing
-                self._capture(req, req.result, lo, end)
-            req.covered = max(req.covered, end)
+            # an attempt that never sampled contributes nothing (no copy, no redirect): no sampled
+            # token used its forward
+            if req.sampled:
+                # earlier sampling attempts own tokens [0, covered): only the tokens after them are copied
+                lo = max(req.covered, req.start)
+                if end > lo:
+                    n = end - req.start
+                    if req.result is None:
+                        req.result = self._rows(n)
+                    else:  # grow in place: redirects into the same _Rows keep their positions
+                        old = req.result
+                        new = self._rows(n)
+                        new.rows[: old.rows.shape[0]] = old.rows
+                        new.missing[: old.missing.shape[0]] = old.missing
+                        old.rows, old.missing = new.rows, new.missing
+                    self._capture(req, req.result, lo, end)
+                req.covered = max(req.covered, end)
         elif req.result is None or end >= req.covered:
             # a shorter attempt than the kept one is never returned: it is not even copied
             req.result = self._rows(max(end - req.start, 0))
