@@ -86,7 +86,7 @@ def serve_hf(hf: Any, arch: str, args: Any, device: torch.device) -> int:
     with torch.no_grad(), hf.attach_capture(model, capturer):
         live = [[r, list(r.prompt), None, 0] for r in requests]  # request, tokens, cache, computed
         for block, (req, *_rest) in enumerate(live):
-            ledger.add_request(req.req_id)
+            ledger.add_request(req.req_id, prompt_len=len(req.prompt))
             ledger.append_blocks(req.req_id, [block])
         while live:
             for entry in list(live):

@@ -261,7 +261,7 @@ def serve(
                 batch.append((live, len(req.prompt)))
                 budget -= len(req.prompt)
                 if ledger is not None:
-                    ledger.add_request(req.req_id)
+                    ledger.add_request(req.req_id, prompt_len=len(req.prompt))
             token_ids, positions, slot_ids = [], [], []
             for live, n_new in batch:
                 start = live.computed
