@@ -3,6 +3,9 @@
 ``moe_ops.integrations.hf``: Hugging Face transformers - :func:`attach_capture` records the routing
 of a transformers MoE model without editing its code, :func:`attach_replay` makes its routers
 replay recorded ids; tiny real models for tests and the demo.
+
+``moe_ops.integrations.megatron``: Megatron-Core - ``attach_replay`` / ``attach_capture`` for its
+``TopKRouter`` (fused routing and MTP layers included). Not imported here: import it by name.
 """
 
 from .hf import (
