@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_import_loads_no_optional_package_and_registers_no_flashinfer_op():
     code = (
         "import sys, torch, moe_ops\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('flashinfer', 'transformers'))))\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('flashinfer', 'transformers', 'megatron'))))\n"
         "leaves = ('moe_ops.flashinfer', 'moe_ops.integrations')\n"
         "print(sorted(m for m in sys.modules if m.startswith(leaves)))\n"
         "ops = torch._C._dispatch_get_all_op_names()\n"
@@ -26,6 +26,23 @@ def test_import_loads_no_optional_package_and_registers_no_flashinfer_op():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT, timeout=120
     ).stdout.split("\n")
     assert out[:3] == ["[]", "[]", "[]"], out
+
+
+def test_the_megatron_integration_imports_megatron_on_first_use_only():
+    """`moe_ops.integrations.megatron` is a leaf nothing imports; importing it imports no megatron
+    (that waits for attach_*, find_routers or the first hooked call)."""
+    code = (
+        "import sys, moe_ops, moe_ops.integrations\n"
+        "print('moe_ops.integrations.megatron' in sys.modules)\n"
+        "import moe_ops.integrations.megatron as mg\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))\n"
+        "config = type('C', (), dict(num_layers=2, num_moe_experts=8, moe_router_topk=2))\n"
+        "print(mg.routing_shape(config).moe_layers)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT, timeout=120
+    ).stdout.split("\n")
+    assert out[:3] == ["False", "[]", "(0, 1)"], out
 
 
 def test_optional_names_resolve_on_first_use():

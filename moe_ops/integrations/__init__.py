@@ -4,6 +4,9 @@
 of a transformers MoE model without editing its code, :func:`attach_replay` makes its routers
 replay recorded ids; tiny real models for tests and the demo; :func:`generate_with_routing` splits
 a batched ``generate()`` into one routing array per request (``hf_generate``).
+
+``moe_ops.integrations.megatron``: Megatron-Core - ``attach_replay`` / ``attach_capture`` for its
+``TopKRouter`` (fused routing and MTP layers included). Not imported here: import it by name.
 """
 
 from .hf import (
