@@ -30,6 +30,7 @@ import sys
 
 import pytest
 import torch
+from hf_archs import ARCH_PARAMS, AVAILABLE, arch_param
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import hf_batches
@@ -138,11 +139,14 @@ def cached_model(arch: str):
 LAYER_CASES = [(arch, {}) for arch in ARCHS] + [
     ("qwen3_moe", {"mlp_only_layers": [1], "num_hidden_layers": 4}),  # a dense layer in the middle
     ("deepseek_v3", {"first_k_dense_replace": 2, "num_hidden_layers": 4}),
+    ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "dense", "dense", "sparse"], "num_hidden_layers": 4}),
+    ("qwen3_5_moe", {"num_hidden_layers": 4}),  # linear, full, linear, full attention
 ]
 
 
 @pytest.mark.parametrize(
-    ("arch", "overrides"), LAYER_CASES, ids=[f"{a}{'-' if o else ''}{'-'.join(o)}" for a, o in LAYER_CASES]
+    ("arch", "overrides"),
+    [arch_param(a, o, id=f"{a}{'-' if o else ''}{'-'.join(o)}") for a, o in LAYER_CASES],
 )
 def test_eager_ids_equal_the_models_own(arch, overrides):
     model = build_tiny_model(arch, **overrides)
@@ -163,7 +167,7 @@ def test_eager_ids_equal_the_models_own(arch, overrides):
 
 
 @settings(max_examples=40, deadline=None)
-@given(arch=st.sampled_from(ARCHS), case=hf_batches())
+@given(arch=st.sampled_from(AVAILABLE), case=hf_batches())
 def test_counts_select_rows_padding_never_recorded(arch, case):
     """Several sequences flattened to batch * seq rows: only this rank's counted rows are recorded."""
     model = cached_model(arch)
@@ -233,7 +237,7 @@ def check_compiled(arch: str, backend: str, **build_kwargs):
         assert torch.equal(logits, plain_logits), "capture changed the compiled model's output"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_compiled_aot_eager(arch):
     check_compiled(arch, "aot_eager")
 
@@ -378,12 +382,14 @@ def test_bad_capturer_and_layout():
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_tiny_config_is_the_real_config_class(arch):
     spec = SUPPORTED_ARCHITECTURES[arch]
     config = tiny_config(arch, num_hidden_layers=2)
-    assert type(config) is getattr(transformers, spec.config_class)
-    assert config.model_type == arch and config.num_hidden_layers == 2 and config.hidden_size == 64
+    assert type(config) is getattr(transformers, spec.config_class) and config.model_type == arch
+    decoder = config.get_text_config(decoder=True)  # Qwen3.5-MoE's text_config, else config itself
+    assert (decoder is config) == (spec.decoder_config is None)
+    assert decoder.num_hidden_layers == 2 and decoder.hidden_size == 64
     model = build_tiny_model(arch, num_hidden_layers=2)
     assert type(model) is getattr(transformers, spec.model_class) and not model.training
     routers = {type(m).__name__ for m in model.modules()} & set(spec.router_classes)
@@ -410,6 +416,9 @@ def test_normalize_arch_accepts_display_names():
     assert [
         normalize_arch(n) for n in ("Qwen3-MoE", "Mixtral", "OLMoE", "DeepSeek-V3", "GPT-OSS")
     ] == REQUIRED
+    assert (
+        normalize_arch("Qwen3.5-MoE") == "qwen3_5_moe" and normalize_arch("GLM4-MoE-Lite") == "glm4_moe_lite"
+    )
     with pytest.raises(ValueError, match="supported"):
         normalize_arch("llama")
 
@@ -472,7 +481,7 @@ GRAPHABLE = dict(device="cuda", experts_implementation="batched_mm")
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_gpu_eager(arch, dtype):
     """bf16 with transformers' default experts (grouped_mm), fp32 with batched_mm (see GRAPHABLE)."""
     kwargs = dict(device="cuda") if dtype == torch.bfloat16 else GRAPHABLE

@@ -15,6 +15,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from hf_archs import ARCH_PARAMS, REPLAY_PARAMS, arch_param
 from strategies import distinct_rows
 
 from moe_ops import (
@@ -37,6 +38,8 @@ from moe_ops.integrations.hf import (
 )
 from moe_ops.models import ReferenceMoEModel, reference_config
 from moe_ops.replay import check_replay_errors
+from moe_ops.replay.attach import ReplayRule, replay_router_output
+from moe_ops.route.methods import RoutingMethod
 
 try:
     import transformers
@@ -57,18 +60,19 @@ def _transformers_older_than(version: str) -> bool:
 
 ARCHS = list(SUPPORTED_ARCHITECTURES)
 VOCAB = 128  # the tiny models' vocabulary
-# Rules the tiny defaults do not reach: renormalised Qwen3, DeepSeek-V3 without renormalisation,
-# DeepSeek-V2 scaled and group-limited, dots1 renormalised and scaled.
+# Rules the tiny defaults do not reach: renormalised Qwen3, DeepSeek-V3 and GLM-4.7-Flash without
+# renormalisation, DeepSeek-V2 scaled and group-limited, dots1 renormalised and scaled.
 RULE_CASES = [(arch, {}) for arch in ARCHS] + [
     ("qwen3_moe", {"norm_topk_prob": True}),
     ("deepseek_v3", {"norm_topk_prob": False}),
+    ("glm4_moe_lite", {"norm_topk_prob": False}),
     (
         "deepseek_v2",
         {"routed_scaling_factor": 2.0, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
     ),
     ("dots1", {"norm_topk_prob": True, "routed_scaling_factor": 2.5}),
 ]
-RULE_IDS = [f"{a}{'-' if o else ''}{'-'.join(o)}" for a, o in RULE_CASES]
+RULE_PARAMS = [arch_param(a, o, id=f"{a}{'-' if o else ''}{'-'.join(o)}", replay=True) for a, o in RULE_CASES]
 # PhiMoE's sparsemixer weighs an expert by a softmax over the experts within 2 * router_jitter_noise
 # (relative) of the best; at its default 0.01 the window of a tiny random model holds one expert, so
 # the multiplier is 1 and the router gets no gradient, with or without replay. A wider window makes
@@ -169,7 +173,7 @@ def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @needs_hf
-@pytest.mark.parametrize(("arch", "overrides"), RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize(("arch", "overrides"), RULE_PARAMS)
 def test_replaying_the_models_own_ids_reproduces_its_logits(arch, overrides):
     model = build_tiny_model(arch, **overrides)
     x = tokens(2, 5, seed=0)
@@ -201,12 +205,12 @@ def oracle_weights(router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Ten
         type(router).__name__
     ]
     x, ids = logits.double(), ids.long()
-    if arch in ("qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo", "mixtral"):
-        w = x.softmax(-1).gather(1, ids)
+    if arch in ("qwen3_moe", "qwen2_moe", "olmoe", "flex_olmo", "mixtral", "qwen3_5_moe", "qwen3_5_moe_text"):
+        w = x.softmax(-1).gather(1, ids)  # Mixtral and Qwen3.5 have no norm_topk_prob: always renormalised
         return w / w.sum(-1, keepdim=True) if getattr(router, "norm_topk_prob", True) else w
     if arch in ("gpt_oss", "granitemoe"):
         return x.gather(1, ids).softmax(-1)
-    if arch in ("deepseek_v3", "glm4_moe", "dots1"):
+    if arch in ("deepseek_v3", "glm4_moe", "dots1", "glm4_moe_lite"):
         w = x.sigmoid().gather(1, ids)
         w = w / (w.sum(-1, keepdim=True) + 1e-20) if router.norm_topk_prob else w
         return w * router.routed_scaling_factor
@@ -224,7 +228,7 @@ def oracle_weights(router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Ten
 
 
 @needs_hf
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_perturbed_routers_replay_the_recorded_ids(arch):
     model = build_tiny_model(arch)
     required = MIN_REPLAY_TRANSFORMERS_VERSION.get(arch)
@@ -267,7 +271,7 @@ def test_perturbed_routers_replay_the_recorded_ids(arch):
 
 
 @needs_hf
-@pytest.mark.parametrize(("arch", "overrides"), RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize(("arch", "overrides"), RULE_PARAMS)
 def test_gradients_reach_the_router_weights(arch, overrides):
     """With the model's own ids, the router gradients equal the live model's (the weight rule
     differentiates the same function); with another routing they are non-zero in every layer."""
@@ -387,6 +391,31 @@ def test_compiled_training_step_replays_new_batches_without_recompiling(arch):
                     assert_close_scaled(r.weight.grad, ref)
     torch._dynamo.reset()
     assert counters.graph_breaks == 0 and counters.graphs == 1, counters
+
+
+# The rule builders dynamo traces at every call besides those of the compiled training step above
+# (Qwen3-MoE, DeepSeek-V3): a scaled DeepSeek-V2 (a partial over the scale), PhiMoE (its multiplier
+# class looked up in transformers' module), Qwen3.5-MoE (the multimodal model, hybrid attention).
+COMPILED_RULE_CASES = [("deepseek_v2", {"routed_scaling_factor": 2.0}), ("phimoe", {}), ("qwen3_5_moe", {})]
+
+
+@needs_hf
+@pytest.mark.parametrize(
+    ("arch", "overrides"), [arch_param(a, o, id=a, replay=True) for a, o in COMPILED_RULE_CASES]
+)
+def test_each_rule_compiles_in_one_graph_without_breaks(arch, overrides):
+    model = build_tiny_model(arch, **overrides)
+    x = tokens(2, 4, seed=14)
+    replayer = replayer_of(model)
+    rng = np.random.default_rng(13)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with attach_replay(model, replayer), torch.no_grad(), CompileCounters() as counters:
+        for _ in range(2):
+            replayer.set_batch(distinct_rows(rng, 8, replayer.shape, live_fraction=0.25))
+            torch.testing.assert_close(compiled(x).logits, model(x).logits, rtol=0, atol=0)
+    torch._dynamo.reset()
+    assert (counters.graphs, counters.graph_breaks) == (1, 0), counters
 
 
 @needs_hf
@@ -520,6 +549,213 @@ def test_capture_on_top_of_replay_records_the_replayed_ids():
 
 
 @needs_hf
+def test_replay_on_top_of_capture_is_refused_naming_the_order():
+    """attach_replay after attach_capture would wrap the capture: it would record the router's live
+    choice while the experts get the replayed ids. Refused, naming both orders; nothing attached."""
+    model = build_tiny_model("olmoe")
+    x = tokens(1, 6, seed=10)
+    shape = resolve_routing_shape(model.config)
+    replayer = RoutingReplayer(shape, 6, "cpu")
+    recorded = distinct_rows(np.random.default_rng(6), 6, shape)
+    replayer.set_batch(recorded)
+    capturer = RoutingCapturer(shape, 6, "cpu")
+    capture = attach_capture(model, capturer)
+    with pytest.raises(
+        ValueError,
+        match=r"'model\.layers\.0\.mlp\.gate' has a routing capture attached \(attach_capture, then "
+        r"attach_replay\).*attach_replay, then attach_capture",
+    ):
+        attach_replay(model, replayer)
+    capturer.set_step([6])
+    _, live = forward(model, x)
+    assert not torch.equal(live, torch.from_numpy(recorded)), "the recorded ids must not be the live ones"
+    assert torch.equal(capturer.buffer, live.to(torch.int32)), "the capture alone records the live routing"
+    capture.remove()
+    assert not any("forward" in r.__dict__ for r in routers(model)), "the refused replay left a wrapper"
+    # the documented order: the capture records what the experts got
+    capturer.buffer.fill_(-7)
+    with attach_replay(model, replayer), attach_capture(model, capturer):
+        _, received = forward(model, x)
+    assert torch.equal(received, torch.from_numpy(recorded))
+    assert torch.equal(capturer.buffer, received.to(torch.int32))
+
+
+def _path_of(model, module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+@needs_hf
+@pytest.mark.parametrize("arch", REPLAY_PARAMS)
+def test_a_router_top_k_other_than_the_replayers_is_a_value_error(arch):
+    """Before attaching: refused, naming the router, its top_k and the replayer's. After attaching
+    (the router's top_k changed): the wrapper raises the same kind of error at the next call,
+    before anything reaches the experts, rather than a shape error from inside the replay."""
+    model = build_tiny_model(arch)
+    replayer = replayer_of(model)
+    k = replayer.shape.top_k
+    router = routers(model)[-1]
+    path = re.escape(_path_of(model, router))
+    router.top_k = k + 1
+    with pytest.raises(
+        ValueError, match=rf"replayer\.shape\.top_k={k} but the router at '{path}' picks top_k={k + 1}"
+    ):
+        attach_replay(model, replayer)
+    assert not any("forward" in r.__dict__ for r in routers(model))
+    router.top_k = k
+    x = tokens(2, 3, seed=0)
+    replayer.set_batch(distinct_rows(np.random.default_rng(10), 6, replayer.shape))
+    with attach_replay(model, replayer), ExpertsSpy(model) as spy:
+        router.top_k = k + 1
+        if arch == "phimoe":
+            # sparsemixer picks 2 experts whatever top_k says; the rule refuses any other top_k
+            match = rf"sparsemixer routes top-2 only; the router has top_k={k + 1}"
+        else:
+            match = rf"the router at '{path}' picks top_k={k + 1} experts per token but the replayer's rows "
+            match += rf"hold {k} "
+        with pytest.raises(ValueError, match=match), torch.no_grad():
+            model(x)
+        last_layer = replayer.shape.moe_layers[-1]
+        assert last_layer not in spy.calls, "the experts of the changed router were called"
+
+
+@needs_hf
+def test_a_changed_top_k_raises_under_torch_compile_too():
+    """The check compares shapes, which dynamo knows while tracing: the recompile that the changed
+    top_k causes raises the ValueError (outside fullgraph; with fullgraph=True dynamo reports an
+    observed exception whose cause is this error)."""
+    model = build_tiny_model("qwen3_moe", num_hidden_layers=2)
+    replayer = replayer_of(model)
+    replayer.set_batch(distinct_rows(np.random.default_rng(11), 4, replayer.shape))
+    x = tokens(1, 4, seed=0)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    with attach_replay(model, replayer), torch.no_grad():
+        compiled(x)
+        model.model.layers[1].mlp.gate.top_k = 3
+        with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.gate' picks top_k=3 .* hold 2"):
+            compiled(x)
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rule fields changed after attaching
+# ---------------------------------------------------------------------------------------------------
+
+# Every field of a router that its weight rule reads, each changed to a value the tiny model does not
+# have. A change after attach_replay must take effect at the next call (the model's own forward with
+# the new value, on its own ids, is the reference).
+FIELD_CHANGES = [
+    ("qwen3_moe", {"norm_topk_prob": True}),
+    ("qwen2_moe", {"norm_topk_prob": True}),
+    ("olmoe", {"norm_topk_prob": True}),
+    ("flex_olmo", {"norm_topk_prob": True}),
+    ("deepseek_v3", {"norm_topk_prob": False}),
+    ("deepseek_v3", {"routed_scaling_factor": 1.0}),
+    ("deepseek_v3", {"num_group": 2, "topk_group": 1}),
+    ("glm4_moe", {"norm_topk_prob": False}),
+    ("glm4_moe", {"routed_scaling_factor": 2.5}),
+    ("glm4_moe", {"num_group": 2, "topk_group": 1}),
+    ("dots1", {"norm_topk_prob": True}),
+    ("dots1", {"routed_scaling_factor": 2.5}),
+    ("dots1", {"num_group": 2, "topk_group": 1}),
+    ("glm4_moe_lite", {"norm_topk_prob": False}),
+    ("glm4_moe_lite", {"routed_scaling_factor": 1.0}),
+    ("glm4_moe_lite", {"num_group": 2, "topk_group": 1}),
+    ("deepseek_v2", {"routed_scaling_factor": 2.0}),
+    # the best of 4 groups of 2: top-2 differs from greedy's where the second best is in another group
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "num_group": 4, "topk_group": 1}),
+    ("phimoe", {"router_jitter_noise": 0.5}),
+]
+FIELD_PARAMS = [arch_param(a, f, id=f"{a}-{'-'.join(f)}", replay=True) for a, f in FIELD_CHANGES]
+# Router fields no weight rule reads: the module's own (training), its size (num_experts,
+# hidden_dim, in_features, out_features), top_k (its own test above) and PhiMoE's input jitter,
+# which scales the hidden states before the logits in training.
+NOT_RULE_FIELDS = {"training", "num_experts", "hidden_dim", "in_features", "out_features", "top_k"}
+NOT_RULE_FIELDS |= {"input_jitter_noise"}
+
+
+def set_router_fields(model, fields: dict) -> None:
+    for r in routers(model):
+        for name, value in fields.items():
+            assert hasattr(r, name), f"{type(r).__name__} has no {name}"
+            setattr(r, name, value)
+
+
+@needs_hf
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
+def test_field_changes_cover_every_rule_field_of_every_router(arch):
+    """The table above names every scalar field of each router, except those no rule reads: a field
+    transformers adds to a router shows up here."""
+    model = build_tiny_model(arch, num_hidden_layers=2)
+    fields = {
+        name
+        for name, value in vars(routers(model)[0]).items()
+        if not name.startswith("_") and (value is None or isinstance(value, (bool, int, float, str)))
+    }
+    changed = {name for a, f in FIELD_CHANGES if a == arch for name in f}
+    assert fields - NOT_RULE_FIELDS == changed
+
+
+@needs_hf
+@pytest.mark.parametrize(("arch", "fields"), FIELD_PARAMS)
+def test_rule_fields_changed_after_attaching_take_effect(arch, fields):
+    x = tokens(2, 5, seed=12)
+    model = build_tiny_model(arch)
+    before, routed_before = forward(model, x)
+    reference = build_tiny_model(arch)  # the same weights (same seed), the new field values
+    set_router_fields(reference, fields)
+    ref_logits, own = forward(reference, x)
+    assert not torch.equal(ref_logits, before) or not torch.equal(own, routed_before), (
+        "the change does nothing to this model: the test would prove nothing"
+    )
+    replayer = replayer_of(model)
+    with attach_replay(model, replayer):
+        set_router_fields(model, fields)
+        replayer.set_batch(own.numpy())
+        logits, received = forward(model, x)
+    assert torch.equal(received, own)
+    assert_close_scaled(logits, ref_logits)
+    assert check_replay_errors(raise_error=False) == 0
+
+
+@needs_hf
+def test_a_changed_rule_field_recompiles_once_and_never_per_step():
+    """fullgraph torch.compile with replay attached: no graph break; new batches reuse the graph; a
+    changed routed_scaling_factor recompiles once (dynamo guards on it) and the compiled model then
+    equals an eager one built with the new value, replaying the same batches."""
+    model = build_tiny_model("deepseek_v3")
+    reference = build_tiny_model("deepseek_v3")  # the same weights, the new value from the start
+    set_router_fields(reference, {"routed_scaling_factor": 1.0})
+    x = tokens(2, 4, seed=13)
+    replayer, ref_replayer = replayer_of(model), replayer_of(reference)
+    rng = np.random.default_rng(12)
+    batches = [distinct_rows(rng, 8, replayer.shape, live_fraction=0.25) for _ in range(4)]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with attach_replay(model, replayer), attach_replay(reference, ref_replayer), torch.no_grad():
+        with CompileCounters() as first:
+            for batch in batches[:2]:
+                replayer.set_batch(batch)
+                torch.testing.assert_close(compiled(x).logits, model(x).logits, rtol=0, atol=0)
+        old_scale = model(x).logits  # the last batch at the old scale
+        set_router_fields(model, {"routed_scaling_factor": 1.0})
+        with CompileCounters() as changed:
+            for batch in batches[1:]:
+                replayer.set_batch(batch)
+                ref_replayer.set_batch(batch)
+                expected = reference(x).logits
+                assert_close_scaled(compiled(x).logits, expected)
+                if batch is batches[1]:
+                    assert not torch.allclose(expected, old_scale), (
+                        "the scale does nothing: the test proves nothing"
+                    )
+    torch._dynamo.reset()
+    assert (first.graphs, first.graph_breaks) == (1, 0), first
+    assert (changed.graphs, changed.graph_breaks) == (1, 0), changed
+    assert any("routed_scaling_factor" in reason for reason in changed.recompile_reasons), changed
+
+
+@needs_hf
 def test_bad_replayers_raise_and_attach_nothing():
     model = build_tiny_model("deepseek_v3")
     cases = [
@@ -558,6 +794,13 @@ def test_a_reference_replayer_of_another_shape_raises():
         with pytest.raises(ValueError, match=match):
             attach_replay(model, RoutingReplayer(shape, 4, "cpu"))
     assert not any("router" in layer.mlp.__dict__ for layer in model.layers)
+
+
+def test_replay_router_output_refuses_recorded_ids_of_another_shape():
+    logits = torch.randn(4, 8)
+    weights, ids = logits.softmax(-1).topk(3, -1)
+    with pytest.raises(ValueError, match=r"recorded_ids must have live_ids' shape \(4, 3\).*got \(4, 2\)"):
+        replay_router_output(logits, weights, ids, ids[:, :2], ReplayRule(RoutingMethod.DEFAULT))
 
 
 def test_every_supported_architecture_has_a_replay_rule():

@@ -352,7 +352,7 @@ def test_real_transformers_configs(name, kwargs, expected):
 
 @needs_hf
 def test_nested_text_config_of_multimodal_configs():
-    """Llama-4 and Gemma-4 keep the decoder's fields in a nested text_config."""
+    """Llama-4, Gemma-4 and Qwen3.5-MoE keep the decoder's fields in a nested text_config."""
     if not hasattr(transformers, "Llama4Config"):
         pytest.skip(f"transformers {transformers.__version__} has no Llama4Config")
     text = dict(num_hidden_layers=4, num_local_experts=16, num_experts_per_tok=1, interleave_moe_layer_step=2)
@@ -363,6 +363,17 @@ def test_nested_text_config_of_multimodal_configs():
         text = dict(num_hidden_layers=3, enable_moe_block=True, num_experts=128, top_k_experts=8)
         shape = resolve_routing_shape(transformers.Gemma4Config(text_config={**SMALL, **text}))
         assert (shape.moe_layers, shape.num_experts, shape.top_k) == ((0, 1, 2), 128, 8)
+    if hasattr(transformers, "Qwen3_5MoeConfig"):
+        # Qwen3.5-MoE as released is multimodal: the routers are in model.language_model
+        text = dict(num_hidden_layers=4, num_experts=16, num_experts_per_tok=4)
+        config = transformers.Qwen3_5MoeConfig(text_config={**SMALL, **text})
+        shape = resolve_routing_shape(config)
+        assert (shape.moe_layers, shape.num_model_layers, shape.num_experts, shape.top_k) == (
+            (0, 1, 2, 3),
+            4,
+            16,
+            4,
+        )
 
 
 @needs_hf
@@ -426,6 +437,38 @@ DICT_CASES = [
             num_experts_per_tok=6,
         ),
         ((1, 3), 5, 128, 6),
+    ),
+    # a GLM-4.7-Flash style config.json: first_k_dense_replace and an MTP layer, no mlp_layer_types
+    # (transformers builds mlp_layer_types = dense, then sparse, from it)
+    (
+        dict(
+            model_type="glm4_moe_lite",
+            num_hidden_layers=47,
+            first_k_dense_replace=1,
+            n_routed_experts=64,
+            num_experts_per_tok=4,
+            num_nextn_predict_layers=1,
+        ),
+        (tuple(range(1, 47)), 47, 64, 4),
+    ),
+    # a Qwen3.5-MoE style config.json: the decoder in text_config, attention kinds in layer_types
+    # (not MLP kinds: every layer is MoE), an MTP layer, a vision tower with its own depth
+    (
+        dict(
+            model_type="qwen3_5_moe",
+            text_config=dict(
+                num_hidden_layers=8,
+                num_experts=256,
+                num_experts_per_tok=8,
+                layer_types=["linear_attention"] * 3
+                + ["full_attention"]
+                + ["linear_attention"] * 3
+                + ["full_attention"],
+                mtp_num_hidden_layers=1,
+            ),
+            vision_config=dict(depth=27),
+        ),
+        (tuple(range(8)), 8, 256, 8),
     ),
 ]
 

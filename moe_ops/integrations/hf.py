@@ -146,6 +146,11 @@ class HFArchitecture:
     router_classes: tuple[str, ...]
     # config fields of the tiny model on top of _TINY_COMMON (experts, top_k, dense layers, ...)
     tiny: Mapping[str, Any] = field(default_factory=dict)
+    # the sub-config holding the decoder's fields in a multimodal config ("text_config"): the tiny
+    # fields and the overrides go there; None: the config itself
+    decoder_config: str | None = None
+    # fields of the outer config of a nested one (a tiny vision tower, ...); empty otherwise
+    outer: Mapping[str, Any] = field(default_factory=dict)
 
 
 # Sizes every tiny model shares: 3 decoder layers, hidden 64, 4 heads of 16, vocabulary 128. Token
@@ -183,8 +188,36 @@ def _arch(name: str, config_class: str, model_class: str, router: str, **tiny: A
     return HFArchitecture(name, config_class, model_class, (router,), MappingProxyType(tiny))
 
 
+# Qwen3.5-MoE's decoder: hybrid attention (Gated DeltaNet linear attention and full attention, both
+# kinds in 3 layers), a shared expert beside the routed ones, every layer MoE. Partial rotary 0.5 of
+# head 16 gives 4 frequencies, split 2/1/1 over the t/h/w positions as the released 11/11/10 split
+# the 32 of its head 256 at 0.25.
+_TINY_QWEN3_5_MOE: Mapping[str, Any] = MappingProxyType(
+    {
+        "head_dim": 16,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "full_attention_interval": 2,  # layer_types linear, full, linear, ... (any layer count)
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+    }
+)
+
+
 # Every router class here has the same (router_logits, weights, ids) contract and the same class
-# name in transformers 5.17 and 5.24 (checked against both sources).
+# name in transformers 5.17 and 5.24 (checked against both sources; GLM-4.7-Flash's and
+# Qwen3.5-MoE's against 5.13 too, the oldest release this integration takes).
 SUPPORTED_ARCHITECTURES: Mapping[str, HFArchitecture] = MappingProxyType(
     {
         a.name: a
@@ -330,6 +363,52 @@ SUPPORTED_ARCHITECTURES: Mapping[str, HFArchitecture] = MappingProxyType(
                 num_local_experts=8,
                 num_experts_per_tok=2,
             ),
+            # GLM-4.7-Flash: DeepSeek-V3's latent attention and router (sigmoid scores, correction
+            # bias, groups, routed_scaling_factor 1.8); layer 0 dense (mlp_layer_types)
+            _arch(
+                "glm4_moe_lite",
+                "Glm4MoeLiteConfig",
+                "Glm4MoeLiteForCausalLM",
+                "Glm4MoeLiteTopkRouter",
+                **_TINY_MLA,
+                moe_intermediate_size=32,
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                n_group=1,
+                topk_group=1,
+                n_shared_experts=1,
+            ),
+            # Qwen3.5-MoE as released (model_type "qwen3_5_moe"): the multimodal model, its decoder
+            # in text_config, its routers at model.language_model.layers.<i>.mlp.gate; a one-block
+            # vision tower that a text-only input never runs
+            HFArchitecture(
+                "qwen3_5_moe",
+                "Qwen3_5MoeConfig",
+                "Qwen3_5MoeForConditionalGeneration",
+                ("Qwen3_5MoeTopKRouter",),
+                _TINY_QWEN3_5_MOE,
+                decoder_config="text_config",
+                outer=MappingProxyType(
+                    {
+                        "vision_config": {
+                            "depth": 1,
+                            "hidden_size": 32,
+                            "intermediate_size": 32,
+                            "num_heads": 2,
+                            "out_hidden_size": 64,
+                        }
+                    }
+                ),
+            ),
+            # Qwen3.5-MoE's decoder alone: what AutoModelForCausalLM builds from a Qwen3.5-MoE
+            # checkpoint (model_type "qwen3_5_moe_text"), routers at model.layers.<i>.mlp.gate
+            HFArchitecture(
+                "qwen3_5_moe_text",
+                "Qwen3_5MoeTextConfig",
+                "Qwen3_5MoeForCausalLM",
+                ("Qwen3_5MoeTopKRouter",),
+                _TINY_QWEN3_5_MOE,
+            ),
         )
     }
 )
@@ -343,11 +422,12 @@ def normalize_arch(arch: str) -> str:
     """The registry key of ``arch``: transformers' ``model_type``, case and '-' forgiven.
 
     ``"Qwen3-MoE"`` -> ``"qwen3_moe"``, ``"DeepSeek-V3"`` -> ``"deepseek_v3"``, ``"GPT-OSS"`` ->
-    ``"gpt_oss"``. ValueError listing the supported architectures for anything else.
+    ``"gpt_oss"``, ``"Qwen3.5-MoE"`` -> ``"qwen3_5_moe"``. ValueError listing the supported
+    architectures for anything else.
     """
     if not isinstance(arch, str):
         raise TypeError(f"arch must be a str (a transformers model_type), got {type(arch).__name__}")
-    key = arch.strip().lower().replace("-", "_")
+    key = arch.strip().lower().replace("-", "_").replace(".", "_")
     if key not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r}; supported (model_type): {_supported()}")
     return key
@@ -633,38 +713,43 @@ def _softmax_topk_rule(router: nn.Module) -> ReplayRule:
 
 
 def _renormalize_rule(router: nn.Module) -> ReplayRule:
-    """Mixtral (softmax, top-k, renormalised), GPT-OSS and GraniteMoE (softmax over the top-k
-    logits; GPT-OSS's logits include the router's bias)."""
+    """Mixtral and Qwen3.5-MoE (softmax, top-k, renormalised, with no field to turn it off), GPT-OSS
+    and GraniteMoE (softmax over the top-k logits; GPT-OSS's logits include the router's bias)."""
     return ReplayRule(RoutingMethod.RENORMALIZE, description="softmax(x[ids])")
 
 
-def _scaled_sigmoid(router_logits: torch.Tensor, ids: torch.Tensor, *, scale: float) -> torch.Tensor:
-    # DeepSeek-V3's rule without norm_topk_prob, as its router computes it
-    return router_logits.sigmoid().gather(1, ids) * scale
+def _sigmoid_weights(
+    router_logits: torch.Tensor, ids: torch.Tensor, *, norm: bool, scale: float
+) -> torch.Tensor:
+    # the DeepSeek-V3 family's weights, in its router's own order of operations
+    weights = router_logits.sigmoid().gather(1, ids)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale
 
 
 def _sigmoid_bias_rule(router: nn.Module) -> ReplayRule:
-    """DeepSeek-V3, GLM-4-MoE, dots1: sigmoid scores, chosen with ``e_score_correction_bias`` in
-    groups; weights the unbiased scores, divided by their sum + 1e-20 with ``norm_topk_prob``,
-    times ``routed_scaling_factor``. Without ``norm_topk_prob`` no method scales plain sigmoid
-    weights, so that rule is computed here (``_scaled_sigmoid``)."""
-    scale = float(router.routed_scaling_factor)
+    """DeepSeek-V3, GLM-4-MoE, GLM-4.7-Flash, dots1: sigmoid scores, chosen with
+    ``e_score_correction_bias`` in groups; weights the unbiased scores, divided by their sum + 1e-20
+    with ``norm_topk_prob``, times ``routed_scaling_factor``.
+
+    The weights are torch ops (``_sigmoid_weights``), the scale a multiplier of a tensor: under
+    ``torch.compile`` a float field that changed becomes a symbolic float (dynamo's automatic
+    dynamic), which a tensor multiply takes but ``replay_routing``'s float argument would not (its
+    argument check is a graph break on one). ``replay_routing`` still decides the ids (the bias and
+    groups of faulty rows routed live)."""
     groups = dict(n_group=router.num_group, topk_group=router.topk_group if router.num_group else None)
-    if router.norm_topk_prob:
-        return ReplayRule(
-            RoutingMethod.DEEPSEEK_V3,
-            **groups,
-            routed_scaling_factor=scale,
-            bias_attr="e_score_correction_bias",
-            description=f"sigmoid(x)[ids] / (sum + 1e-20) * {scale}",
-        )
+    norm = bool(router.norm_topk_prob)
     return ReplayRule(
         RoutingMethod.DEEPSEEK_V3,
         **groups,
-        routed_scaling_factor=scale,
         bias_attr="e_score_correction_bias",
-        weights_fn=functools.partial(_scaled_sigmoid, scale=scale),
-        description=f"sigmoid(x)[ids] * {scale} (norm_topk_prob=False)",
+        weights_fn=functools.partial(_sigmoid_weights, norm=norm, scale=router.routed_scaling_factor),
+        description=(
+            "sigmoid(x)[ids] / (sum + 1e-20) * routed_scaling_factor"
+            if norm
+            else "sigmoid(x)[ids] * routed_scaling_factor (norm_topk_prob=False)"
+        ),
     )
 
 
@@ -681,13 +766,13 @@ def _deepseek_v2_rule(router: nn.Module) -> ReplayRule:
         raise ValueError(
             f"DeepSeek-V2 topk_method must be 'greedy' or 'group_limited_greedy', got {router.topk_method!r}"
         )
-    scale = float(router.routed_scaling_factor)
+    scale = router.routed_scaling_factor
     if scale == 1.0:
         return ReplayRule(RoutingMethod.DEFAULT, description="softmax(x)[ids]")
     return ReplayRule(
         RoutingMethod.DEFAULT,
         weights_fn=functools.partial(_scaled_softmax, scale=scale),
-        description=f"softmax(x)[ids] * {scale}",
+        description="softmax(x)[ids] * routed_scaling_factor",
     )
 
 
@@ -751,11 +836,12 @@ def _phimoe_rule(router: nn.Module) -> ReplayRule:
         weights_fn=functools.partial(
             _sparsemixer_weights, router=router, multiplier_fn=_phimoe_multiplier(router)
         ),
-        description=f"sparsemixer multipliers (jitter {router.router_jitter_noise})",
+        description="sparsemixer multipliers (router_jitter_noise window)",
     )
 
 
-# The weight rule of every supported architecture, from its router module's own fields.
+# The weight rule of every supported architecture, from its router module's own fields; attach_replay
+# calls it at every router call, so a field changed after attaching takes effect at the next call.
 REPLAY_RULES: Mapping[str, Callable[[nn.Module], ReplayRule]] = MappingProxyType(
     {
         "qwen3_moe": _softmax_topk_rule,
@@ -770,16 +856,24 @@ REPLAY_RULES: Mapping[str, Callable[[nn.Module], ReplayRule]] = MappingProxyType
         "flex_olmo": _softmax_topk_rule,
         "phimoe": _phimoe_rule,
         "granitemoe": _renormalize_rule,
+        "glm4_moe_lite": _sigmoid_bias_rule,
+        "qwen3_5_moe": _renormalize_rule,
+        "qwen3_5_moe_text": _renormalize_rule,
     }
 )
 
 
-def replay_rule(arch: str, router: nn.Module) -> ReplayRule:
-    """The :class:`~moe_ops.replay.attach.ReplayRule` of one router module of ``arch``."""
+def _rule_builder(arch: str) -> Callable[[nn.Module], ReplayRule]:
     builder = REPLAY_RULES.get(normalize_arch(arch))
     if builder is None:  # an architecture added to SUPPORTED_ARCHITECTURES without its rule
         raise ValueError(f"attach_replay has no weight rule for {arch!r}; known: {', '.join(REPLAY_RULES)}")
-    return builder(router)
+    return builder
+
+
+def replay_rule(arch: str, router: nn.Module) -> ReplayRule:
+    """The :class:`~moe_ops.replay.attach.ReplayRule` of one router module of ``arch``, from the
+    router's fields as they are now."""
+    return _rule_builder(arch)(router)
 
 
 def _check_rule(rule: ReplayRule, module: nn.Module, path: str, top_k: int | None) -> None:
@@ -820,14 +914,20 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
     the same tuple (same positions, dtypes, shapes) with its weights and ids replaced by
     :func:`~moe_ops.replay.attach.replay_router_output` of ``replayer.layer_ids(layer, n)``: the
     recorded ids, weighted by the architecture's own rule (``REPLAY_RULES``) from the live logits,
-    so gradients reach the router; rows of -1 keep the router's own output.
+    so gradients reach the router; rows of -1 keep the router's own output. The rule is built from
+    the router's fields at every call, as its bias is read: a field changed after attaching
+    (``norm_topk_prob``, ``routed_scaling_factor``, ...) takes effect at the next call (under
+    ``torch.compile`` dynamo guards on those fields: a change recompiles once).
 
     Everything is checked before any router is touched: ValueError for an unsupported
-    architecture, a model without routers, a replayer shape or device that does not fit the model,
-    a router whose rule ``replay_routing`` would refuse, or a router that already has a replay
-    attached; TypeError for a replayer without ``layer_ids``. Attach before or after
-    ``torch.compile`` (dynamo guards on the wrapped attribute, as for ``attach_capture``); no host
-    reads and no graph breaks are added.
+    architecture, a model without routers, a replayer shape or device that does not fit the model
+    (a router's ``top_k`` other than ``replayer.shape.top_k`` included), a router whose rule
+    ``replay_routing`` would refuse, a router that already has a replay attached, or one that has a
+    capture attached (the capture would record the live ids, not the replayed ones: attach the
+    replay first, then the capture); TypeError for a replayer without ``layer_ids``. At a call,
+    ValueError naming the router when its ``top_k`` no longer matches the replayer's rows (changed
+    after attaching). Attach before or after ``torch.compile`` (dynamo guards on the wrapped
+    attribute, as for ``attach_capture``); no host reads and no graph breaks are added.
     """
     if not callable(getattr(replayer, "layer_ids", None)):
         raise TypeError(
@@ -839,16 +939,21 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
     base = getattr(model, "_orig_mod", model)
     if callable(getattr(base, "replay_routers", None)):
         arch = "reference"
-        targets = list(base.replay_routers())
+        found = list(base.replay_routers())
+        routers = [(layer, path, module) for layer, path, module, _, _ in found]
+        _check_against_shape(replayer, routers, "replayer")
+        _check_device(replayer, routers, "replayer")
+        targets = found
+        per_call = [rule for *_, rule in targets]  # the reference model's rules are fixed
     else:
         arch, routers = find_routers(model, caller="attach_replay")
         _check_replay_version(arch)
-        targets = [
-            (layer, path, module, "forward", replay_rule(arch, module)) for layer, path, module in routers
-        ]
-    routers = [(layer, path, module) for layer, path, module, _, _ in targets]
-    _check_against_shape(replayer, routers, "replayer")
-    _check_device(replayer, routers, "replayer")
+        builder = _rule_builder(arch)
+        # the shape first: a rule refuses some top_k itself (PhiMoE's), with a less useful message
+        _check_against_shape(replayer, routers, "replayer")
+        _check_device(replayer, routers, "replayer")
+        targets = [(layer, path, module, "forward", builder(module)) for layer, path, module in routers]
+        per_call = [builder] * len(targets)  # the router's fields, read at every call
     shape = getattr(replayer, "shape", None)
     top_k, num_experts = getattr(shape, "top_k", None), getattr(shape, "num_experts", None)
     for _, path, module, attr, rule in targets:
@@ -863,10 +968,20 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
             raise ValueError(
                 f"the router at {path!r} already has a routing replay attached: remove() that handle first"
             )
+        if getattr(module.__dict__.get(attr), _MARK, False):
+            # the capture would wrap the router below the replay and record its live choice
+            raise ValueError(
+                f"the router at {path!r} has a routing capture attached (attach_capture, then "
+                "attach_replay): the capture would record the router's live ids, not the replayed ids "
+                "the experts get. Attach in the other order: remove() the capture handle, attach_replay, "
+                "then attach_capture on top"
+            )
     wrapped = []
-    for layer, _, module, attr, rule in targets:
+    for (layer, path, module, attr, _), rule in zip(targets, per_call):
         previous = module.__dict__.get(attr)
-        wrapper = replaying_forward(getattr(module, attr), replayer, layer, rule, module, backend=backend)
+        wrapper = replaying_forward(
+            getattr(module, attr), replayer, layer, rule, module, backend=backend, path=path
+        )
         setattr(module, attr, wrapper)
         wrapped.append((module, attr, previous, wrapper))
     return ReplayHandle(
@@ -895,21 +1010,38 @@ def _transformers():
 def _class(transformers, name: str, arch: str):
     cls = getattr(transformers, name, None)
     if cls is None:
-        raise ImportError(f"transformers {transformers.__version__} has no {name} (needed for {arch})")
+        raise ImportError(
+            f"transformers {transformers.__version__} has no {name} (needed for {arch}; every supported "
+            f"architecture is in transformers>={MIN_TRANSFORMERS_VERSION})"
+        )
     return cls
+
+
+# Overrides of a nested (multimodal) config that belong to the outer config: transformers applies
+# them to every sub-config from there.
+_OUTER_OVERRIDES = frozenset({"experts_implementation", "attn_implementation"})
 
 
 def tiny_config(arch: str, **overrides: Any):
     """The real transformers config of ``arch`` with tiny sizes; ``overrides`` replace any field.
 
     Tiny: 3 decoder layers, hidden 64, 4 heads, vocabulary 128, 8 experts top-2 (DeepSeek-V3: 16
-    experts in 4 groups, top-4); DeepSeek-V2/V3, GLM-4-MoE and dots1 keep their first layer dense.
-    ``arch`` is a key of ``SUPPORTED_ARCHITECTURES`` (see :func:`normalize_arch`).
+    experts in 4 groups, top-4); DeepSeek-V2/V3, GLM-4-MoE, GLM-4.7-Flash and dots1 keep their first
+    layer dense. ``arch`` is a key of ``SUPPORTED_ARCHITECTURES`` (see :func:`normalize_arch`). For
+    a multimodal config (``HFArchitecture.decoder_config``, Qwen3.5-MoE) the tiny sizes and the
+    overrides go to its decoder's sub-config, except ``experts_implementation``,
+    ``attn_implementation`` and the outer config's own sub-configs, which stay outside.
     """
     spec = SUPPORTED_ARCHITECTURES[normalize_arch(arch)]
     transformers = _transformers()
     config_cls = _class(transformers, spec.config_class, spec.name)
-    return config_cls(**{**_TINY_COMMON, **spec.tiny, **overrides})
+    decoder = {**_TINY_COMMON, **spec.tiny}
+    if spec.decoder_config is None:
+        return config_cls(**{**decoder, **overrides})
+    outside = _OUTER_OVERRIDES | set(spec.outer) | {spec.decoder_config}
+    outer = {k: v for k, v in overrides.items() if k in outside}
+    decoder.update((k, v) for k, v in overrides.items() if k not in outside)
+    return config_cls(**{**spec.outer, spec.decoder_config: decoder, **outer})
 
 
 def build_tiny_model(

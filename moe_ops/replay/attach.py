@@ -84,7 +84,14 @@ def replay_router_output(
     A row of -1 takes the router's own output rather than ``replay_routing``'s live routing, so a
     batch of -1 rows runs exactly as the model without replay (bit for bit), whatever the
     architecture's selection (DeepSeek-V2's group-limited greedy, PhiMoE's sparsemixer, ties).
+
+    ValueError (shapes only, host values) when ``recorded_ids`` is not ``live_ids``' shape.
     """
+    if tuple(recorded_ids.shape) != tuple(live_ids.shape):
+        raise ValueError(
+            f"recorded_ids must have live_ids' shape {tuple(live_ids.shape)} (n, top_k), got "
+            f"{tuple(recorded_ids.shape)}"
+        )
     x = router_logits if router_logits.dtype in LOGIT_DTYPES else router_logits.to(torch.float32)
     live_row = (recorded_ids == -1).all(dim=-1, keepdim=True)
     ids_in = torch.where(live_row, live_ids.to(torch.int32), recorded_ids.to(torch.int32))
@@ -139,32 +146,62 @@ def replaying_forward(
     original: Callable,
     replayer: Any,
     layer: int,
-    rule: ReplayRule,
+    rule: ReplayRule | Callable[[nn.Module], ReplayRule],
     module: nn.Module,
     *,
     backend: str = "auto",
+    path: str | None = None,
 ) -> Callable:
     """``original`` (a router returning ``(router_logits, weights, ids)``) with its weights and ids
     replaced by the replayed ones of ``replayer.layer_ids(layer, n)``; same tuple, dtypes, shapes.
 
+    Args:
+        original: the router's forward (``module.forward``, or a method of ``module``).
+        replayer: where the ids come from: ``layer_ids(layer, n)`` returning ``(n, top_k)`` ids.
+        layer: the model layer index handed to ``replayer.layer_ids``.
+        rule: the router's :class:`ReplayRule`, or a function of ``module`` returning it, called
+            at every call (after the router, as the bias is read): a rule field changed after
+            attaching (``norm_topk_prob``, ``routed_scaling_factor``, ...) takes effect at the next
+            call. Its ``capture_kwarg`` is the one of the rule it returns now, when wrapping.
+        module: the router module (its bias, and the argument of a ``rule`` function).
+        backend: ``replay_routing``'s backend.
+        path: the router's module path, for error messages.
+
+    Per call, ValueError when the router's ids per token differ from the replayer's (a ``top_k``
+    changed after attaching): shapes are host values, so the check reads nothing from the device.
+
     Plain Python around registered ops: dynamo inlines it (no graph break), CUDA graphs record it.
+    Under ``torch.compile`` the rule's fields are Python attributes of the module, which dynamo
+    guards on: a changed field recompiles once, an unchanged one costs nothing per step.
     """
     from ..capture.op import capture_into
 
+    where = f"the router at {path!r}" if path is not None else f"the router of layer {layer}"
+    # the router's signature: fixed when wrapping, whatever its fields do later
+    capture_kwarg = (rule if isinstance(rule, ReplayRule) else rule(module)).capture_kwarg
+
     def forward(*args, **kwargs):
-        capture = kwargs.pop(rule.capture_kwarg, None) if rule.capture_kwarg is not None else None
+        capture = kwargs.pop(capture_kwarg, None) if capture_kwarg is not None else None
         output = original(*args, **kwargs)
         logits_at, weights_at, ids_at = _router_positions(output)
         live_ids = output[ids_at]
         n = live_ids.shape[0]
+        recorded = replayer.layer_ids(layer, n)
+        if recorded.shape[-1] != live_ids.shape[-1]:
+            raise ValueError(
+                f"{where} picks top_k={live_ids.shape[-1]} experts per token but the replayer's rows "
+                f"hold {recorded.shape[-1]} (replayer.shape.top_k): was the router's top_k changed after "
+                "attach_replay? Set it back, or replay with a replayer of that top_k"
+            )
+        current = rule if isinstance(rule, ReplayRule) else rule(module)
         logits = output[logits_at]
-        bias = getattr(module, rule.bias_attr) if rule.bias_attr is not None else None
+        bias = getattr(module, current.bias_attr) if current.bias_attr is not None else None
         weights, ids = replay_router_output(
             logits.reshape(n, logits.shape[-1]),
             output[weights_at],
             live_ids,
-            replayer.layer_ids(layer, n),
-            rule,
+            recorded,
+            current,
             bias=bias,
             backend=backend,
         )
@@ -188,7 +225,8 @@ class ReplayHandle:
     layers: tuple[int, ...]
     # module path of each wrapped router, same order as layers
     paths: tuple[str, ...]
-    # the weight rule of each wrapped router, same order as layers
+    # the weight rule of each wrapped router when attached, same order as layers (each call
+    # re-reads the router's fields: moe_ops.integrations.hf.replay_rule gives the current one)
     rules: tuple[ReplayRule, ...]
     # (router, wrapped attribute, what its instance __dict__ held or None, our wrapper); empty once removed
     _wrapped: list[tuple[nn.Module, str, Callable | None, Callable]] = field(repr=False, default_factory=list)
