@@ -1,7 +1,8 @@
-"""generate_with_routing: a batched, left-padded, sampled transformers generate() split into one
-routing array per request, against each request's routing computed on its own (an unpadded,
-uncached forward of its tokens, recorded by a forward pre-hook on transformers' own router
-modules: nothing of the library's capture path)."""
+"""What the RL loop needs around the replay on a transformers model: generate_with_routing (a
+batched, left-padded, sampled generate() split into one routing array per request, against each
+request's routing computed on its own: an unpadded, uncached forward of its tokens, read by plain
+forward hooks on transformers' own router modules) and the live ids of a replayed forward
+(RoutingReplayer(record_live=True))."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import moe_ops
 from moe_ops import RoutingReplayer, replay_batch
 
 transformers = pytest.importorskip("transformers")
@@ -90,3 +92,42 @@ def test_refused_generation_modes():
         generate_with_routing(model, ids, attention_mask=right, max_new_tokens=2)
     with pytest.raises(ValueError, match="input_ids must be a"):
         generate_with_routing(model, ids[0], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_a_replayed_forward_records_what_each_router_chose_live(arch):
+    """record_live: the live ids of a replayed forward, without a second forward. The oracle runs
+    each router's own class forward on the hidden states it received in the replayed forward (a
+    forward pre-hook), independent of the wrapper."""
+    model = hf.build_tiny_model(arch)
+    shape = moe_ops.resolve_routing_shape(model.config)
+    _, routers = hf.find_routers(model)
+    n = 7
+    rng = np.random.default_rng(4)
+    routing = np.stack(
+        [
+            np.stack([rng.permutation(shape.num_experts)[: shape.top_k] for _ in range(shape.num_layers)])
+            for _ in range(n)
+        ]
+    )
+    replayer = RoutingReplayer(shape, n, "cpu", record_live=True)
+    inputs = {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda mod, args, layer=layer: inputs.__setitem__(layer, args[0].detach())
+        )
+        for layer, _, module in routers
+    ]
+    with torch.no_grad(), hf.attach_replay(model, replayer):
+        replayer.set_batch(routing)
+        model(torch.randint(3, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)))
+    for h in hooks:
+        h.remove()
+    for column, (layer, _, module) in enumerate(routers):
+        with torch.no_grad():
+            output = type(module).forward(module, inputs[layer])
+        own = next(t for t in output if not t.dtype.is_floating_point)
+        assert torch.equal(replayer.live_buffer[:n, column], own.reshape(n, -1).to(torch.int32))
+    m = moe_ops.routing_mismatch(replayer.buffer[:n], replayer.live_buffer[:n])
+    assert float(m.changed.min()) > 0  # random records: the live routers chose otherwise
+    assert RoutingReplayer(shape, n, "cpu").live_buffer is None  # off by default

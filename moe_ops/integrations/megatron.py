@@ -418,6 +418,8 @@ class _ReplayHook(_Hook):
         rule = _call_rule(arguments, logits.dtype)
         bias = arguments["expert_bias"] if rule.method in BIAS_METHODS else None
         live_ids = routing_ids(routing_map, top_k)
+        if getattr(self.replayer, "record_live", False):
+            self.replayer.write_live(self.index, live_ids, kind=self.kind)
         weights, ids = replay_router_output(
             logits,
             probs.gather(1, live_ids),

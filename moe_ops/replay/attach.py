@@ -169,6 +169,8 @@ def replaying_forward(
 
     Per call, ValueError when the router's ids per token differ from the replayer's (a ``top_k``
     changed after attaching): shapes are host values, so the check reads nothing from the device.
+    With a replayer that records live ids (``RoutingReplayer(record_live=True)``) the router's own
+    choice is written to its ``live_buffer`` too.
 
     Plain Python around registered ops: dynamo inlines it (no graph break), CUDA graphs record it.
     Under ``torch.compile`` the rule's fields are Python attributes of the module, which dynamo
@@ -207,6 +209,8 @@ def replaying_forward(
         )
         if capture is not None:
             capture_into(capture, ids)
+        if getattr(replayer, "record_live", False):
+            replayer.write_live(layer, live_ids)  # what the router chose itself, for routing_mismatch
         replayed = list(output)
         replayed[weights_at], replayed[ids_at] = weights, ids
         return tuple(replayed) if isinstance(output, tuple) else replayed
