@@ -330,7 +330,9 @@ if HAS_TRITON:
             if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
                 w = s * scale / (total + _SUM_EPSILON)
             elif METHOD == _SIGMOID_RENORM:
-                w = s / tl.maximum(total, _SUM_EPSILON)
+                # NaN-propagating max, as torch.clamp: the default drops a NaN sum, and a NaN
+                # logit's row would get 1e-20 as its denominator (finite weights up to 1e20)
+                w = s / tl.maximum(total, _SUM_EPSILON, propagate_nan=tl.PropagateNan.ALL)
             else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
                 w = s
         return w
@@ -563,9 +565,11 @@ if HAS_TRITON:
         if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
             denom = total + _SUM_EPSILON
         elif METHOD == _SIGMOID_RENORM:
-            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it
+            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it (a NaN sum
+            # takes 0 there, as in the twin's torch.where)
             dot = tl.where(total >= _SUM_EPSILON, dot, 0.0)
-            denom = tl.maximum(total, _SUM_EPSILON)
+            # NaN-propagating max, as torch.clamp: the default drops a NaN sum (then 1e-20 divides)
+            denom = tl.maximum(total, _SUM_EPSILON, propagate_nan=tl.PropagateNan.ALL)
 
         # Pass 2: each column's value added where its expert sits (ids are distinct: no collisions;
         # -1 past top_k and on masked rows hits nothing), then one store of the whole row (a zero

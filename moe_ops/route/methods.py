@@ -9,7 +9,8 @@ an id means the same method in every backend. Selection and weights, per method 
     1      RENORMALIZE        x                     softmax(x[sel])
     2      DEEPSEEK_V3        s + bias, in groups   s * scale / (sum s + 1e-20)
     3      LLAMA4             x, top_k = 1          s
-    4      RENORMALIZE_NAIVE  x (softmax order)     p[sel] / sum p[sel], p = softmax(x)
+    4      RENORMALIZE_NAIVE  x (softmax order)     p[sel] / sum p[sel], p = softmax(x) (computed as
+                                                  its equal softmax(x[sel]) by the kernels and twins)
     5      TOPK               x                     x
     6      SIGMOID_RENORM     x (sigmoid order)     s / max(sum s, 1e-20)
     7      MINIMAX2           s + bias              s * scale / (sum s + 1e-20)
