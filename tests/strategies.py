@@ -356,6 +356,8 @@ MODEL_ROUTERS = (
 del M
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# replay_routing also takes float64 logits (computed in float64)
+REPLAY_LOGIT_DTYPES = (*LOGIT_DTYPES, torch.float64)
 
 
 @st.composite
@@ -1455,17 +1457,19 @@ class BackwardCase:
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router_logits (n, E), recorded ids (n, k) int32 - distinct experts per row, not the
-        top-k, grad_weights (n, k) float32), on the CPU, in the case's layouts."""
+        top-k, grad_weights (n, k) float32, float64 for float64 logits), on the CPU, in the case's
+        layouts."""
         cfg = self.router.config
         logits, _ = self.router.tensors("cpu")
         rng = np.random.default_rng(self.router.seed + 1)
         n, e, k = self.router.n, cfg.num_experts, cfg.top_k
         rows = np.stack([rng.permutation(e)[:k] for _ in range(n)]) if n else np.zeros((0, k))
         ids = torch.from_numpy(rows.astype(np.int32))
+        wdtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         if self.grad_layout == "expanded":
-            grad = torch.full((n, k), float(rng.standard_normal()), dtype=torch.float32)
+            grad = torch.full((n, k), float(rng.standard_normal()), dtype=wdtype)
         else:
-            grad = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
+            grad = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)).to(wdtype)
         return strided_rows(logits, self.logits_layout), ids, strided_rows(grad, self.grad_layout)
 
 
@@ -1473,7 +1477,14 @@ class BackwardCase:
 def backward_cases(draw, max_tokens: int = 12, max_experts: int = 70, max_top_k: int = 8):
     """A :class:`BackwardCase` of any method (small: the kernel runs interpreted on CPU)."""
     config = draw(router_configs(max_experts=max_experts, max_top_k=max_top_k))
-    router = draw(router_cases(configs=st.just(config), max_tokens=max_tokens, kinds=("normal", "ties")))
+    router = draw(
+        router_cases(
+            configs=st.just(config),
+            max_tokens=max_tokens,
+            dtypes=REPLAY_LOGIT_DTYPES,
+            kinds=("normal", "ties"),
+        )
+    )
     return BackwardCase(
         router=router,
         logits_layout=draw(st.sampled_from(BACKWARD_ROW_LAYOUTS)),
@@ -1503,7 +1514,11 @@ class ForwardCase:
 def forward_cases(draw, max_tokens: int = 12):
     """A :class:`ForwardCase` of any method (small: the kernel runs interpreted on CPU)."""
     return ForwardCase(
-        recorded=draw(recorded_cases(max_tokens=max_tokens, kinds=("normal", "ties", "special"))),
+        recorded=draw(
+            recorded_cases(
+                max_tokens=max_tokens, dtypes=REPLAY_LOGIT_DTYPES, kinds=("normal", "ties", "special")
+            )
+        ),
         logits_layout=draw(st.sampled_from(BACKWARD_ROW_LAYOUTS)),
         ids_layout=draw(st.sampled_from(BACKWARD_ROW_LAYOUTS)),
         out_layout=draw(st.sampled_from(BACKWARD_ROW_LAYOUTS)),
