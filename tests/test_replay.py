@@ -22,7 +22,6 @@ from moe_ops._triton import triton_runs_on
 from moe_ops.replay import ReplayFaultError, check_replay_errors, replay_fault_counter
 from moe_ops.replay import op as replay_op
 from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, replay_weights
-from moe_ops.replay.op import ReplayRoutingFunction
 from moe_ops.route.methods import BIAS_METHODS
 from moe_ops.route.reference import route_reference
 
@@ -259,15 +258,32 @@ def test_fault_counter_and_twin_are_thread_safe(monkeypatch):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _method_config(method: RoutingMethod):
-    """(top_k, bias, n_group, topk_group, scale) of a 16-expert router of ``method``."""
+def _method_config(method: RoutingMethod, e: int = 16):
+    """(top_k, bias, n_group, topk_group, scale) of an ``e``-expert router of ``method`` (DeepSeek-V3:
+    4 groups, keep 2, a float64 bias and a scale float32 cannot hold; MINIMAX2: a float32 bias)."""
     if method == RoutingMethod.LLAMA4:
         return 1, None, 1, 1, 1.0
     if method == RoutingMethod.DEEPSEEK_V3:
-        return 4, torch.linspace(-0.2, 0.2, 16, dtype=torch.float64), 4, 2, 2.5
+        return 4 if e > 8 else 3, torch.linspace(-0.2, 0.2, e, dtype=torch.float64), 4, 2, 2.827
     if method == RoutingMethod.MINIMAX2:
-        return 4, torch.linspace(0.2, -0.2, 16, dtype=torch.float64), 1, 1, 1.5
-    return 4, None, 1, 1, 1.0
+        return 4 if e > 8 else 3, torch.linspace(0.2, -0.2, e), 1, 1, 1.5
+    return 4 if e > 8 else 3, None, 1, 1, 1.0
+
+
+def _kwargs(method: RoutingMethod, bias, n_group: int, topk_group: int, scale: float) -> dict:
+    """replay_routing's keyword arguments for a config of :func:`_method_config`."""
+    if method not in BIAS_METHODS:
+        return {}
+    groups = dict(n_group=n_group, topk_group=topk_group) if n_group > 1 else {}
+    return dict(bias=bias, routed_scaling_factor=scale, **groups)
+
+
+def _separated_logits(n: int, e: int, seed: int, device="cpu") -> torch.Tensor:
+    """(n, e) float64 logits whose values in a row lie >= 0.39 apart: a finite difference of 1e-6
+    never changes a live row's choice (or DeepSeek-V3's groups)."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.stack([torch.randperm(e, generator=g) for _ in range(n)]).double() * 0.4 - 0.2 * e
+    return (spread + torch.rand(n, e, generator=g, dtype=torch.float64) * 0.01).to(device)
 
 
 def _mixed_record(k: int, e: int, n: int, seed: int) -> torch.Tensor:
@@ -279,20 +295,71 @@ def _mixed_record(k: int, e: int, n: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(rows)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("method", METHODS)
-def test_gradcheck_float64_every_method(method):
-    """The twin's analytic backward against finite differences, on recorded, live and faulty rows."""
-    top_k, bias, n_group, topk_group, scale = _method_config(method)
-    x = torch.randn(6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(int(method)))
-    x.requires_grad_()
-    recorded = _mixed_record(top_k, 16, 6, int(method))
+def test_gradcheck_of_public_replay_routing_float64(method, backend):
+    """torch.autograd.gradcheck of the public replay_routing on float64 logits (a user's check, and
+    Megatron's moe_router_dtype="fp64"), every method with its bias, groups and scale: recorded rows
+    (distinct experts, not the top-k), a -1 row and a faulty row (both routed live), on the twins
+    and on the Triton kernels (interpreted here: 3 x 8 logits)."""
+    backend, device = backend
+    _skip_unavailable(backend, device)
+    e = 8
+    top_k, bias, n_group, topk_group, scale = _method_config(method, e)
+    kw = _kwargs(method, None if bias is None else bias.to(device), n_group, topk_group, scale)
+    x = _separated_logits(3, e, int(method), device).requires_grad_()
+    recorded = _mixed_record(top_k, e, 4, int(method))[:3].to(device)  # rows: recorded, -1, recorded
+    recorded[2, 0] = e + 2  # faulty
+    check_replay_errors(x.device, raise_error=False)
 
     def weights(logits):
-        args = (recorded, bias, int(method), n_group, topk_group, scale, False, torch.float64)
-        return ReplayRoutingFunction.apply(logits, *args)[0]
+        return replay_routing(logits, recorded, method, backend=backend, **kw)[0]
 
+    w = weights(x)
+    assert w.dtype == torch.float64 and w.requires_grad
     assert torch.autograd.gradcheck(weights, (x,), eps=1e-6, atol=1e-8, rtol=1e-6)
-    check_replay_errors(raise_error=False)
+    assert check_replay_errors(x.device, raise_error=False) > 0  # the faulty row was counted
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("config", MODELS)
+def test_float64_logits_replay_in_float64(backend, config):
+    """float64 logits: float64 weights (the float64 rule at the ids, to 1e-12) and gradients; live
+    and faulty rows take the float64 reference router's ids exactly; the Triton kernels equal the
+    twins (ids exactly, weights and gradients to 1e-12)."""
+    backend, device = backend
+    _skip_unavailable(backend, device)
+    n = 5
+    x64 = _separated_logits(n, config.num_experts, 21, device)
+    bias = None
+    if config.has_bias:
+        bias = torch.linspace(-0.3, 0.3, config.num_experts, dtype=torch.float64, device=device)
+    kw = config.route_kwargs(bias)
+    recorded = _mixed_record(config.top_k, config.num_experts, n, 8).to(device)  # row 1: -1, row 3: faulty
+    g = torch.randn(n, config.top_k, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(
+        device
+    )
+    out = {}
+    check_replay_errors(x64.device, raise_error=False)
+    for b in dict.fromkeys((backend, "torch")):
+        x = x64.clone().requires_grad_()
+        w, ids = replay_routing(x, recorded, config.method, backend=b, **kw)
+        (grad,) = torch.autograd.grad(w, x, g)
+        out[b] = w.detach(), ids, grad
+        assert check_replay_errors(x64.device, raise_error=False) == 1, b
+    w, ids, grad = out[backend]
+    assert w.dtype == grad.dtype == torch.float64 and ids.dtype == torch.int32
+    n_group, topk_group = config.groups
+    ref_ids = route_reference(x64, config.top_k, config.method, bias, n_group, topk_group, _scale(config))[1]
+    live = torch.tensor([False, True, False, True, False], device=device)
+    assert torch.equal(ids[live].long(), ref_ids[live]), "live rows: not the float64 router's ids"
+    assert torch.equal(ids[~live].long(), recorded[~live].long())
+    want = replay_weights(x64, ids.long(), config.method, _scale(config))
+    torch.testing.assert_close(w, want, rtol=1e-12, atol=1e-15)
+    ref_w, ref_ids, ref_grad = out["torch"]
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -304,8 +371,7 @@ def test_live_rows_get_the_live_routers_gradient(method):
     g = torch.randn(9, top_k, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     recorded = torch.full((9, top_k), -1)
     mine = x.clone().requires_grad_()
-    args = (recorded, bias, int(method), n_group, topk_group, scale, False, torch.float64)
-    w, ids = ReplayRoutingFunction.apply(mine, *args)
+    w, ids = replay_routing(mine, recorded, method, **_kwargs(method, bias, n_group, topk_group, scale))
     (w * g).sum().backward()
 
     ref = x.clone().requires_grad_()
@@ -452,7 +518,16 @@ BAD = [
         ValueError,
         "LLAMA4 routing picks one expert.*recorded_ids must have 1 col",
     ),
-    (dict(router_logits=torch.randn(6, 16).double()), ValueError, "float32, bfloat16 or float16"),
+    (
+        dict(router_logits=torch.randn(6, 16).to(torch.int32)),
+        ValueError,
+        "router_logits must be float32, bfloat16, float16 or float64, got torch.int32",
+    ),
+    (
+        dict(DS, bias=torch.zeros(16, dtype=torch.int8)),
+        ValueError,
+        "bias must be float32, bfloat16, float16 or",
+    ),
     (dict(router_logits=torch.randn(2, 3, 16)), ValueError, "router_logits must be 2-D"),
     (dict(router_logits="logits"), TypeError, "router_logits must be a torch.Tensor"),
     (dict(method=11), ValueError, "method must be a RoutingMethod"),

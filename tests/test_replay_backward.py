@@ -11,7 +11,8 @@ oracle is float64 autograd through ``replay_weights`` (the rule the forward eval
 gradients: 1e-5 relative + 1e-6 absolute (float32 rounding of sigmoid/softmax terms of size <= 4);
 bf16/fp16 gradients: one rounding of the float32 value, one ulp (2**-7 / 2**-10 relative) + 1e-5.
 Against the PyTorch twin (float32 too, another operation order): 1e-5 relative + 1e-6 absolute
-before the final rounding, i.e. the same one-ulp bound for bf16/fp16.
+before the final rounding, i.e. the same one-ulp bound for bf16/fp16. float64 logits: the kernel
+computes in float64 from the float64 weights; 1e-12 relative + 1e-14 absolute.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from moe_ops.replay.kernels import (
     replay_weights,
 )
 
-# one rounding of the float32 result (relative), and the absolute floor near zero
-ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
-ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-5, torch.float16: 1e-5}
+# one rounding of the float32 result (relative), and the absolute floor near zero; float64 logits
+# are computed in float64
+ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float64: 0.0}
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5, torch.float64: 1e-12}
+ATOL = {torch.float32: 1e-6, torch.bfloat16: 1e-5, torch.float16: 1e-5, torch.float64: 1e-14}
 
 
 def _scale(config) -> float:
@@ -58,7 +61,7 @@ def run_backward(case: BackwardCase):
     logits, recorded, grad = case.tensors()
     _, bias = case.router.tensors("cpu")
     n, k = recorded.shape
-    weights = torch.full((n, k), float("nan"), dtype=torch.float32)
+    weights = torch.full((n, k), float("nan"), dtype=grad.dtype)  # the compute dtype
     ids = torch.full((n, k), -7, dtype=torch.int32)
     errors = torch.zeros(2, dtype=torch.int32)
     n_group, topk_group = cfg.groups
@@ -85,13 +88,14 @@ def test_backward_kernel_matches_reference_autograd(case):
     # ref: float64 autograd through the weight rule at the replayed ids
     x64 = logits.double().requires_grad_()
     ref_w = replay_weights(x64, ids.long(), cfg.method, _scale(cfg))
-    torch.testing.assert_close(weights.double(), ref_w.detach(), rtol=1e-5, atol=1e-7)
+    rtol, atol = RTOL[logits.dtype], ATOL[logits.dtype]
+    torch.testing.assert_close(weights.double(), ref_w.detach(), rtol=rtol, atol=min(atol, 1e-7))
     (ref,) = torch.autograd.grad(ref_w, x64, grad.double())
     ulp = ULP[logits.dtype]
-    torch.testing.assert_close(tri.double(), ref, rtol=1e-5 + ulp, atol=ATOL[logits.dtype])
+    torch.testing.assert_close(tri.double(), ref, rtol=rtol + ulp, atol=atol)
 
     # the twin, same inputs, same poisoned buffer layout
     twin = _poisoned(logits, case.out_layout)
     replay_backward_torch(grad, logits, weights, ids, twin, int(cfg.method), _scale(cfg))
     _check_written(twin, "twin grad_logits")
-    torch.testing.assert_close(tri.double(), twin.double(), rtol=1e-5 + ulp, atol=ATOL[logits.dtype])
+    torch.testing.assert_close(tri.double(), twin.double(), rtol=rtol + ulp, atol=atol)

@@ -52,7 +52,8 @@ BAD = [
     (
         dict(router_logits=torch.randn(6, 16).double()),
         ValueError,
-        "float32, bfloat16 or float16, got torch.float64",
+        r"float32, bfloat16 or float16, got torch.float64 \(the router computes in float32; "
+        r"replay_routing takes float64 logits\)",
     ),
     (dict(router_logits=torch.randn(6, 0)), ValueError, "at least one expert"),
     (dict(router_logits=[[1.0]]), TypeError, "router_logits must be a torch.Tensor"),
@@ -84,6 +85,11 @@ BAD = [
         dict(DS, bias=torch.zeros(16, dtype=torch.int32)),
         ValueError,
         "bias must be float32, bfloat16 or float16",
+    ),
+    (
+        dict(DS, bias=torch.zeros(16, dtype=torch.float64)),
+        ValueError,
+        "bias must be float32, bfloat16 or float16, got",
     ),
     (
         dict(bias=torch.zeros(16)),

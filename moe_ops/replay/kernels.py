@@ -5,7 +5,10 @@ Two implementations of each destination-passing contract, side by side:
 * :func:`replay_rows_triton` / :func:`replay_backward_triton` - Triton kernels (CUDA; CPU tensors
   under ``TRITON_INTERPRET=1``);
 * :func:`replay_rows_torch` / :func:`replay_backward_torch` - their PyTorch twins, the CPU path and
-  the test oracle (they run in the dtype of ``weights``: float32, or float64 for gradcheck).
+  the test oracle.
+
+Both compute in the dtype of ``weights``: float32 (bf16/fp16 logits are upcast), or float64 for
+float64 logits (the kernels then key the live selection in 64 bits: ``moe_ops.route._select``).
 
 Forward contract (both). A row of ``recorded_ids`` is
 
@@ -152,7 +155,7 @@ def replay_rows_torch(
     router_logits: (n, E) float - live router outputs
     recorded_ids: (n, k) integer - the rollout's ids; rows of -1 are routed live
     bias: (E,) float or None - DEEPSEEK_V3/MINIMAX2 selection bias (live rows only; never in weights)
-    weights: (n, k) float32 (float64 for gradcheck) - written; the compute dtype
+    weights: (n, k) float32, or float64 for float64 logits - written; the compute dtype
     ids: (n, k) int32 - written
     errors: (2,) int32 - [faulty rows, OR of fault bits], added to
 
@@ -193,7 +196,7 @@ def replay_backward_torch(
 
     grad_weights: (n, k) float - gradient of the loss w.r.t. the forward's weights (any strides)
     router_logits: (n, E) float - the forward's logits
-    weights: (n, k) float32 (float64 for gradcheck) - the forward's weights; the compute dtype
+    weights: (n, k) float32, or float64 for float64 logits - the forward's weights; the compute dtype
     ids: (n, k) int32 - the forward's ids (distinct, in range)
     grad_logits: (n, E) router_logits' dtype - written, every element
     """
@@ -267,9 +270,11 @@ if HAS_TRITON:
         NG_PAD: tl.constexpr,
         G_PAD: tl.constexpr,
         K_PAD: tl.constexpr,
+        COMPUTE: tl.constexpr,
     ):
         """(BLOCK_M, K_PAD) int32: the router's top-k of each row (descending key, ties to the lowest
-        index), from a (BLOCK_M, NG_PAD, G_PAD) register tile of the rows' logits."""
+        index), from a (BLOCK_M, NG_PAD, G_PAD) register tile of the rows' logits in ``COMPUTE``
+        (float32, or float64: 64-bit keys)."""
         grp = tl.arange(0, NG_PAD)
         col = tl.arange(0, G_PAD)
         expert = grp[:, None] * group_size + col[None, :]
@@ -277,7 +282,7 @@ if HAS_TRITON:
         expert3 = expert[None, :, :]
         ok3 = row_ok[:, None, None] & expert_ok[None, :, :]
         x = tl.load(logits_ptr + row_off[:, None, None] + expert3 * stride_le, mask=ok3, other=0.0)
-        x = x.to(tl.float32)
+        x = x.to(COMPUTE)
         okey = ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD, HAS_BIAS)
         if GROUPED:
             okey = keep_groups(okey, row_ok, n_group, topk_group, BLOCK_M, NG_PAD, G_PAD)
@@ -298,13 +303,15 @@ if HAS_TRITON:
         METHOD: tl.constexpr,
         NG_PAD: tl.constexpr,
         G_PAD: tl.constexpr,
+        COMPUTE: tl.constexpr,
     ):
-        """(BLOCK_M, K_PAD) float32: the method's weights at ``ids`` (the router kernel's formulas),
-        from the k gathered logits of each row; DEFAULT alone also reads the whole row (its softmax
-        denominator). ``row_off``, ``rows_ok``: (BLOCK_M, K_PAD), each row's value in every column;
-        only cells where ``ok`` (within the ``rows_ok`` rows) are read or valid."""
+        """(BLOCK_M, K_PAD) ``COMPUTE`` (float32 or float64): the method's weights at ``ids`` (the
+        router kernel's formulas), from the k gathered logits of each row; DEFAULT alone also reads
+        the whole row (its softmax denominator). ``row_off``, ``rows_ok``: (BLOCK_M, K_PAD), each
+        row's value in every column; only cells where ``ok`` (within the ``rows_ok`` rows) are read
+        or valid. ``scale``: ``routed_scaling_factor`` in ``COMPUTE``."""
         xs = tl.load(logits_ptr + row_off + ids.to(tl.int64) * stride_le, mask=ok, other=0.0)
-        xs = xs.to(tl.float32)
+        xs = xs.to(COMPUTE)
         if METHOD == _TOPK:
             w = xs
         elif METHOD == _DEFAULT:
@@ -317,7 +324,7 @@ if HAS_TRITON:
             row_off1 = tl.max(row_off, axis=1, keep_dims=True)
             ok3 = row_ok1[:, :, None] & ((grp[:, None] < n_group) & (col[None, :] < group_size))[None, :, :]
             x = tl.load(logits_ptr + row_off1[:, :, None] + expert3 * stride_le, mask=ok3, other=0.0)
-            x = x.to(tl.float32)
+            x = x.to(COMPUTE)
             x_max = tl.max(tl.max(tl.where(ok3, x, float("-inf")), axis=2), axis=1, keep_dims=True)
             x_max = tl.where(row_ok1, x_max, 0.0)
             ex = tl.where(ok3, tl.exp(x - x_max[:, :, None]), 0.0)
@@ -331,10 +338,13 @@ if HAS_TRITON:
         else:
             s = tl.sigmoid(xs)
             total = tl.sum(tl.where(ok, s, 0.0), axis=1, keep_dims=True)
+            eps = tl.full([], _SUM_EPSILON, COMPUTE)  # 1e-20 in float64 too (a literal is float32)
             if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
-                w = s * scale / (total + _SUM_EPSILON)
+                w = s * scale / (total + eps)
             elif METHOD == _SIGMOID_RENORM:
-                w = s / tl.maximum(total, _SUM_EPSILON)
+                # NaN-propagating max, as torch.clamp: the default drops a NaN sum, and a NaN
+                # logit's row would get 1e-20 as its denominator (finite weights up to 1e20)
+                w = s / tl.maximum(total, eps, propagate_nan=tl.PropagateNan.ALL)
             else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
                 w = s
         return w
@@ -367,7 +377,7 @@ if HAS_TRITON:
         n_group,
         top_k,
         topk_group,
-        scale,
+        scale: tl.float64,  # passed as a double: float64 weights take routed_scaling_factor unrounded
         stride_lm,
         stride_le,
         stride_rm,
@@ -392,6 +402,9 @@ if HAS_TRITON:
         # live tile's layout cannot leak into the recorded path (when the branch yielded the ids, the
         # gather's addresses and the id store were converted from it, and a (BLOCK_M, K_PAD, K_PAD)
         # pair test loaded the record in four layouts).
+        # the compute dtype is the weights': float32, or float64 for float64 logits
+        COMPUTE: tl.constexpr = weights_ptr.dtype.element_ty
+        scale_c = tl.full([], scale, COMPUTE)
         pid = tl.program_id(0)
         kcol = tl.arange(0, K_PAD)[None, :]
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)[:, None] + kcol * 0
@@ -426,8 +439,8 @@ if HAS_TRITON:
         keep_ok = keep & k_ok  # only in-range, distinct ids are ever addresses
         ids = rec.to(tl.int32)
         w = _gathered_weights(
-            logits_ptr, row_off, ids, keep_ok, keep, group_size, n_group, scale, stride_le,
-            METHOD, NG_PAD, G_PAD,
+            logits_ptr, row_off, ids, keep_ok, keep, group_size, n_group, scale_c, stride_le,
+            METHOD, NG_PAD, G_PAD, COMPUTE,
         )  # fmt: skip
         tl.store(w_dst, w, mask=keep_ok)
         tl.store(ids_dst, ids, mask=keep_ok)
@@ -439,12 +452,12 @@ if HAS_TRITON:
             live_ids = _live_topk(
                 logits_ptr, bias_ptr, live_rows.to(tl.int64) * stride_lm, live_rows < n_tokens,
                 group_size, n_group, topk_group, stride_le,
-                METHOD, HAS_BIAS, GROUPED, BLOCK_M, NG_PAD, G_PAD, K_PAD,
+                METHOD, HAS_BIAS, GROUPED, BLOCK_M, NG_PAD, G_PAD, K_PAD, COMPUTE,
             )  # fmt: skip
             live_ok = need_live & k_ok
             lw = _gathered_weights(
-                logits_ptr, row_off, live_ids, live_ok, need_live, group_size, n_group, scale,
-                stride_le, METHOD, NG_PAD, G_PAD,
+                logits_ptr, row_off, live_ids, live_ok, need_live, group_size, n_group, scale_c,
+                stride_le, METHOD, NG_PAD, G_PAD, COMPUTE,
             )  # fmt: skip
             tl.store(w_dst, lw, mask=live_ok)
             tl.store(ids_dst, live_ids, mask=live_ok)
@@ -476,20 +489,22 @@ if HAS_TRITON:
         stride_im,
         stride_ik,
         METHOD: tl.constexpr,
+        COMPUTE: tl.constexpr,
     ):
         """(id, g, w, s) of column ``i`` of ``BLOCK_M`` rows, each (BLOCK_M,): the expert id (-1 on
-        masked rows and past ``top_k``), the incoming gradient and weight in float32 (0 where masked)
-        and, for the sigmoid methods, ``s = sigmoid(x[id])`` (the weight itself where ``w = s``)."""
+        masked rows and past ``top_k``), the incoming gradient and weight in ``COMPUTE`` (the
+        weights' dtype; 0 where masked) and, for the sigmoid methods, ``s = sigmoid(x[id])`` (the
+        weight itself where ``w = s``)."""
         # (i < top_k as a tensor: the interpreter cannot broadcast a scalar bool into a mask)
         ok = row_ok & (tl.zeros_like(rows64) + i < top_k)
         id_i = tl.load(ids_ptr + rows64 * stride_im + i * stride_ik, mask=ok, other=-1)
-        g_i = tl.load(grad_w_ptr + rows64 * stride_gm + i * stride_gk, mask=ok, other=0.0).to(tl.float32)
+        g_i = tl.load(grad_w_ptr + rows64 * stride_gm + i * stride_gk, mask=ok, other=0.0).to(COMPUTE)
         w_i = tl.load(weights_ptr + rows64 * stride_wm + i * stride_wk, mask=ok, other=0.0)
         if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2 or METHOD == _SIGMOID_RENORM:  # noqa: SIM109
             # the normalised sigmoid weights need s itself: one gathered logit (an L2 hit: the
             # forward read it)
             x_i = tl.load(logits_ptr + rows64 * stride_lm + id_i.to(tl.int64) * stride_le, mask=ok, other=0.0)
-            s_i = tl.where(ok, tl.sigmoid(x_i.to(tl.float32)), 0.0)
+            s_i = tl.where(ok, tl.sigmoid(x_i.to(COMPUTE)), 0.0)
         else:
             # LLAMA4, SIGMOID, TOPK_SIGMOID: the forward's weight is s (unused by the others)
             s_i = w_i
@@ -512,7 +527,7 @@ if HAS_TRITON:
         n_tokens,
         num_experts,
         top_k,
-        scale,
+        scale: tl.float64,  # passed as a double, as in the forward
         stride_gm,
         stride_gk,
         stride_lm,
@@ -533,6 +548,10 @@ if HAS_TRITON:
         # threads of a row share the cache line), so the kernel has no layout conversion and no shared
         # memory. Gathering the k values out of a (BLOCK_M, K_PAD) tile instead cost one shared-memory
         # round trip and barrier per column (8 converts at DeepSeek-V3's shape, in the TTGIR).
+        # the compute dtype is the forward weights': float32, or float64 for float64 logits
+        COMPUTE: tl.constexpr = weights_ptr.dtype.element_ty
+        scale_c = tl.full([], scale, COMPUTE)
+        eps = tl.full([], _SUM_EPSILON, COMPUTE)  # 1e-20 in float64 too (a literal is float32)
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_tokens
@@ -541,13 +560,13 @@ if HAS_TRITON:
         ok2 = row_ok[:, None] & (cols[None, :] < num_experts)
 
         # Pass 1: the row sums, dot = sum(g * w) and (sigmoid methods) total = sum(s).
-        dot = tl.zeros([BLOCK_M], dtype=tl.float32)
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        dot = tl.zeros([BLOCK_M], dtype=COMPUTE)
+        total = tl.zeros([BLOCK_M], dtype=COMPUTE)
         for i in tl.static_range(K_PAD):
             _, g_i, w_i, s_i = _backward_column(
                 grad_w_ptr, logits_ptr, weights_ptr, ids_ptr, rows64, row_ok, i, top_k,
                 stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
-                METHOD,
+                METHOD, COMPUTE,
             )  # fmt: skip
             dot += g_i * w_i
             total += s_i
@@ -557,19 +576,21 @@ if HAS_TRITON:
             x = tl.load(
                 logits_ptr + rows64[:, None] * stride_lm + cols[None, :] * stride_le, mask=ok2, other=0.0
             )
-            x = x.to(tl.float32)
+            x = x.to(COMPUTE)
             x_max = tl.where(row_ok, tl.max(tl.where(ok2, x, float("-inf")), axis=1), 0.0)
             ex = tl.where(ok2, tl.exp(x - x_max[:, None]), 0.0)
             p = ex / tl.where(row_ok, tl.sum(ex, axis=1), 1.0)[:, None]
             dense = -p * dot[:, None]
         else:
-            dense = tl.zeros([BLOCK_M, E_PAD], dtype=tl.float32)
+            dense = tl.zeros([BLOCK_M, E_PAD], dtype=COMPUTE)
         if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
-            denom = total + _SUM_EPSILON
+            denom = total + eps
         elif METHOD == _SIGMOID_RENORM:
-            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it
-            dot = tl.where(total >= _SUM_EPSILON, dot, 0.0)
-            denom = tl.maximum(total, _SUM_EPSILON)
+            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it (a NaN sum
+            # takes 0 there, as in the twin's torch.where)
+            dot = tl.where(total >= eps, dot, 0.0)
+            # NaN-propagating max, as torch.clamp: the default drops a NaN sum (then 1e-20 divides)
+            denom = tl.maximum(total, eps, propagate_nan=tl.PropagateNan.ALL)
 
         # Pass 2: each column's value added where its expert sits (ids are distinct: no collisions;
         # -1 past top_k and on masked rows hits nothing), then one store of the whole row (a zero
@@ -579,7 +600,7 @@ if HAS_TRITON:
             id_i, g_i, w_i, s_i = _backward_column(
                 grad_w_ptr, logits_ptr, weights_ptr, ids_ptr, rows64, row_ok, i, top_k,
                 stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
-                METHOD,
+                METHOD, COMPUTE,
             )  # fmt: skip
             if METHOD == _TOPK:
                 gs = g_i
@@ -588,7 +609,7 @@ if HAS_TRITON:
             elif METHOD == _DEFAULT:
                 gs = g_i * w_i  # w = p at the chosen expert
             elif METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
-                gs = (scale * g_i - dot) / denom * s_i * (1.0 - s_i)
+                gs = (scale_c * g_i - dot) / denom * s_i * (1.0 - s_i)
             elif METHOD == _SIGMOID_RENORM:
                 gs = (g_i - dot) / denom * s_i * (1.0 - s_i)
             else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
@@ -613,7 +634,8 @@ def replay_rows_triton(
     block_m: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Launches the forward kernel (arguments as :func:`replay_rows_torch`; ``weights`` float32).
+    """Launches the forward kernel (arguments as :func:`replay_rows_torch`; ``weights`` float32,
+    or float64 for float64 logits: the kernel computes in the weights' dtype).
 
     block_m, num_warps: override the launch configuration (tests and tuning); the default is
     :func:`forward_launch_config`. A block that needs live routing holds a (block_m, NG_PAD, G_PAD)
@@ -675,7 +697,8 @@ def replay_backward_triton(
     num_warps: int | None = None,
 ) -> None:
     """Launches the backward kernel (arguments as :func:`replay_backward_torch`; ``weights``
-    float32). One launch, no host reads, no allocation."""
+    float32, or float64: the kernel computes in the weights' dtype). One launch, no host reads, no
+    allocation."""
     n_tokens, num_experts = router_logits.shape
     top_k = ids.shape[1]
     e_pad = next_power_of_2(num_experts)

@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from .._library import destination_op, reference_op
 from .._triton import HAS_TRITON
-from ..route.methods import RoutingMethod, method_from_value, validate_route_args
+from ..route.methods import REPLAY_LOGIT_DTYPES, RoutingMethod, method_from_value, validate_route_args
 from ..route.op import choose_triton
 from .kernels import (
     REPLAY_FAULT_OUT_OF_RANGE,
@@ -227,7 +227,8 @@ def _errors_for(router_logits: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton, dtype):
-    """Allocates the outputs and runs the forward op (``dtype``: float32; float64 in gradcheck)."""
+    """Allocates the outputs and runs the forward op (``dtype``: the compute dtype, float32 or
+    float64)."""
     n, k = recorded_ids.shape
     weights = torch.empty((n, k), dtype=dtype, device=router_logits.device)
     ids = torch.empty((n, k), dtype=torch.int32, device=router_logits.device)
@@ -254,8 +255,8 @@ class ReplayRoutingFunction(torch.autograd.Function):
     non-differentiable and the bias only chooses live rows, a piecewise-constant choice).
 
     ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton,
-    dtype)`` with validated arguments; ``dtype`` is the compute and weights dtype (float32 in
-    :func:`replay_routing`; float64 tensors with the PyTorch twin for gradcheck).
+    dtype)`` with validated arguments; ``dtype`` is the compute and weights dtype (in
+    :func:`replay_routing`: float64 for float64 logits, else float32).
     """
 
     @staticmethod
@@ -334,23 +335,27 @@ def replay_routing(
     """Routes every token through the experts the rollout recorded, weighted from the live logits.
 
     Args:
-        router_logits: (n, num_experts) float32/bf16/fp16 - the trainer's router outputs; may
-            require grad (bf16/fp16 are upcast to float32 inside the kernels). n may be 0.
+        router_logits: (n, num_experts) float32/bf16/fp16/float64 - the trainer's router outputs;
+            may require grad. bf16/fp16 are upcast to float32 inside the kernels; float64 logits
+            are computed in float64 (Megatron's ``moe_router_dtype="fp64"``, ``gradcheck``). n may
+            be 0.
         recorded_ids: (n, top_k) uint8/int8/int16/int32/int64 - the rollout's choices, any
             strides (e.g. ``routing[:, layer]``); a row of -1 means "route this token live".
         method: the :class:`RoutingMethod` the model routes with.
-        bias: (num_experts,) float - DEEPSEEK_V3/MINIMAX2 selection bias: chooses the live rows'
-            experts, never enters a weight.
+        bias: (num_experts,) float32/bf16/fp16/float64 - DEEPSEEK_V3/MINIMAX2 selection bias,
+            rounded to the compute dtype: chooses the live rows' experts, never enters a weight.
         n_group, topk_group: DEEPSEEK_V3 groups (live rows only); ``n_group`` None or <= 1: none.
         routed_scaling_factor: multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0).
         backend: "auto" (Triton on CUDA, the PyTorch twins on CPU or for rows wider than the kernel
             tile), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the twins).
 
     Returns:
-        weights: (n, top_k) float32 - the method's weight rule restricted to ``ids`` (docs/replay.md),
-            from the dense logits; differentiable w.r.t. ``router_logits``.
+        weights: (n, top_k) float32 (float64 for float64 logits) - the method's weight rule
+            restricted to ``ids`` (docs/replay.md), from the dense logits; differentiable w.r.t.
+            ``router_logits`` (the gradient has ``router_logits``' dtype).
         ids: (n, top_k) int32 - the recorded ids, column order kept; on a row of -1 (and on a faulty
-            row) the live routing of that row, exactly what ``moe_ops.route`` returns for it.
+            row) the live routing of that row, exactly what ``moe_ops.route`` returns for it (for
+            float64 logits, which ``route`` does not take: route's rule on the float64 keys).
 
     A row with an id outside ``[0, num_experts)`` (other than a whole row of -1) or an expert twice
     is faulty: it is routed live, its bad ids are never used as addresses, and it is counted on the
@@ -363,9 +368,19 @@ def replay_routing(
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
     _check_recorded_ids(recorded_ids, router_logits, method)
     top_k = recorded_ids.shape[1]
-    cfg = validate_route_args(router_logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+    cfg = validate_route_args(
+        router_logits,
+        top_k,
+        method,
+        bias,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        logit_dtypes=REPLAY_LOGIT_DTYPES,
+    )
     # the router's rule: a block routed live holds the router's tile
     use_triton = choose_triton(backend, router_logits.device, cfg)
+    compute = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
     args = (
         router_logits,
         recorded_ids,
@@ -375,7 +390,7 @@ def replay_routing(
         cfg.topk_group,
         cfg.routed_scaling_factor,
         use_triton,
-        torch.float32,
+        compute,
     )
     if torch.is_grad_enabled() and router_logits.requires_grad:
         return ReplayRoutingFunction.apply(*args)

@@ -6,6 +6,10 @@ become order-preserving int32s (float bits with the magnitude of negatives flipp
 knocked-out entries hold INT32_MIN); each round takes the best key with one integer ``max``, then
 the lowest expert index holding it with one integer ``min`` - among equal scores the lowest index
 wins - and knocks that expert out.
+
+float64 keys (replay's float64 logits) take the same rule in 64 bits: int64 keys, INT64_MIN for
+masked and knocked-out entries. The key's dtype picks the width at compile time, so the float32
+kernels compile to what they did before (the same TTGIR).
 """
 
 from __future__ import annotations
@@ -23,23 +27,34 @@ if HAS_TRITON:
     _DEEPSEEK_V3 = tl.constexpr(int(RoutingMethod.DEEPSEEK_V3))
     _MINIMAX2 = tl.constexpr(int(RoutingMethod.MINIMAX2))
     NONE = tl.constexpr(-2147483648)  # INT32_MIN: knocked out / masked (below every valid key)
+    NONE64 = tl.constexpr(-9223372036854775808)  # INT64_MIN: the same for float64 keys
     NO_EXPERT = tl.constexpr(1 << 30)  # above every expert index (min-reduction identity)
 
     @triton.jit
     def ordered(key, valid):
-        """int32 whose signed order is the order of ``key``; ``NONE`` (below all) where not valid.
+        """int32 (int64 for float64 keys) whose signed order is the order of ``key``; ``NONE``
+        (``NONE64``; below all) where not valid.
 
-        key: canonical float32 (no NaN, no -0.0). Negative floats get their magnitude bits flipped,
-        so the bits compare as signed ints; -inf maps to 0x807FFFFF > ``NONE`` = INT32_MIN.
+        key: canonical float32 or float64 (no NaN, no -0.0). Negative floats get their magnitude
+        bits flipped, so the bits compare as signed ints; -inf maps to 0x807FFFFF > ``NONE`` =
+        INT32_MIN (0x800FFFFFFFFFFFFF > INT64_MIN).
         """
-        bits = key.to(tl.int32, bitcast=True)
-        return tl.where(valid, bits ^ ((bits >> 31) & 0x7FFFFFFF), NONE)
+        if key.dtype == tl.float64:
+            bits64 = key.to(tl.int64, bitcast=True)
+            return tl.where(valid, bits64 ^ ((bits64 >> 63) & 0x7FFFFFFFFFFFFFFF), NONE64)
+        else:
+            bits = key.to(tl.int32, bitcast=True)
+            return tl.where(valid, bits ^ ((bits >> 31) & 0x7FFFFFFF), NONE)
 
     @triton.jit
     def unordered(ordered):
-        """The float32 key of an ordered int (the mapping of :func:`ordered` is an involution)."""
-        bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
-        return bits.to(tl.float32, bitcast=True)
+        """The float key of an ordered int (the mapping of :func:`ordered` is an involution)."""
+        if ordered.dtype == tl.int64:
+            bits64 = ordered ^ ((ordered >> 63) & 0x7FFFFFFFFFFFFFFF)
+            return bits64.to(tl.float64, bitcast=True)
+        else:
+            bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+            return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def canonical(key):
@@ -49,11 +64,12 @@ if HAS_TRITON:
 
     @triton.jit
     def ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """(BLOCK_M, NG_PAD, G_PAD) ordered int32 selection keys of float32 logits ``x``."""
+        """(BLOCK_M, NG_PAD, G_PAD) ordered int32 selection keys of float32 logits ``x`` (int64 keys
+        of float64 logits; the bias is rounded to the logits' dtype, as the twin does)."""
         if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
             key = tl.sigmoid(x)
             if HAS_BIAS:
-                b = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0).to(tl.float32)
+                b = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0).to(x.dtype)
                 key = key + b[None, :, :]
         else:
             key = x  # softmax and sigmoid keep the order of the logits
@@ -68,12 +84,13 @@ if HAS_TRITON:
         Group score = sum of the group's two best keys (one key if the group has one expert); the
         best is the lowest column among equal keys, and only that one is knocked out.
         """
+        none: tl.constexpr = NONE64 if okey.dtype == tl.int64 else NONE
         grp = tl.arange(0, NG_PAD)
         col3 = tl.arange(0, G_PAD)[None, None, :]
         top1 = tl.max(okey, axis=2)
         col1 = tl.min(tl.where(okey == top1[:, :, None], col3, G_PAD), axis=2)
-        top2 = tl.max(tl.where(col3 == col1[:, :, None], NONE, okey), axis=2)
-        score = tl.where(top2 != NONE, unordered(top1) + unordered(top2), unordered(top1))
+        top2 = tl.max(tl.where(col3 == col1[:, :, None], none, okey), axis=2)
+        score = tl.where(top2 != none, unordered(top1) + unordered(top2), unordered(top1))
         grp_ok = row_ok[:, None] & (grp[None, :] < n_group)
         gkey = ordered(canonical(score), grp_ok)
         kept = tl.zeros([BLOCK_M, NG_PAD], dtype=tl.int32)
@@ -82,12 +99,13 @@ if HAS_TRITON:
             gwin = tl.min(tl.where(gkey == gbest[:, None], grp[None, :], NG_PAD), axis=1)
             hit = grp[None, :] == gwin[:, None]
             kept = tl.where(hit, 1, kept)
-            gkey = tl.where(hit, NONE, gkey)
-        return tl.where(kept[:, :, None] != 0, okey, NONE)
+            gkey = tl.where(hit, none, gkey)
+        return tl.where(kept[:, :, None] != 0, okey, none)
 
     @triton.jit
     def topk_rounds(okey, expert3, BLOCK_M: tl.constexpr, K_PAD: tl.constexpr):
-        """(BLOCK_M, K_PAD) int32 ids by descending key, ties to the lowest expert index.
+        """(BLOCK_M, K_PAD) int32 ids by descending key (int32 or int64 ``okey``), ties to the lowest
+        expert index.
 
         top_k rounds, unrolled to K_PAD (rounds past top_k are masked at the stores). A round is
         two dependent 32-bit warp reductions (redux.sync on sm_90): the best key, then the lowest
@@ -98,6 +116,7 @@ if HAS_TRITON:
         the round measured slower than one gather after the rounds (DeepSeek-V3 n=4096 with
         capture 10.4 vs 9.6 us at 1 row / 1 warp), so the weights re-read them at the end.
         """
+        none: tl.constexpr = NONE64 if okey.dtype == tl.int64 else NONE
         kcol = tl.arange(0, K_PAD)
         ids = tl.zeros([BLOCK_M, K_PAD], dtype=tl.int32)
         for i in tl.static_range(K_PAD):
@@ -106,7 +125,7 @@ if HAS_TRITON:
             best = tl.max(tl.max(okey, axis=1), axis=1)
             win = tl.min(tl.min(tl.where(okey == best[:, None, None], expert3, NO_EXPERT), axis=1), axis=1)
             ids = tl.where(kcol[None, :] == i, win[:, None], ids)
-            okey = tl.where(expert3 == win[:, None, None], NONE, okey)
+            okey = tl.where(expert3 == win[:, None, None], none, okey)
         return ids
 
     __all__ += ["canonical", "keep_groups", "ordered", "ordered_keys", "topk_rounds", "unordered"]

@@ -265,7 +265,9 @@ if HAS_TRITON:
             if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
                 w = s * scale / (total + _SUM_EPSILON)[:, None]
             elif METHOD == _SIGMOID_RENORM:
-                w = s / tl.maximum(total, _SUM_EPSILON)[:, None]
+                # NaN-propagating max, as torch.clamp: the default drops a NaN sum, and a NaN
+                # logit's row would get 1e-20 as its denominator (finite weights up to 1e20)
+                w = s / tl.maximum(total, _SUM_EPSILON, propagate_nan=tl.PropagateNan.ALL)[:, None]
             else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
                 w = s
 
@@ -425,13 +427,19 @@ def route_rows_torch(
     """PyTorch twin of :func:`route_rows_triton`: same arguments, same writes, same fault bits.
 
     Routes in float32 with :func:`moe_ops.route.reference.route_reference`, then records with the
-    capture op's own twin. No host reads; allocates its intermediates (it is the CPU path and the
-    oracle, not the fast path).
+    capture op's own twin. RENORMALIZE_NAIVE's weights are computed as RENORMALIZE's
+    ``softmax(x[sel])``, as the kernel computes them (the same choice; replay's rule too): the
+    literal ``p[sel] / sum p[sel]`` reads the whole row, so a NaN logit the router did not choose
+    would make the row's weights NaN where the kernel's are finite. No host reads; allocates its
+    intermediates (it is the CPU path and the oracle, not the fast path).
     """
+    method = RoutingMethod(method)
+    if method == RoutingMethod.RENORMALIZE_NAIVE:
+        method = RoutingMethod.RENORMALIZE  # chooses by x too: the same ids
     ref_weights, ref_ids = route_reference(
         router_logits,
         ids.shape[1],
-        RoutingMethod(method),
+        method,
         bias,
         n_group,
         topk_group,

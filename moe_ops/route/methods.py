@@ -9,7 +9,8 @@ an id means the same method in every backend. Selection and weights, per method 
     1      RENORMALIZE        x                     softmax(x[sel])
     2      DEEPSEEK_V3        s + bias, in groups   s * scale / (sum s + 1e-20)
     3      LLAMA4             x, top_k = 1          s
-    4      RENORMALIZE_NAIVE  x (softmax order)     p[sel] / sum p[sel], p = softmax(x)
+    4      RENORMALIZE_NAIVE  x (softmax order)     p[sel] / sum p[sel], p = softmax(x) (computed as
+                                                  its equal softmax(x[sel]) by the kernels and twins)
     5      TOPK               x                     x
     6      SIGMOID_RENORM     x (sigmoid order)     s / max(sum s, 1e-20)
     7      MINIMAX2           s + bias              s * scale / (sum s + 1e-20)
@@ -39,6 +40,7 @@ import torch
 __all__ = [
     "BIAS_METHODS",
     "LOGIT_DTYPES",
+    "REPLAY_LOGIT_DTYPES",
     "SCALED_METHODS",
     "RouteConfig",
     "RoutingMethod",
@@ -66,7 +68,21 @@ class RoutingMethod(enum.IntEnum):
 BIAS_METHODS = frozenset({RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2})
 # Methods that multiply their weights by routed_scaling_factor.
 SCALED_METHODS = BIAS_METHODS
+# What route (and its kernel, which computes in float32) takes.
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What replay_routing takes: float64 logits are computed in float64 (weights and gradients too).
+REPLAY_LOGIT_DTYPES = (*LOGIT_DTYPES, torch.float64)
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float64: "float64",
+}
+
+
+def _dtype_list(dtypes: tuple[torch.dtype, ...]) -> str:
+    names = [_DTYPE_NAMES[d] for d in dtypes]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def method_from_value(method: RoutingMethod | int) -> RoutingMethod:
@@ -121,11 +137,15 @@ def validate_route_args(
     n_group: int | None,
     topk_group: int | None,
     routed_scaling_factor: float | None,
+    *,
+    logit_dtypes: tuple[torch.dtype, ...] = LOGIT_DTYPES,
 ) -> RouteConfig:
     """Checks everything that is known without reading device values; returns the normalised config.
 
-    Raises TypeError for non-tensors and ValueError naming the argument and the expected value
-    otherwise. Reads shapes, dtypes and devices only (no host sync).
+    ``logit_dtypes``: the dtypes the caller computes with, for ``router_logits`` and ``bias`` alike
+    (``route``: :data:`LOGIT_DTYPES`; ``replay_routing``: :data:`REPLAY_LOGIT_DTYPES`). Raises
+    TypeError for non-tensors and ValueError naming the argument and the expected value otherwise.
+    Reads shapes, dtypes and devices only (no host sync).
     """
     method = method_from_value(method)
     if not isinstance(router_logits, torch.Tensor):
@@ -134,8 +154,13 @@ def validate_route_args(
         raise ValueError(
             f"router_logits must be 2-D (n_tokens, num_experts), got shape {tuple(router_logits.shape)}"
         )
-    if router_logits.dtype not in LOGIT_DTYPES:
-        raise ValueError(f"router_logits must be float32, bfloat16 or float16, got {router_logits.dtype}")
+    if router_logits.dtype not in logit_dtypes:
+        hint = ""
+        if router_logits.dtype == torch.float64 and torch.float64 not in logit_dtypes:
+            hint = " (the router computes in float32; replay_routing takes float64 logits)"
+        raise ValueError(
+            f"router_logits must be {_dtype_list(logit_dtypes)}, got {router_logits.dtype}{hint}"
+        )
     num_experts = router_logits.shape[1]
     if num_experts < 1:
         raise ValueError("router_logits must have at least one expert column, got num_experts=0")
@@ -153,8 +178,8 @@ def validate_route_args(
             raise ValueError(
                 f"bias must have shape (num_experts,) = ({num_experts},), got {tuple(bias.shape)}"
             )
-        if bias.dtype not in LOGIT_DTYPES:
-            raise ValueError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
+        if bias.dtype not in logit_dtypes:
+            raise ValueError(f"bias must be {_dtype_list(logit_dtypes)}, got {bias.dtype}")
         if bias.device != router_logits.device:
             raise ValueError(
                 f"bias must be on router_logits' device {router_logits.device}, got {bias.device}"

@@ -228,7 +228,8 @@ def route(
 
     Args:
         router_logits: (n, num_experts) float32/bf16/fp16 - router outputs; bf16/fp16 are upcast
-            to float32 inside the kernel. n may be 0.
+            to float32 inside the kernel. n may be 0. float64 is refused (the kernel and the
+            registered ops compute in float32); ``replay_routing`` takes float64 logits.
         top_k: experts per token, in [1, num_experts] (1 for LLAMA4).
         method: a :class:`RoutingMethod` (semantics and weight formulas in
             :mod:`moe_ops.route.methods`).

@@ -1,0 +1,104 @@
+"""The replay kernels compile for an H200 (sm_90) in float64 for every method, and the NaN-keeping
+max of SIGMOID_RENORM reaches the machine code: built down to PTX and a cubin (Triton's own
+``ptxas``) in a subprocess that compiles rather than interprets, without a GPU.
+
+This suite interprets Triton on the CPU, which runs float64 kernels whatever a GPU would make of
+them; compiling is what says that the float64 variants (64-bit selection keys, float64 exp and
+division, a double ``scale`` argument) exist on the target. ``tl.maximum`` keeps a NaN only with
+``propagate_nan=ALL``: PTX ``max.NaN.f32`` in float32; in float64, which has no such instruction,
+a ``max.f64`` behind a ``setp.nan.f64`` select.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_SCRIPT = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource
+from moe_ops.replay.kernels import _replay_backward_kernel, _replay_kernel
+from moe_ops.route.kernels import _route_kernel
+from moe_ops.route.methods import RoutingMethod as M
+
+target = GPUTarget("cuda", 90, 32)
+out = {}
+
+def build(name, kernel, types, constexprs, num_warps):
+    signature = {n: types.get(n, "constexpr" if n in constexprs else "i32") for n in kernel.arg_names}
+    try:
+        ck = triton.compile(ASTSource(kernel, signature, constexprs), target=target,
+                            options=dict(num_warps=num_warps))
+        ptx = ck.asm["ptx"]
+        out[name] = dict(cubin=len(ck.asm["cubin"]), max_nan_f32="max.NaN.f32" in ptx,
+                         nan_f64="setp.nan.f64" in ptx,
+                         f64_math=bool(re.search(r"\b(add|sub|mul|fma|div|setp\.\w+)(\.rn)?\.f64\b", ptx)))
+    except Exception as exc:  # reported to the test, which names the case
+        out[name] = f"{type(exc).__name__}: {exc}"[-600:]
+
+for ft in ("fp64", "fp32"):
+    for m in M:
+        if ft == "fp32" and m != M.SIGMOID_RENORM:
+            continue
+        grouped = m == M.DEEPSEEK_V3
+        biased = m in (M.DEEPSEEK_V3, M.MINIMAX2)
+        # small tiles: this checks the lowering, not the speed (the launch tiles compile the same ops)
+        k_pad = 1 if m == M.LLAMA4 else 4
+        fwd = dict(logits_ptr="*" + ft, rec_ptr="*i32", bias_ptr="*" + ft, weights_ptr="*" + ft,
+                   ids_ptr="*i32", errors_ptr="*i32", scale="fp64")
+        ce = dict(METHOD=int(m), HAS_BIAS=biased, GROUPED=grouped, BLOCK_M=2, NG_PAD=4 if grouped else 1,
+                  G_PAD=8 if grouped else 32, K_PAD=k_pad)
+        build(f"forward {ft} {m.name}", _replay_kernel, fwd, ce, 4)
+        bwd = dict(grad_w_ptr="*" + ft, logits_ptr="*" + ft, weights_ptr="*" + ft, ids_ptr="*i32",
+                   grad_ptr="*" + ft, scale="fp64")
+        ce = dict(num_experts=32, top_k=k_pad, METHOD=int(m), BLOCK_M=2, E_PAD=32, K_PAD=k_pad)
+        build(f"backward {ft} {m.name}", _replay_backward_kernel, bwd, ce, 4)
+ptrs = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", scale="fp32",
+            **{n: "*i32" for n in ("ids_ptr", "buf_ptr", "counts_ptr", "sizes_ptr", "errors_ptr",
+                                   "stamps_ptr", "step_ptr")})
+ce = dict(METHOD=int(M.SIGMOID_RENORM), HAS_BIAS=False, GROUPED=False, CAPTURE=False, BLOCK_M=1,
+          NG_PAD=1, G_PAD=32, K_PAD=4, S_PAD=1, HAS_OFFSET=False, STAMP=False)
+build("route fp32 SIGMOID_RENORM", _route_kernel, ptrs, ce, 1)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    # 23 small kernels: 45 s uncached on a 2-core machine (Triton caches them); 600 s is a hang
+    run = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_float64_replay_kernels_compile_for_sm90_every_method(compiled):
+    cases = {k: v for k, v in compiled.items() if " fp64 " in k}
+    assert len(cases) == 20  # forward and backward, ten methods
+    failed = {k: v for k, v in cases.items() if not isinstance(v, dict) or v["cubin"] == 0}
+    assert not failed, failed
+    # float64 arithmetic or compares (TOPK's weights are loads: its keys' NaN test), not a float32
+    # kernel fed float64 pointers (the float32 kernels have none: their double scale argument is
+    # only converted)
+    assert all(v["f64_math"] for v in cases.values()), {k: v for k, v in cases.items() if not v["f64_math"]}
+    assert not any(compiled[f"{p} fp32 SIGMOID_RENORM"]["f64_math"] for p in ("forward", "backward"))
+
+
+def test_sigmoid_renorm_max_keeps_nan_in_machine_code(compiled):
+    for name in ("forward fp32", "backward fp32", "route fp32"):
+        assert compiled[f"{name} SIGMOID_RENORM"]["max_nan_f32"], name
+    for name in ("forward fp64", "backward fp64"):
+        assert compiled[f"{name} SIGMOID_RENORM"]["nan_f64"], name
