@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..route.methods import LOGIT_DTYPES, RoutingMethod
-from .op import replay_routing
+from ..route.methods import RoutingMethod
+from .op import REPLAY_LOGIT_DTYPES, replay_routing
 
 __all__ = [
     "REPLAY_MARK",
@@ -65,8 +65,9 @@ def replay_router_output(
     """The replayed ``(weights, ids)`` of one router call.
 
     Args:
-        router_logits: (n, num_experts) float - the router's live logits (float64 are replayed in
-            float32, what ``replay_routing`` takes); gradients flow back through them.
+        router_logits: (n, num_experts) float - the router's live logits (float32, bfloat16,
+            float16 or float64: ``replay_routing`` computes float64 in float64; other floating
+            dtypes are replayed in float32); gradients flow back through them.
         live_weights: (n, k) float - the weights the router computed.
         live_ids: (n, k) integer - the ids the router chose.
         recorded_ids: (n, k) integer, any strides - the replayer's rows of this layer.
@@ -92,7 +93,7 @@ def replay_router_output(
             f"recorded_ids must have live_ids' shape {tuple(live_ids.shape)} (n, top_k), got "
             f"{tuple(recorded_ids.shape)}"
         )
-    x = router_logits if router_logits.dtype in LOGIT_DTYPES else router_logits.to(torch.float32)
+    x = router_logits if router_logits.dtype in REPLAY_LOGIT_DTYPES else router_logits.to(torch.float32)
     live_row = (recorded_ids == -1).all(dim=-1, keepdim=True)
     ids_in = torch.where(live_row, live_ids.to(torch.int32), recorded_ids.to(torch.int32))
     weights, ids = replay_routing(
