@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import moe_ops
-from moe_ops.cli import main
+from moe_ops.cli import MAX_DEMO_REQUESTS, MAX_STEP_ROWS, _build_parser, main
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -52,6 +52,64 @@ def test_bad_values_are_one_line_usage_errors(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith(f"moe-ops {argv[0]}: error: ")
+
+
+# values that ran for minutes growing memory (--requests), asked for terabytes (--max-batch-tokens,
+# --capture-sizes) or raised from numpy and torch (--seed): usage errors at parse time now
+OUT_OF_RANGE = [
+    (["demo", "--requests", str(10**20)], f"must be <= {MAX_DEMO_REQUESTS}, got {10**20}"),
+    (["demo", "--requests", str(MAX_DEMO_REQUESTS + 1)], f"must be <= {MAX_DEMO_REQUESTS}"),
+    (["demo", "--seed", str(10**23)], f"must be <= {2**63 - 1}, got {10**23}"),
+    (["demo", "--seed", str(2**63)], f"must be <= {2**63 - 1}"),
+    (["demo", "--seed", "-5"], "must be >= 0, got -5"),
+    (["demo", "--max-batch-tokens", str(10**11)], f"must be <= {MAX_STEP_ROWS}"),
+    (
+        ["demo", "--max-batch-tokens", "5"],
+        "must be >= 20 (the longest synthetic prompt fits in one step), got 5",
+    ),
+    (["demo", "--capture-sizes", "99999999999"], f"capture sizes must be <= {MAX_STEP_ROWS} rows"),
+    (["demo", "--capture-sizes", f"8,{MAX_STEP_ROWS + 1}"], f"capture sizes must be <= {MAX_STEP_ROWS} rows"),
+]
+
+
+@pytest.mark.parametrize("argv, message", OUT_OF_RANGE, ids=[" ".join(a) for a, _ in OUT_OF_RANGE])
+def test_out_of_range_values_are_usage_errors_before_any_work(argv, message, capsys):
+    """Parsing alone refuses them (exit 2): the demo never starts."""
+    with pytest.raises(SystemExit) as exc:
+        _build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("moe-ops demo: error: ")
+
+
+def test_the_range_ends_are_accepted():
+    args = _build_parser().parse_args(
+        ["demo", "--requests", str(MAX_DEMO_REQUESTS), "--seed", str(2**63 - 1), "--max-batch-tokens", "20"]
+    )
+    assert (args.requests, args.seed, args.max_batch_tokens) == (MAX_DEMO_REQUESTS, 2**63 - 1, 20)
+    args = _build_parser().parse_args(
+        ["demo", "--max-batch-tokens", str(MAX_STEP_ROWS), "--capture-sizes", "1"]
+    )
+    assert args.max_batch_tokens == MAX_STEP_ROWS and args.capture_sizes == "1"
+
+
+def test_the_largest_seed_runs_the_demo(tmp_path, capsys):
+    """2**63 - 1 seeds numpy's and torch's generators alike."""
+    argv = ["demo", "--modes", "eager", "--requests", "2", "--no-train", "--device", "cpu"]
+    assert main([*argv, "--seed", str(2**63 - 1), "--out", str(tmp_path)]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["under a regular file", "a regular file"])
+def test_an_unwritable_output_folder_stops_the_demo_before_any_work(tmp_path, capsys, where):
+    """--out under a regular file used to fail after the whole run; now: exit 2 at once, nothing run."""
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "demo" if where == "under a regular file" else tmp_path / "file"
+    code = main(["demo", "--modes", "eager", "--requests", "2", "--device", "cpu", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured.out  # the demo printed nothing: it never started
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith(f"error: --out '{out}': ") and "Traceback" not in captured.err
 
 
 @pytest.mark.parametrize("command", ["selftest", "backends", "demo", "inspect"])
