@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 __all__ = ["main"]
 
 _MODES = ("eager", "compiled", "cuda-graph", "compiled+cuda-graph", "reduce-overhead")
+# The demo is a check, not a load generator: 4096 requests take about 2 minutes per mode on 2 CPU
+# cores (measured: 120 in 3.6 s, eager, captured and plain); a count without a bound only grows the
+# request list until memory runs out.
+MAX_DEMO_REQUESTS = 4096
+# Rows of one step (--max-batch-tokens, each --capture-sizes entry): the capture buffer and the
+# runner's padded inputs are allocated at this size. A step holds at most max_requests decode rows
+# plus max_requests prompts of <= 20 tokens (deepseek_small: 128 * 21 = 2688 rows).
+MAX_STEP_ROWS = 4096
+# --seed seeds numpy's generator (seeds >= 0) and torch's (signed 64-bit)
+MAX_SEED = 2**63 - 1
 
 
 def _device(value: str) -> str:
@@ -32,14 +43,29 @@ def _device(value: str) -> str:
     return value
 
 
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+def _int_in(low: int, high: int, why: str = "") -> Any:
+    """An argparse type: an integer in [low, high] (a usage error, exit 2, naming the range)."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if n < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}{why}, got {n}")
+        if n > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}{why}, got {n}")
+        return n
+
+    return parse
+
+
+def _batch_tokens(value: str) -> int:
+    from .demo.serve import MAX_PROMPT_TOKENS
+
+    return _int_in(MAX_PROMPT_TOKENS, MAX_STEP_ROWS, " (the longest synthetic prompt fits in one step)")(
+        value
+    )
 
 
 def _sizes(value: str) -> str:
@@ -50,6 +76,8 @@ def _sizes(value: str) -> str:
         raise argparse.ArgumentTypeError(f"{value!r} is not a comma-separated list of integers") from None
     if any(n < 1 for n in sizes):
         raise argparse.ArgumentTypeError(f"capture sizes must be >= 1, got {value!r}")
+    if any(n > MAX_STEP_ROWS for n in sizes):
+        raise argparse.ArgumentTypeError(f"capture sizes must be <= {MAX_STEP_ROWS} rows, got {value!r}")
     return ",".join(str(n) for n in sizes)
 
 
@@ -121,18 +149,35 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hf", default=None, metavar="ARCH", help="serve a tiny transformers model of ARCH instead"
     )
-    p.add_argument("--requests", type=_positive, default=12, help="synthetic requests to serve (default 12)")
     p.add_argument(
-        "--max-batch-tokens", type=_positive, default=48, help="rows per step at most (default 48)"
+        "--requests",
+        type=_int_in(1, MAX_DEMO_REQUESTS),
+        default=12,
+        help=f"synthetic requests to serve, 1-{MAX_DEMO_REQUESTS} (default 12)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=_batch_tokens,
+        default=48,
+        help=f"rows per step at most, 20-{MAX_STEP_ROWS} (default 48)",
     )
     p.add_argument(
         "--capture-sizes",
         type=_sizes,
         default=None,
-        help="comma-separated padded batch sizes (default 1,2,4,8,16,32)",
+        help=f"comma-separated padded batch sizes, each 1-{MAX_STEP_ROWS} (default 1,2,4,8,16,32)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the model weights and the requests")
-    p.add_argument("--out", default="moe-ops-demo", help="output folder (default ./moe-ops-demo)")
+    p.add_argument(
+        "--seed",
+        type=_int_in(0, MAX_SEED),
+        default=0,
+        help="seed of the model weights and the requests, 0 to 2**63 - 1",
+    )
+    p.add_argument(
+        "--out",
+        default="moe-ops-demo",
+        help="output folder, created before the run (default ./moe-ops-demo)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument(
         "--no-train",

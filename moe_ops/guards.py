@@ -25,6 +25,7 @@ TypeError or a silently different setting.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from .shapes import (
@@ -36,6 +37,7 @@ from .shapes import (
     _get,
     _is_int,
     _lookup,
+    _short_repr,
     _text_config,
     resolve_routing_shape,
 )
@@ -104,6 +106,11 @@ def validate_serving_config(
     reasons = []
     if isinstance(pipeline_parallel_size, bool) or not isinstance(pipeline_parallel_size, int):
         reasons.append(f"pipeline_parallel_size must be an int, got {pipeline_parallel_size!r}")
+    elif pipeline_parallel_size < 1:
+        reasons.append(
+            f"pipeline_parallel_size must be an int >= 1 (1: no pipeline parallelism, the only setting "
+            f"served), got {pipeline_parallel_size}"
+        )
     elif pipeline_parallel_size != 1:
         reasons.append(
             f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism > 1 is not supported "
@@ -141,6 +148,8 @@ def validate_serving_config(
             shape = resolve_routing_shape(model_config)
         except ValueError as e:
             reasons.append(f"not a mixture-of-experts model the capture understands: {e}")
+        except Exception as e:  # the config's own code raised (a get_text_config, a property)
+            reasons.append(f"model_config cannot be read: {_raised(e)}")
     reasons += _speculative_reasons(speculative_method, draft_model_config, model_config, shape)
     if reasons:
         raise UnsupportedConfigError(reasons)
@@ -190,7 +199,7 @@ def _mtp_reasons(method: str, model_config: Any, shape: RoutingShape | None) -> 
         return [f"speculative_method={method!r}: pass model_config so the guard can check its MTP layers"]
     try:
         text = _text_config(model_config)
-    except ValueError:
+    except Exception:
         return []  # the model check above already reported the config
     announced = [(name, _get(text, name)) for name in MTP_LAYER_FIELDS if _get(text, name) is not None]
     bad = [(name, value) for name, value in announced if not _is_int(value) or value < 0]
@@ -225,18 +234,46 @@ def _is_dense_kind(kind: str) -> bool:
     return kind in DENSE_MLP_TYPES or kind in ("attention", "full_attention", "mamba", "sliding_attention")
 
 
+def _raised(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def _draft_model_reasons(method: str, draft_config: Any) -> list[str]:
+    """The draft is served when its config is readable and has no router fields (a dense draft);
+    anything else is refused with the reason. Readable: a transformers config or a mapping whose
+    decoder config has ``num_hidden_layers`` (every decoder config has it, EAGLE heads' too), so a
+    model's name, a number, a list or an empty dict is never taken for a dense model."""
+    if isinstance(draft_config, (str, bytes, os.PathLike)):
+        return [
+            f"draft_model_config must be the draft model's config (a transformers config or a dict), got "
+            f"{draft_config!r}: a name or path says nothing about its routers; load its config "
+            "(transformers.AutoConfig.from_pretrained) and pass that"
+        ]
+    if isinstance(draft_config, (bool, int, float, complex, list, tuple, set, frozenset)):
+        return [
+            f"draft_model_config must be the draft model's config (a transformers config or a dict), got "
+            f"a {type(draft_config).__name__}: {draft_config!r}"
+        ]
     try:
         text = _text_config(draft_config)
-    except ValueError as e:
-        return [f"draft_model_config cannot be read: {e}"]
-    if _lookup(text, TOP_K_FIELDS)[0] is None and _lookup(text, EXPERT_FIELDS)[0] is None:
-        return []  # no router fields: a dense draft, nothing of it is captured
+        routed = _lookup(text, TOP_K_FIELDS)[0] is not None or _lookup(text, EXPERT_FIELDS)[0] is not None
+        layers = _get(text, "num_hidden_layers")
+    except Exception as e:  # the config's own code raised (a get_text_config, a property)
+        return [f"draft_model_config cannot be read: {_raised(e)}"]
+    if not routed:
+        if _is_int(layers) and layers >= 1:
+            return []  # a decoder config without router fields: a dense draft, nothing of it is captured
+        return [
+            f"draft_model_config must be a model config with num_hidden_layers an int >= 1, got "
+            f"num_hidden_layers={layers!r} in {_short_repr(draft_config)}: the guard cannot tell whether "
+            "that draft routes through MoE layers"
+        ]
     try:
         draft = resolve_routing_shape(draft_config)
-    except ValueError as e:
+    except Exception as e:
+        why = str(e) if isinstance(e, ValueError) else _raised(e)
         return [
-            f"draft_model_config has router fields but cannot be resolved ({e}); a draft's MoE layers "
+            f"draft_model_config has router fields but cannot be resolved ({why}); a draft's MoE layers "
             "are not part of the target model's routing layer axis"
         ]
     return [

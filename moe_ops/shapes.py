@@ -433,13 +433,17 @@ def _str_list(name: str, value: Any) -> list[str]:
     return list(value)
 
 
-def _int_field(config: Any, name: str, *, minimum: int, default: int | None = None) -> int | None:
-    """An int field >= ``minimum``; None (missing) gives ``default``."""
+def _int_field(
+    config: Any, name: str, *, minimum: int | None, default: int | None = None, meaning: str = ""
+) -> int | None:
+    """An int field >= ``minimum`` (None: any int); None (missing) gives ``default``. ``meaning``
+    follows the expected value in the error message."""
     value = _get(config, name)
     if value is None:
         return default
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        expected = "an int" if minimum is None else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {expected}{meaning}, got {value!r}")
     return int(value)
 
 
@@ -501,7 +505,9 @@ def _moe_layers(config: Any, num_model_layers: int) -> tuple[list[int], int]:
         mlp_only = set(_layer_list("mlp_only_layers", mlp_only, n))
     start = _int_field(config, "moe_layer_start_index", minimum=0)
     # ERNIE-4.5: a negative (default -1) or missing end index means the last layer
-    end = _int_field(config, "moe_layer_end_index", minimum=-(1 << 62))
+    end = _int_field(
+        config, "moe_layer_end_index", minimum=None, meaning=" (a layer index; negative: the last layer)"
+    )
     interval = _int_field(config, "moe_layer_interval", minimum=1, default=1)
     period = _int_field(config, "expert_layer_period", minimum=1)
     offset = _int_field(config, "expert_layer_offset", minimum=0, default=0)

@@ -155,7 +155,8 @@ def encode_routing(array: np.ndarray, *, format: str = "npy") -> str:
         return _b64encode(data.reshape(-1).view(np.uint8))
     if array.ndim > _NPY_MAX_NDIM:
         raise ValueError(f"array must have at most {_NPY_MAX_NDIM} dims, got {array.ndim}")
-    array = np.ascontiguousarray(array)
+    # ascontiguousarray makes a 0-d array 1-d: the header would record shape (1,)
+    array = np.ascontiguousarray(array).reshape(array.shape)
     header = io.BytesIO()
     npy_format.write_array_header_1_0(header, npy_format.header_data_from_array_1_0(array))
     head = header.getvalue()
@@ -168,9 +169,17 @@ def encode_routing(array: np.ndarray, *, format: str = "npy") -> str:
     return _b64encode(buf)
 
 
+def _byte_view(b: memoryview) -> memoryview:
+    """``b`` as one flat run of bytes; a non-contiguous view (a strided slice) is copied into one
+    first (memoryview.cast takes C-contiguous views only)."""
+    if not b.c_contiguous or b.nbytes == 0:  # cast refuses a 0 in the shape too
+        b = memoryview(b.tobytes())
+    return b.cast("B") if b.format != "B" or b.ndim != 1 else b
+
+
 def _as_text(s: Any) -> str | bytes | bytearray | memoryview:
     if isinstance(s, memoryview):
-        return s.cast("B") if s.format != "B" or s.ndim != 1 else s
+        return _byte_view(s)
     if not isinstance(s, (str, bytes, bytearray)):
         raise TypeError(f"s must be str or bytes, got {type(s).__name__}")
     return s
@@ -244,7 +253,8 @@ def decode_routing(
     """The array of a base64 routing text (from :func:`encode_routing` or a serving engine).
 
     Args:
-        s: base64 text (str or ASCII bytes).
+        s: base64 text (str or ASCII bytes, bytearray or memoryview; a non-contiguous memoryview
+            is copied first).
         format: ``"npy"`` (vLLM's ``routed_experts``; the header gives shape and dtype) or
             ``"sglang"`` (raw ids with no header: ``num_layers``, ``top_k`` and ``dtype`` required).
         num_layers: ids per token are ``(num_layers, top_k)``. ``"npy"``: optional, the header's
@@ -405,14 +415,15 @@ def encode_routing_bytes(array: np.ndarray) -> bytes:
 
 def decode_routing_bytes(b: bytes | bytearray | memoryview, *, max_elements: int | None = None) -> np.ndarray:
     """The array of :func:`encode_routing_bytes` output; same checks as :func:`decode_routing`, and
-    the reserved header byte must be 0.
+    the reserved header byte must be 0. ``b``: bytes, bytearray or memoryview (a non-contiguous
+    memoryview is copied first).
 
     Returns a new, writable array in native byte order.
     """
     if not isinstance(b, (bytes, bytearray, memoryview)):
         raise TypeError(f"b must be bytes, got {type(b).__name__}")
     max_elements = _check_count("max_elements", max_elements, minimum=0)
-    view = memoryview(b).cast("B")
+    view = _byte_view(memoryview(b))
     if len(view) < _RAW_HEADER.size:
         raise ValueError(
             f"raw routing bytes are shorter ({len(view)}) than the {_RAW_HEADER.size}-byte header"

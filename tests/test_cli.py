@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 
 import moe_ops
-from moe_ops.cli import main
+from moe_ops.cli import MAX_DEMO_REQUESTS, MAX_STEP_ROWS, _build_parser, main
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -45,6 +54,64 @@ def test_bad_values_are_one_line_usage_errors(argv, message, capsys):
     assert err.strip().splitlines()[-1].startswith(f"moe-ops {argv[0]}: error: ")
 
 
+# values that ran for minutes growing memory (--requests), asked for terabytes (--max-batch-tokens,
+# --capture-sizes) or raised from numpy and torch (--seed): usage errors at parse time now
+OUT_OF_RANGE = [
+    (["demo", "--requests", str(10**20)], f"must be <= {MAX_DEMO_REQUESTS}, got {10**20}"),
+    (["demo", "--requests", str(MAX_DEMO_REQUESTS + 1)], f"must be <= {MAX_DEMO_REQUESTS}"),
+    (["demo", "--seed", str(10**23)], f"must be <= {2**63 - 1}, got {10**23}"),
+    (["demo", "--seed", str(2**63)], f"must be <= {2**63 - 1}"),
+    (["demo", "--seed", "-5"], "must be >= 0, got -5"),
+    (["demo", "--max-batch-tokens", str(10**11)], f"must be <= {MAX_STEP_ROWS}"),
+    (
+        ["demo", "--max-batch-tokens", "5"],
+        "must be >= 20 (the longest synthetic prompt fits in one step), got 5",
+    ),
+    (["demo", "--capture-sizes", "99999999999"], f"capture sizes must be <= {MAX_STEP_ROWS} rows"),
+    (["demo", "--capture-sizes", f"8,{MAX_STEP_ROWS + 1}"], f"capture sizes must be <= {MAX_STEP_ROWS} rows"),
+]
+
+
+@pytest.mark.parametrize("argv, message", OUT_OF_RANGE, ids=[" ".join(a) for a, _ in OUT_OF_RANGE])
+def test_out_of_range_values_are_usage_errors_before_any_work(argv, message, capsys):
+    """Parsing alone refuses them (exit 2): the demo never starts."""
+    with pytest.raises(SystemExit) as exc:
+        _build_parser().parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("moe-ops demo: error: ")
+
+
+def test_the_range_ends_are_accepted():
+    args = _build_parser().parse_args(
+        ["demo", "--requests", str(MAX_DEMO_REQUESTS), "--seed", str(2**63 - 1), "--max-batch-tokens", "20"]
+    )
+    assert (args.requests, args.seed, args.max_batch_tokens) == (MAX_DEMO_REQUESTS, 2**63 - 1, 20)
+    args = _build_parser().parse_args(
+        ["demo", "--max-batch-tokens", str(MAX_STEP_ROWS), "--capture-sizes", "1"]
+    )
+    assert args.max_batch_tokens == MAX_STEP_ROWS and args.capture_sizes == "1"
+
+
+def test_the_largest_seed_runs_the_demo(tmp_path, capsys):
+    """2**63 - 1 seeds numpy's and torch's generators alike."""
+    argv = ["demo", "--modes", "eager", "--requests", "2", "--no-train", "--device", "cpu"]
+    assert main([*argv, "--seed", str(2**63 - 1), "--out", str(tmp_path)]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["under a regular file", "a regular file"])
+def test_an_unwritable_output_folder_stops_the_demo_before_any_work(tmp_path, capsys, where):
+    """--out under a regular file used to fail after the whole run; now: exit 2 at once, nothing run."""
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "demo" if where == "under a regular file" else tmp_path / "file"
+    code = main(["demo", "--modes", "eager", "--requests", "2", "--device", "cpu", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured.out  # the demo printed nothing: it never started
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith(f"error: --out '{out}': ") and "Traceback" not in captured.err
+
+
 @pytest.mark.parametrize("command", ["selftest", "backends", "demo", "inspect"])
 def test_every_subcommand_has_a_description_and_argument_help(command, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -57,3 +124,191 @@ def test_every_subcommand_has_a_description_and_argument_help(command, capsys):
     # every option line carries a help text (argparse prints it on the same or the next line)
     options = [line for line in out.splitlines() if line.strip().startswith("--")]
     assert all(len(line.split("  ")) > 1 or line.strip().endswith("...") for line in options), options
+
+
+# ---------------------------------------------------------------------------------------------------
+# moe-ops inspect on hostile files: one line each, never a traceback, never a large allocation
+# ---------------------------------------------------------------------------------------------------
+
+# The memory a child running `moe-ops inspect` may allocate beyond what its imports took: every file
+# below asks for far more (1 GiB of zip bomb, 8 GiB of counts for id 10**9, 8 TiB for 2**40) and a
+# well-formed summary needs a few MiB.
+INSPECT_BOUND = 512 << 20
+
+# Runs `moe-ops inspect` on each file in one child process under RLIMIT_AS (what its imports
+# mapped + INSPECT_BOUND); prints per file its exit code, what it wrote to stderr, and the type of
+# any exception that escaped the command.
+_BOUNDED_INSPECT = """
+import contextlib, io, json, resource, sys
+from moe_ops.cli import main
+import moe_ops.demo.inspect  # everything imported before the bound
+vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + int(sys.argv[1]), resource.RLIM_INFINITY))
+for path in sys.argv[2:]:
+    out, err, escaped = io.StringIO(), io.StringIO(), None
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            rc = main(["inspect", path])
+    except SystemExit as e:
+        rc = e.code
+    except BaseException as e:
+        rc, escaped = None, type(e).__name__
+    result = {"path": path, "rc": rc, "out": out.getvalue(), "err": err.getvalue(), "escaped": escaped}
+    print(json.dumps(result), flush=True)
+"""
+
+
+def _npy_bytes(header: dict, data: bytes) -> bytes:
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, header)
+    return f.getvalue() + data
+
+
+def _zip_bomb(path, declared: int) -> None:
+    """A routing.npz whose routing.npy is ``declared`` bytes of zeros, deflated (~220x at level 1:
+    1 GiB in 4.7 MB), written in 4 MiB pieces so that the test never holds it."""
+    with (
+        zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as z,
+        z.open("routing.npy", "w", force_zip64=True) as f,
+    ):
+        f.write(_npy_bytes({"descr": "|u1", "fortran_order": False, "shape": (declared // 32, 4, 8)}, b""))
+        chunk = bytes(4 << 20)
+        for _ in range(declared // len(chunk)):
+            f.write(chunk)
+
+
+def _hostile_files(tmp: Path) -> dict[str, Path]:
+    routing = np.array([[[0, 1]], [[2, 3]]], dtype=np.uint8)
+    files = {}
+
+    def npz(name, **arrays):
+        files[name] = tmp / f"{name}.npz"
+        np.savez(files[name], **{"routing": routing, **arrays})
+
+    _zip_bomb(tmp / "bomb.npz", 1 << 30)
+    files["zip bomb"] = tmp / "bomb.npz"
+    npz("num_experts 10**12", num_experts=np.int64(10**12))
+    npz("num_experts inf", num_experts=np.float64("inf"))
+    npz("num_experts of shape (2,)", num_experts=np.array([8, 8]))
+    npz("moe_layers [1.5, inf]", routing=np.zeros((2, 2, 2), np.uint8), moe_layers=np.array([1.5, np.inf]))
+    npz("prompt_len of shape (2,)", tokens=np.arange(3), prompt_len=np.array([1, 2]))
+    files["member declaring 2**40 elements"] = tmp / "huge_member.npz"
+    with zipfile.ZipFile(files["member declaring 2**40 elements"], "w") as z:
+        header = {"descr": "|u1", "fortran_order": False, "shape": (2**38, 1, 4)}
+        z.writestr("routing.npy", _npy_bytes(header, bytes(8)))
+    whole = (tmp / "num_experts 10**12.npz").read_bytes()
+    files["truncated npz"] = tmp / "truncated.npz"
+    files["truncated npz"].write_bytes(whole[: len(whole) // 2])
+    files["float routing npy"] = tmp / "float.npy"
+    np.save(files["float routing npy"], np.zeros((2, 1, 2)))
+    npz("float routing npz", routing=np.full((2, 1, 2), 0.5))
+    files["id -7"] = tmp / "minus7.npy"
+    np.save(files["id -7"], np.array([[[-7, 1]]], dtype=np.int16))
+    files["npy declaring more than it holds"] = tmp / "short.npy"
+    files["npy declaring more than it holds"].write_bytes(
+        _npy_bytes({"descr": "<i4", "fortran_order": False, "shape": (2**20, 4, 8)}, bytes(64))
+    )
+    return files
+
+
+def _bounded_inspect(paths: list[Path]) -> dict[Path, dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _BOUNDED_INSPECT, str(INSPECT_BOUND), *map(str, paths)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {Path(r["path"]): r for r in map(json.loads, out.stdout.splitlines())}
+    missing = [p for p in paths if p not in results]
+    assert not missing, f"the child died before {missing}: {out.stderr[-2000:]}"
+    return results
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmSize from /proc")
+
+
+@needs_proc
+def test_inspect_refuses_hostile_files_in_one_line_within_a_memory_bound(tmp_path):
+    """Measured: 20 s here (6 s writing the zip bomb, 10 s importing torch in the child); the
+    timeout is a hang guard."""
+    files = _hostile_files(tmp_path)
+    results = _bounded_inspect(list(files.values()))
+    for name, path in files.items():
+        r = results[path]
+        assert r["escaped"] is None, f"{name}: {r['escaped']} escaped moe-ops inspect"
+        lines = r["err"].strip().splitlines()
+        assert r["rc"] == 1 and len(lines) == 1, f"{name}: rc {r['rc']}, stderr {r['err']!r}"
+        assert lines[0].startswith(f"{path}: cannot read routing: "), f"{name}: {lines[0]}"
+        assert "out of memory" not in lines[0], f"{name}: refused only by the memory bound"
+
+
+@needs_proc
+def test_inspect_counts_huge_ids_without_an_array_of_that_many_experts(tmp_path):
+    """A 136-byte .npy holding id 10**9 (or 2**40): the guessed expert count is the id + 1, and the
+    per-layer counts are of the ids present, not a 10**9-entry bincount."""
+    paths = []
+    for value in (10**9, 2**40):
+        paths.append(tmp_path / f"id{value}.npy")
+        np.save(paths[-1], np.array([[[value, 3]]], dtype=np.int64))
+        assert paths[-1].stat().st_size == 144  # header + two int64 ids
+    results = _bounded_inspect(paths)
+    for value, path in zip((10**9, 2**40), paths):
+        r = results[path]
+        assert r["escaped"] is None and r["rc"] == 0 and not r["err"], r
+        assert f"experts: {value + 1} (guessed: largest id + 1" in r["out"], r["out"]
+        assert f"layer   0: 2/{value + 1} experts used; busiest 3 (1), {value} (1)" in r["out"], r["out"]
+
+
+def test_inspect_counts_the_no_routing_marker_apart(tmp_path, capsys):
+    """-1 (signed) and an unsigned array's largest value below num_experts mark rows with no
+    routing (what SlotStore writes): counted apart, never a bincount error."""
+    signed = tmp_path / "signed.npy"
+    np.save(signed, np.array([[[3, 1]], [[-1, -1]], [[3, 0]]], dtype=np.int16))
+    assert main(["inspect", str(signed)]) == 0
+    text = capsys.readouterr().out
+    assert "rows with no routing (marker -1): 1 of 3" in text and "ids in [0, 3]" in text
+    assert "experts: 4 (guessed" in text and "busiest 3 (2), 0 (1), 1 (1)" in text
+    unsigned = tmp_path / "unsigned.npz"
+    routing = np.array([[[3, 1]], [[255, 255]]], dtype=np.uint8)
+    np.savez(unsigned, routing=routing, num_experts=np.int64(8), moe_layers=np.array([2]))
+    assert main(["inspect", str(unsigned)]) == 0
+    text = capsys.readouterr().out
+    assert "rows with no routing (marker 255): 1 of 2" in text and "layer   2: 2/8 experts used" in text
+
+
+# ---------------------------------------------------------------------------------------------------
+# moe-ops demo --hf: the KV cache under the argument the installed transformers takes
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_demo_hf_passes_the_kv_cache_under_the_supported_name(tmp_path, capsys):
+    """transformers 5.24 renamed past_key_values to cache and warns (FutureWarning) that the old name
+    goes in 5.40; 5.13-5.17 take past_key_values only. The demo runs warning-free on either."""
+    transformers = pytest.importorskip("transformers")
+    try:
+        from moe_ops.integrations import hf
+    except ImportError as exc:  # a transformers older than the integration supports
+        pytest.skip(str(exc))
+    import inspect
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(
+            ["demo", "--hf", "qwen3_moe", "--requests", "2", "--device", "cpu", "--out", str(tmp_path)]
+        )
+    assert code == 0, capsys.readouterr().out
+    deprecations = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert not deprecations, (
+        f"transformers {transformers.__version__}, {len(deprecations)} x {deprecations[:1]}"
+    )
+
+    from moe_ops.demo.hf import kv_cache_argument
+
+    model = hf.build_tiny_model("qwen3_moe")
+    takes = inspect.signature(model.forward).parameters
+    assert kv_cache_argument(model) == ("cache" if "cache" in takes else "past_key_values")
+    assert kv_cache_argument(model) in takes

@@ -291,7 +291,9 @@ def test_launcher_reports_errors_deaths_and_hangs():
             start = time.monotonic()
             with pytest.raises(AssertionError, match=pattern):
                 pool.run(_misbehave, kind, 1, timeout=3)
-            assert time.monotonic() - start < 10, f"{kind}: the launcher waited too long"
+            # a death is seen at once (0.06 s measured), a hang killed at the 3 s deadline (3.03 s):
+            # the bound is the 30 s collective timeout they must not be left to
+            assert time.monotonic() - start < 30, f"{kind}: the launcher waited for the collective timeout"
             assert pool.broken and not any(p.is_alive() for p in pool._procs), f"{kind}: a rank survived"
         finally:
             pool.close()
@@ -1027,7 +1029,9 @@ def test_a_batch_over_the_scratch_raises_on_every_rank_gloo(parallel):
             assert isinstance(got, RankFailure), f"rank {rank} did not raise (check_at_plan={check_at_plan})"
             assert got.type_name == "ValueError", f"rank {rank}: {got.type_name}: {got.message}"
             assert re.search(pattern, got.message), f"rank {rank}: {got.message}"
-        assert elapsed < COLLECTIVE_TIMEOUT / 2, f"a rank waited for a peer ({elapsed:.1f} s)"
+        # a rank that waited for a peer would take the whole collective timeout (60 s); every rank
+        # raising at once takes 0.01-2.8 s here (the first case loads FlashInfer), so that is the bound
+        assert elapsed < COLLECTIVE_TIMEOUT, f"a rank waited for a peer ({elapsed:.1f} s)"
     fits = _scratch_case(parallel, (5, 8, 3, 0)[:dp])
     check_rollout(fits, pool.run(_monolithic, fits, 8, True))
 

@@ -22,8 +22,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP = re.compile(r"^<!-- skip-run: (.+) -->$")
-# one block imports moe_ops (~3 s here) and runs a few tiny ops; 60 s is a hang, not a slow block
-TIMEOUT_S = 60
+# A hang guard, not a speed check. One block imports moe_ops (and torch, transformers) and runs a
+# few tiny ops: 2.5-3.8 s each, measured one at a time on the 2-core machine at load 2-4. With the
+# rest of the suite and other work on those cores (load ~8) blocks took over 60 s, the old limit;
+# 600 s is 150x the slowest measured block.
+TIMEOUT_S = 600
 
 
 def _collect() -> list[tuple[str, int, str, str | None]]:

@@ -33,7 +33,11 @@ def test_supported_setup_returns_the_shape():
             dict(pipeline_parallel_size=2),
             r"pipeline_parallel_size=2: pipeline parallelism > 1 is not supported",
         ),
-        (dict(pipeline_parallel_size=0), r"pipeline_parallel_size=0"),
+        (
+            dict(pipeline_parallel_size=0),
+            r"pipeline_parallel_size must be an int >= 1 \(1: no pipeline parallelism.*got 0$",
+        ),
+        (dict(pipeline_parallel_size=-3), r"pipeline_parallel_size must be an int >= 1 .*got -3$"),
         (dict(pipeline_parallel_size="2"), r"pipeline_parallel_size must be an int"),
         (dict(cpu_offload_gb=4), r"cpu_offload_gb=4: CPU weight offloading is not supported"),
         (dict(cpu_offload_gb=-1), r"cpu_offload_gb must be a finite number >= 0"),
@@ -102,6 +106,12 @@ def test_all_problems_are_listed_at_once_and_it_is_a_value_error():
         (dict(moe_layers=[1.7]), r"moe_layers must hold int layer indices, got \[1.7\]"),
         (dict(moe_layer_freq=0), "moe_layer_freq must be an int >= 1, got 0"),
         (dict(num_hidden_layers=2**40), "num_hidden_layers=1099511627776|exceeds MAX_MODEL_LAYERS"),
+        # any int is an end index (negative: the last layer): the message says that, not a bound
+        (
+            dict(moe_layer_end_index=1.5),
+            r"moe_layer_end_index must be an int \(a layer index; negative: the last layer\), got 1.5",
+        ),
+        (dict(moe_layer_end_index="-1"), r"moe_layer_end_index must be an int \(a layer index.*got '-1'"),
     ],
 )
 def test_each_bad_model_field_is_an_unsupported_config_naming_it(fields, match):
@@ -201,6 +211,107 @@ def test_draft_models_need_their_config_and_must_be_dense():
         )
 
 
+class _Path:  # os.PathLike: a checkpoint folder, not a config
+    def __fspath__(self):
+        return "/ckpt/moe-draft"
+
+
+@pytest.mark.parametrize(
+    "draft, match",
+    [
+        ("org/moe-draft", r"got 'org/moe-draft': a name or path says nothing about its routers"),
+        (b"org/moe-draft", "a name or path says nothing about its routers"),
+        (_Path(), "a name or path says nothing about its routers"),
+        (42, "got a int: 42"),
+        (1.5, "got a float: 1.5"),
+        (True, "got a bool: True"),
+        ([{"num_hidden_layers": 1}], "got a list"),
+        ((1, 2), "got a tuple"),
+        ({}, r"num_hidden_layers an int >= 1, got num_hidden_layers=None in \{\}"),
+        ({"hidden_size": 64}, "num_hidden_layers=None"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers=0"),
+        ({"num_hidden_layers": "2"}, "num_hidden_layers='2'"),
+        ({"num_hidden_layers": True}, "num_hidden_layers=True"),
+        (object(), "num_hidden_layers=None"),
+    ],
+)
+def test_a_draft_config_the_guard_cannot_read_is_refused_not_taken_for_dense(draft, match):
+    """Dense only when the config is readable (a decoder config: num_hidden_layers >= 1) and has no
+    router fields; a model's name, a number, a list or an empty dict says nothing of its routers."""
+    with pytest.raises(UnsupportedConfigError, match=match) as info:
+        validate_serving_config(MOE, speculative_method="eagle", draft_model_config=draft)
+    assert len(info.value.reasons) == 1 and info.value.reasons[0].startswith("draft_model_config ")
+
+
+@settings(max_examples=200)
+@given(
+    draft=st.one_of(
+        st.sampled_from(HOSTILE_CONFIG_VALUES),
+        st.fixed_dictionaries({"num_hidden_layers": st.sampled_from(HOSTILE_CONFIG_VALUES)}),
+        st.fixed_dictionaries(
+            {
+                "text_config": st.fixed_dictionaries(
+                    {"num_hidden_layers": st.sampled_from(HOSTILE_CONFIG_VALUES)}
+                )
+            }
+        ),
+    )
+)
+def test_a_router_free_draft_is_served_only_with_a_layer_count(draft):
+    layers = None
+    if isinstance(draft, dict):
+        layers = draft.get("text_config", draft).get("num_hidden_layers")
+    readable = type(layers) is int and layers >= 1
+    try:
+        shape = validate_serving_config(MOE, speculative_method="eagle3", draft_model_config=draft)
+    except UnsupportedConfigError as e:
+        assert not readable, e.reasons
+        assert len(e.reasons) == 1 and "draft_model_config" in e.reasons[0]
+    else:
+        assert readable and shape == validate_serving_config(MOE)
+
+
+class _RaisingConfig:
+    """A config object whose get_text_config raises (a transformers config with a broken
+    sub-config does): the guard reports it, it does not let the error through."""
+
+    num_hidden_layers = 2
+
+    def get_text_config(self, decoder=False):
+        raise RuntimeError("sub-config 'text_config' failed to load")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(model_config=_RaisingConfig()), "model_config cannot be read: RuntimeError: sub-config"),
+        (
+            dict(model_config=_RaisingConfig(), speculative_method="deepseek_mtp"),
+            "model_config cannot be read: RuntimeError: sub-config",
+        ),
+        (
+            dict(model_config=MOE, speculative_method="eagle", draft_model_config=_RaisingConfig()),
+            "draft_model_config cannot be read: RuntimeError: sub-config",
+        ),
+    ],
+)
+def test_a_config_whose_own_code_raises_is_an_unsupported_config(kwargs, match):
+    with pytest.raises(UnsupportedConfigError, match=match) as info:
+        validate_serving_config(**kwargs)
+    assert len(info.value.reasons) == 1
+
+
+@pytest.mark.skipif(transformers is None, reason="transformers is not installed (the hf extra)")
+def test_transformers_draft_configs_dense_served_moe_refused():
+    """Real config objects: a one-layer Llama (an EAGLE head's config) is a dense draft; a
+    Qwen3-MoE draft has routers of its own."""
+    dense = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128)
+    assert validate_serving_config(MOE, speculative_method="eagle", draft_model_config=dense)
+    moe = transformers.Qwen3MoeConfig(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
+    with pytest.raises(UnsupportedConfigError, match="the draft model has 2 MoE layers"):
+        validate_serving_config(MOE, speculative_method="eagle", draft_model_config=moe)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -220,10 +331,13 @@ def test_inconsistent_speculative_arguments_are_refused(kwargs, match):
 
 @pytest.mark.skipif(transformers is None, reason="transformers is not installed (the hf extra)")
 def test_deepseek_v3_config_object_with_its_mtp_layer():
-    """transformers' DeepseekV3Config ships one MTP layer (num_nextn_predict_layers, num_mtp_layers
-    in transformers 5): served without speculative decoding, refused with MTP drafting."""
+    """transformers' DeepseekV3Config ships one MTP layer (num_nextn_predict_layers, num_mtp_layers;
+    5.17 and 5.24 have them, 5.13 neither): served without speculative decoding, refused with MTP
+    drafting, saying which layers where the config names them and that it names none otherwise."""
     config = transformers.DeepseekV3Config()
     assert validate_serving_config(config).num_layers == 58
     assert validate_serving_config(config, speculative_method="ngram").num_layers == 58
-    with pytest.raises(UnsupportedConfigError, match=r"num_nextn_predict_layers=1.*model layers 0\.\.60"):
+    announced = getattr(config, "num_nextn_predict_layers", None)
+    match = r"num_nextn_predict_layers=1.*model layers 0\.\.60" if announced else "the config announces none"
+    with pytest.raises(UnsupportedConfigError, match=match):
         validate_serving_config(config, speculative_method="deepseek_mtp")

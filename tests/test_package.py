@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,189 @@ def test_a_graphs_folder_in_the_working_directory_does_not_shadow_moe_ops_graphs
     init, runner, shadowed = out.stdout.split()
     assert Path(init) == ROOT / "graphs" / "__init__.py" and Path(runner) == ROOT / "graphs" / "runner.py"
     assert shadowed == "False"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The release path: `python -m build` makes the sdist, then the wheel FROM THE SDIST; the wheel goes
+# into a fresh virtual environment. A wheel built from the source tree (above) cannot see a file the
+# sdist leaves out.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _manifest_sources() -> list[str]:
+    """What the sdist is built from: the packages, pyproject.toml, MANIFEST.in and what its
+    ``include`` and ``graft`` lines name (the checkout may hold much else: a .venv, outputs)."""
+    names = ["pyproject.toml", "MANIFEST.in", "moe_ops", "graphs"]
+    for line in (ROOT / "MANIFEST.in").read_text().splitlines():
+        words = line.split()
+        if words and words[0] in ("include", "graft"):
+            names += words[1:]
+    return sorted(set(names))
+
+
+def _copy_sources(dest: Path) -> None:
+    import shutil
+
+    skip = shutil.ignore_patterns("__pycache__", "*.py[cod]", ".pytest_cache", ".hypothesis")
+    dest.mkdir()
+    for name in _manifest_sources():
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, dest / name, ignore=skip)
+        elif (ROOT / name).exists():
+            shutil.copy(ROOT / name, dest / name)
+
+
+def _stage_requirements(requirements: list[str], stage: Path) -> list[str]:
+    """Links the installed distributions that ``requirements`` need (with their own requirements,
+    transitively) into ``stage``, a folder a fresh environment adds to its path: the packages this
+    run tests with, found without a network. Returns the names of those not installed here."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    stage.mkdir(parents=True)
+    seen: set[str] = set()
+    missing: list[str] = []
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = req.name.lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(req.name)
+        except metadata.PackageNotFoundError:
+            missing.append(req.name)
+            continue
+        for path in dist.files or ():
+            top = path.parts[0]
+            if top in ("..", "__pycache__") or top.endswith(".pth") or (stage / top).exists():
+                continue
+            os.symlink(dist.locate_file(top), stage / top)
+        for text in dist.requires or ():
+            sub = Requirement(text)
+            if sub.marker is None or sub.marker.evaluate({"extra": ""}):
+                todo.append(sub)
+    return missing
+
+
+@pytest.mark.slow
+def test_the_release_path_sdist_then_wheel_then_a_fresh_environment(tmp_path):
+    """sdist -> wheel built from it -> a fresh venv: ``import moe_ops.graphs``, ``moe-ops demo``
+    (--help and a one-request run), the sdist's own tests collect. Measured on 2 idle cores: 35 s
+    (build 12 s, venv and install 8 s, collection 12 s); the timeouts are hang guards."""
+    import tarfile
+    import zipfile
+
+    pytest.importorskip("build", reason="the release is built with `python -m build` (pip install build)")
+    pytest.importorskip("setuptools", minversion="77", reason="builds with the build-system's setuptools")
+    src = tmp_path / "src"
+    _copy_sources(src)
+    dist = tmp_path / "dist"
+    # --no-isolation: the build-system's setuptools from this environment, no network
+    subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, src],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    (sdist,) = dist.glob("moe_ops-*.tar.gz")
+    (wheel,) = dist.glob("moe_ops-*.whl")
+
+    # the sdist holds every file of the packages (the checkout's moe_ops/graphs/__init__.py too:
+    # setuptools finds the package moe_ops.graphs through it) and every test
+    with tarfile.open(sdist) as tar:
+        top = sdist.name.removesuffix(".tar.gz")
+        members = {m.name.removeprefix(top + "/") for m in tar.getmembers() if m.isfile()}
+        tar.extractall(
+            tmp_path / "unpacked", **({"filter": "data"} if hasattr(tarfile, "data_filter") else {})
+        )
+    unpacked = tmp_path / "unpacked" / top
+    wanted = [p for folder in ("moe_ops", "graphs", "tests") for p in (ROOT / folder).rglob("*")]
+    wanted = {
+        str(p.relative_to(ROOT))
+        for p in wanted
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".typed")
+    }
+    assert not wanted - members, f"files the sdist lacks: {sorted(wanted - members)}"
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        assert {
+            "moe_ops/graphs/__init__.py",
+            "moe_ops/graphs/runner.py",
+            "moe_ops/graphs/compile.py",
+        } <= names
+        assert z.read("moe_ops/graphs/__init__.py") == (ROOT / "graphs" / "__init__.py").read_bytes()
+
+    # a fresh venv; its dependencies are this run's installed packages, linked in (no network)
+    venv = tmp_path / "venv"
+    # without pip: a venv's own setuptools (Python 3.11 bundles 65) would hide the one torch needs;
+    # this run's pip installs into it (--python)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", venv], check=True, capture_output=True, timeout=300
+    )
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.strip()
+    with zipfile.ZipFile(wheel) as z:
+        (meta_name,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        meta = z.read(meta_name).decode()
+    requires = [
+        line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")
+    ]
+    base = [r for r in requires if "extra ==" not in r]
+    tests = [r.split(";")[0] for r in requires if 'extra == "test"' in r]
+    extras = [r.split(";")[0] for r in requires if 'extra == "hf"' in r or 'extra == "flashinfer"' in r]
+    # "site-packages" in the path: hypothesis takes a module elsewhere for the user's own and parses
+    # its source for constants (measured: 57 s of a 75 s collection for torch and transformers)
+    stage = tmp_path / "deps" / "site-packages"
+    missing = _stage_requirements(base + tests, stage)
+    assert not missing, f"declared requirements not installed in this environment: {missing}"
+    # optional: their tests skip without them
+    _stage_requirements(extras, tmp_path / "extras" / "site-packages")
+    Path(site, "_tested_packages.pth").write_text(f"{stage}\n{tmp_path / 'extras' / 'site-packages'}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "-q", f"{wheel}[test]"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert install.returncode == 0, install.stdout + install.stderr
+
+    def run(*args, cwd=tmp_path):
+        return subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+
+    out = run(
+        python, "-c", "import moe_ops, moe_ops.graphs; print(moe_ops.__file__, moe_ops.graphs.__file__)"
+    )
+    assert out.returncode == 0, out.stderr
+    assert all(Path(f).is_relative_to(site) for f in out.stdout.split()), out.stdout
+    out = run(venv / "bin" / "moe-ops", "demo", "--help")
+    assert out.returncode == 0 and "--requests" in out.stdout, out.stderr
+    out = run(
+        venv / "bin" / "moe-ops",
+        "demo",
+        "--device",
+        "cpu",
+        "--modes",
+        "eager",
+        "--requests",
+        "1",
+        "--no-train",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "demo"),
+    )
+    assert out.returncode == 0 and "all verified" in out.stdout, out.stdout + out.stderr
+    assert list((tmp_path / "demo").glob("request_*/routing.npz"))
+    # pytest from the unpacked sdist (python -m puts it first on the path): every test collects
+    out = run(python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", cwd=unpacked)
+    assert out.returncode == 0 and "error" not in out.stdout.splitlines()[-1], out.stdout[-3000:] + out.stderr

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from strategies import (
     mutated,
@@ -307,6 +307,52 @@ def test_decode_rejects_non_text_with_type_error():
         decode_routing_bytes("MOER")
     with pytest.raises(ValueError, match="max_elements must be None"):
         decode_routing_bytes(encode_routing_bytes(np.zeros(2, np.uint8)), max_elements=-5)
+
+
+def test_a_0d_array_keeps_its_shape():
+    for encode, decode in ((encode_routing, decode_routing), (encode_routing_bytes, decode_routing_bytes)):
+        out = decode(encode(np.array(95, np.uint8)))
+        assert out.shape == () and out == 95
+
+
+def _strided_view(payload: bytes, step: int, offset: int, rows: int) -> memoryview:
+    """``payload`` as a memoryview that is not contiguous: its bytes every ``step``-th of a larger
+    buffer (poisoned with 0xAA between them), as ``rows`` rows when ``rows`` divides its length."""
+    buf = np.full(offset + len(payload) * step, 0xAA, dtype=np.uint8)
+    buf[offset::step] = np.frombuffer(payload, dtype=np.uint8)
+    view = buf[offset::step]
+    if rows > 1 and len(payload) % rows == 0:
+        # 2-D and non-contiguous; a column slice of a wider array when step is 1
+        wide = np.full((rows, 2 * len(payload) // rows), 0xAA, dtype=np.uint8)
+        wide[:, ::2] = np.frombuffer(payload, dtype=np.uint8).reshape(rows, -1)
+        view = wide[:, ::2] if step == 1 else view.reshape(rows, -1)
+    return memoryview(view)
+
+
+@settings(max_examples=100)
+@given(
+    array=routing_arrays(),
+    step=st.integers(1, 5),
+    offset=st.integers(0, 7),
+    rows=st.integers(1, 4),
+    form=st.sampled_from(["npy", "sglang", "raw"]),
+)
+def test_non_contiguous_memoryviews_decode_like_their_bytes(array, step, offset, rows, form):
+    """A strided or 2-D memoryview of a payload decodes to what its bytes decode to (copied first)."""
+    if form == "raw":
+        payload, decode, kwargs = encode_routing_bytes(array), decode_routing_bytes, {}
+    elif form == "sglang":
+        assume(array.ndim == 3 and array.shape[1] >= 1 and array.shape[2] >= 1)
+        array = array.astype(np.int32)
+        payload = encode_routing(array, format="sglang").encode()
+        decode = decode_routing
+        kwargs = dict(format="sglang", num_layers=array.shape[1], top_k=array.shape[2], dtype=np.int32)
+    else:
+        payload, decode, kwargs = encode_routing(array).encode(), decode_routing, {}
+    view = _strided_view(payload, step, offset, rows)
+    out = decode(view, **kwargs)
+    assert out.dtype == array.dtype.newbyteorder("=") and np.array_equal(out, array)
+    assert np.array_equal(out, decode(payload, **kwargs))
 
 
 def test_npy_shape_and_dtype_can_be_asserted():

@@ -89,6 +89,10 @@ def main_demo(args: Any) -> int:
     if device.type != "cuda" and any(RunnerMode(m).needs_cuda for m in modes):
         print(f"error: --modes {modes} include CUDA-graph modes, but the device is {device}", file=sys.stderr)
         return 2
+    problem = _output_folder_problem(args.out)
+    if problem:  # before any work: a run that cannot write its files is not started
+        print(f"error: --out {args.out!r}: {problem}", file=sys.stderr)
+        return 2
     threads = torch.get_num_threads()
     if device.type == "cpu":
         # The tiny model's ops are too small to split across threads, and OpenMP workers spin-wait
@@ -101,6 +105,17 @@ def main_demo(args: Any) -> int:
         return _run_demo(args, device, modes)
     finally:
         torch.set_num_threads(threads)
+
+
+def _output_folder_problem(path: str) -> str | None:
+    """Why the demo cannot write into ``path`` (created here if missing), or None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return f"cannot create the output folder ({e.strerror or e})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "the output folder is not writable"
+    return None
 
 
 def _run_demo(args: Any, device: torch.device, modes: list[str]) -> int:

@@ -21,7 +21,7 @@ from ..store import RoutingLedger, SlotStore
 from .files import write_routing
 from .serve import ServeResult, synthetic_requests
 
-__all__ = ["main_demo_hf", "serve_hf"]
+__all__ = ["kv_cache_argument", "main_demo_hf", "serve_hf"]
 
 
 def main_demo_hf(args: Any, device: torch.device) -> int:
@@ -44,6 +44,17 @@ def main_demo_hf(args: Any, device: torch.device) -> int:
         )
         return 2
     return serve_hf(hf, arch, args, device)
+
+
+def kv_cache_argument(model: Any) -> str:
+    """The name under which ``model.forward`` takes the KV cache and its output returns it:
+    ``past_key_values`` up to transformers 5.17 (the oldest release tried that lacks ``cache``),
+    ``cache`` in 5.24, which still takes ``past_key_values`` with a FutureWarning that it goes in
+    5.40. Read from the signature, so that every release of the supported range gets its own
+    argument. (transformers' deprecation wrapper keeps the wrapped signature, ``functools.wraps``.)"""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def serve_hf(hf: Any, arch: str, args: Any, device: torch.device) -> int:
@@ -72,13 +83,14 @@ def serve_hf(hf: Any, arch: str, args: Any, device: torch.device) -> int:
         f"top-{shape.top_k} on {device} (eager, float32); {len(requests)} requests"
     )
     capturer = RoutingCapturer(shape, 64, device, ring_depth=2)
+    cache_name = kv_cache_argument(model)
 
     def forward(tokens: Sequence[int], cache: Any, start: int) -> tuple[int, Any]:
         ids = torch.tensor([list(tokens)], dtype=torch.int64, device=device)
         positions = torch.arange(start, start + len(tokens), device=device)[None]
         capturer.set_step([len(tokens)])
-        out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
-        return int(out.logits[0, -1].argmax()), out.past_key_values
+        out = model(input_ids=ids, position_ids=positions, use_cache=True, **{cache_name: cache})
+        return int(out.logits[0, -1].argmax()), getattr(out, cache_name)
 
     ledger = RoutingLedger(SlotStore(len(requests) * 64, shape), 64)
     sequences: dict[int, list[int]] = {}

@@ -23,7 +23,15 @@ from ..graphs import CompileCounters, RunnerMode, StepInput, StepRunner
 from ..models.reference import ReferenceMoEModel
 from ..store import RoutingLedger, SlotStore
 
-__all__ = ["DemoRequest", "ServeResult", "greedy_step", "serve", "step_inputs", "synthetic_requests"]
+__all__ = [
+    "MAX_PROMPT_TOKENS",
+    "DemoRequest",
+    "ServeResult",
+    "greedy_step",
+    "serve",
+    "step_inputs",
+    "synthetic_requests",
+]
 
 
 @dataclass(frozen=True)
@@ -43,13 +51,17 @@ class DemoRequest:
         return len(self.prompt) + self.max_new_tokens
 
 
+# the longest prompt synthetic_requests makes by default: a step of the demo must hold one
+MAX_PROMPT_TOKENS = 20
+
+
 def synthetic_requests(
     num_requests: int,
     *,
     vocab_size: int,
     max_seq_len: int,
     seed: int = 0,
-    prompt_lens: tuple[int, int] = (2, 20),
+    prompt_lens: tuple[int, int] = (2, MAX_PROMPT_TOKENS),
     new_tokens: tuple[int, int] = (1, 24),
 ) -> list[DemoRequest]:
     """Requests with random prompts of ``prompt_lens`` (inclusive range) tokens that generate a
