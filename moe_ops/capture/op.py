@@ -20,7 +20,7 @@ from .kernels import capture_rows_torch, capture_rows_triton
 
 if HAS_TRITON:
     from .kernels import _capture_rows_kernel as capture_kernel
-from .target import CaptureTarget
+from .target import CaptureTarget, check_process_group
 
 __all__ = ["capture_into", "capture_routing", "check_process_group", "target_tensors", "tp_world_size"]
 
@@ -97,19 +97,6 @@ def target_tensors(target: CaptureTarget) -> tuple[torch.Tensor, torch.Tensor, t
         empty = _no_stamps(buffer.device)
         return errors, empty, empty
     return errors, target.layer_stamps, target.step_tensor
-
-
-def check_process_group(name: str, group: object, *, optional: bool = True) -> None:
-    """TypeError naming ``name`` unless ``group`` is a ``torch.distributed.ProcessGroup`` (or None
-    when ``optional``). Host metadata only; it creates and joins nothing."""
-    if group is None and optional:
-        return
-    import torch.distributed as dist
-
-    # a torch built without distributed has no ProcessGroup: no object can be one there
-    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        allowed = "a torch.distributed.ProcessGroup" + (" or None" if optional else "")
-        raise TypeError(f"{name} must be {allowed}, got {type(group).__name__}")
 
 
 def tp_world_size(tp_group) -> int:

@@ -28,6 +28,7 @@ __all__ = [
     "RoutingCapturerLike",
     "check_buffer",
     "check_capturer",
+    "check_process_group",
 ]
 
 BUFFER_DTYPES = (torch.int16, torch.int32, torch.int64)
@@ -114,6 +115,19 @@ def check_capturer(capturer: object, what: str = "capturer") -> None:
         )
 
 
+def check_process_group(name: str, group: object, *, optional: bool = True) -> None:
+    """TypeError naming ``name`` unless ``group`` is a ``torch.distributed.ProcessGroup`` (or None
+    when ``optional``). Host metadata only; it creates and joins nothing."""
+    if group is None and optional:
+        return
+    import torch.distributed as dist
+
+    # a torch built without distributed has no ProcessGroup: no object can be one there
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        allowed = "a torch.distributed.ProcessGroup" + (" or None" if optional else "")
+        raise TypeError(f"{name} must be {allowed}, got {type(group).__name__}")
+
+
 @dataclass(frozen=True)
 class CaptureTarget:
     """Where a router or capture call records one layer's ids: exactly what
@@ -161,6 +175,7 @@ class CaptureTarget:
             )
         device = self.buffer.device
         sizes, n_first = plan_window(layout, self.token_counts, self.dp_rank, self.shard_sizes, device)
+        check_process_group("tp_group", self.tp_group)
         if self.tp_group is not None and layout != BatchLayout.SEQUENCE_PARALLEL:
             raise ValueError(f"tp_group is only used by SEQUENCE_PARALLEL, not {layout.name}; pass None")
         if self.fault_counter is not None:

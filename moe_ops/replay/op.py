@@ -79,11 +79,15 @@ class ReplayFaultError(RuntimeError):
     def __init__(self, device: torch.device, rows: int, flags: int):
         self.device, self.rows, self.flags = device, rows, flags
         names = "; ".join(name for bit, name in _FAULT_NAMES.items() if flags & bit) or "no fault bits"
-        message = (
-            f"{rows} replay fault(s) on {device} ({names}). Rows with bad recorded ids were routed live "
-            "from the trainer's logits instead of replayed: the recorded routing does not match this "
-            "model (num_experts, top_k, layer order) or was corrupted on its way here."
-        )
+        id_faults = flags & ~REPLAY_FAULT_ROW_COUNT
+        if id_faults or not flags:
+            message = (
+                f"{rows} replayed row(s) on {device} had bad recorded ids ({names}); those rows were "
+                "routed live from the trainer's logits instead of replayed. The recorded routing does "
+                "not match this model (num_experts, top_k, layer order) or was corrupted on its way here."
+            )
+        else:
+            message = f"{rows} router call(s) on {device} read the replay buffer wrongly ({names})."
         if flags & REPLAY_FAULT_ROW_COUNT:
             message += (
                 " A router whose row count differed from the batch's read the first rows of the "
