@@ -155,11 +155,11 @@ def fwd_replay(case, x: Inputs, compile: bool) -> Callable[[], object]:
 
 
 def fwd_replay_slot(case, x: Inputs, compile: bool) -> Callable[[], object]:
-    """replay_routing reading the record as a trainer's router does: ``layer_ids`` of the selected
-    slot of a SLOTS-slot replayer (inside a CUDA graph with its device-side row-count check)."""
-    kw = x.kwargs(case)
+    """replay_routing reading the record as attach_replay's routers do: ``layer_ids`` of the selected
+    slot of a SLOTS-slot replayer, with the replayer's row-count check in the forward kernel."""
+    kw = dict(x.kwargs(case), backend=x.backend, row_count=x.replayer.row_count)
     n = x.logits.shape[0]
-    return lambda: replay_routing(x.logits, x.replayer.layer_ids(0, n), case.method, backend=x.backend, **kw)
+    return lambda: replay_routing(x.logits, x.replayer.layer_ids(0, n, device_check=False), case.method, **kw)
 
 
 def fwd_route(case, x: Inputs, compile: bool) -> Callable[[], object]:
@@ -182,8 +182,10 @@ def fb_replay_slot(case, x: Inputs, compile: bool) -> Callable[[], object]:
     n = x.logits.shape[0]
 
     def step():
-        recorded = x.replayer.layer_ids(0, n)
-        weights, _ = replay_routing(x.trainable, recorded, case.method, backend=x.backend, **kw)
+        recorded = x.replayer.layer_ids(0, n, device_check=False)
+        weights, _ = replay_routing(
+            x.trainable, recorded, case.method, backend=x.backend, row_count=x.replayer.row_count, **kw
+        )
         return torch.autograd.grad(weights, x.trainable, x.grad_out)
 
     return step

@@ -169,4 +169,6 @@ def test_opcheck(device, use_triton):
         forward_, backward_ = ops.replay_routing_reference_, ops.replay_routing_backward_reference_
     forward, backward = _opcheck_args(device)
     torch.library.opcheck(forward_.default, forward)
+    # with the replayer's row count checked in the forward (a mismatch: 9 rows held, 10 read)
+    torch.library.opcheck(forward_.default, (*forward, torch.tensor([9], dtype=torch.int32, device=device)))
     torch.library.opcheck(backward_.default, backward)

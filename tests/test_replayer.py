@@ -697,3 +697,104 @@ def test_the_issues_dropped_step_reaches_the_trainer_as_no_record():
     check_replay_errors("cpu", raise_error=False)
     moe_ops.replay_routing(torch.randn(3, 256), rep.layer_ids(0, 3), RoutingMethod.RENORMALIZE)
     assert check_replay_errors("cpu", raise_error=False) == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_replay_routing_checks_the_row_count_in_its_forward(backend):
+    """What attach_replay passes: the replayer's row_count, checked inside replay_routing's
+    forward kernel (one faulty call when the call's rows differ), no op of its own."""
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    rec = torch.tensor([[0, 1]] * 5, dtype=torch.int32)
+    for held, faults in ((5, 0), (4, 1), (0, 1), (6, 1)):
+        check_replay_errors("cpu", raise_error=False)
+        count = torch.tensor([held], dtype=torch.int32)
+        _, ids = moe_ops.replay_routing(x, rec, RoutingMethod.RENORMALIZE, backend=backend, row_count=count)
+        assert torch.equal(ids, rec)  # the rows themselves are replayed as given
+        if faults:
+            with pytest.raises(ReplayFaultError, match="1 router call") as err:
+                check_replay_errors("cpu")
+            assert err.value.flags == REPLAY_FAULT_ROW_COUNT
+        else:
+            assert check_replay_errors("cpu", raise_error=False) == 0
+    # a call of 0 rows against a batch of 3 is counted too
+    check_replay_errors("cpu", raise_error=False)
+    three = torch.tensor([3], dtype=torch.int32)
+    moe_ops.replay_routing(x[:0], rec[:0], RoutingMethod.RENORMALIZE, backend=backend, row_count=three)
+    assert check_replay_errors("cpu", raise_error=False) == 1
+    for bad, exc in (
+        (torch.tensor([3]), ValueError),
+        (torch.tensor([[3]], dtype=torch.int32), ValueError),
+        (3, TypeError),
+    ):
+        with pytest.raises(exc, match="row_count must be"):
+            moe_ops.replay_routing(x, rec, RoutingMethod.RENORMALIZE, backend=backend, row_count=bad)
+
+
+def test_compiled_replay_with_the_fused_check_counts_once_per_router():
+    """layer_ids(device_check=False) leaves the check to replay_routing(row_count=...): compiled,
+    one fault per call whose rows differ, none otherwise, and no recompile across batch sizes."""
+    torch._dynamo.reset()
+    rep = RoutingReplayer(SHAPE, 12, "cpu")
+    counts = torch._dynamo.testing.CompileCounter()
+
+    @torch.compile(backend=counts, fullgraph=True, dynamic=True)
+    def step(logits):
+        out = []
+        for layer in SHAPE.moe_layers:
+            recorded = rep.layer_ids(layer, logits.shape[0], device_check=False)
+            out.append(
+                moe_ops.replay_routing(logits, recorded, RoutingMethod.RENORMALIZE, row_count=rep.row_count)[
+                    1
+                ]
+            )
+        return out
+
+    rng = np.random.default_rng(6)
+    check_replay_errors("cpu", raise_error=False)
+    for n in (5, 9):
+        batch = distinct_rows(rng, n, SHAPE)
+        rep.set_batch(batch)
+        ids = step(torch.randn(n, SHAPE.num_experts))
+        assert all(torch.equal(i, torch.from_numpy(batch[:, c]).to(torch.int32)) for c, i in enumerate(ids))
+        assert check_replay_errors("cpu", raise_error=False) == 0
+    step(torch.randn(4, SHAPE.num_experts))  # 4 rows against a batch of 9
+    assert check_replay_errors("cpu", raise_error=False) == SHAPE.num_layers
+    assert counts.frame_count == 1
+
+
+@pytest.mark.gpu
+def test_gpu_the_fused_row_check_inside_a_cuda_graph(cuda_device):
+    """attach_replay's read path in a CUDA graph: layer_ids(device_check=False) and
+    replay_routing(row_count=...) adds no op of its own, replays each selected slot, and counts a
+    replay whose batch has another row count."""
+    r = RoutingReplayer(SHAPE, 8, cuda_device, num_slots=2)
+    rng = np.random.default_rng(9)
+    batches = [distinct_rows(rng, 4, SHAPE) for _ in range(2)]
+    for slot, b in enumerate(batches):
+        r.set_batch(b, slot=slot)
+    logits = torch.randn(4, SHAPE.num_experts, device=cuda_device)
+    out = torch.full((4, SHAPE.num_layers, SHAPE.top_k), -7, dtype=torch.int32, device=cuda_device)
+
+    def step():
+        for column, layer in enumerate(SHAPE.moe_layers):
+            recorded = r.layer_ids(layer, 4, device_check=False)
+            _, ids = moe_ops.replay_routing(
+                logits, recorded, RoutingMethod.RENORMALIZE, row_count=r.row_count
+            )
+            out[:, column].copy_(ids)
+
+    step()
+    torch.cuda.synchronize()
+    check_replay_errors(cuda_device, raise_error=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for slot in (1, 0):
+        r.select(slot)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), torch.from_numpy(batches[slot]).to(torch.int32))
+    assert check_replay_errors(cuda_device, raise_error=False) == 0
+    r.set_batch(distinct_rows(rng, 6, SHAPE), slot=0)
+    graph.replay()
+    assert check_replay_errors(cuda_device, raise_error=False) == SHAPE.num_layers

@@ -411,10 +411,15 @@ class _ReplayHook(_Hook):
         probs, routing_map = self.routed(arguments)
         logits, top_k = arguments["logits"], arguments["topk"]
         n = logits.shape[0]
+        # a RoutingReplayer's row-count check rides in replay_routing's forward kernel
+        row_count = getattr(self.replayer, "row_count", None)
+        fused = {"device_check": False} if isinstance(row_count, torch.Tensor) else {}
+        if not fused:
+            row_count = None
         if self.kind == "mtp":
-            recorded = self.replayer.layer_ids(self.index, n, kind="mtp")
+            recorded = self.replayer.layer_ids(self.index, n, kind="mtp", **fused)
         else:
-            recorded = self.replayer.layer_ids(self.index, n)
+            recorded = self.replayer.layer_ids(self.index, n, **fused)
         rule = _call_rule(arguments, logits.dtype)
         bias = arguments["expert_bias"] if rule.method in BIAS_METHODS else None
         live_ids = routing_ids(routing_map, top_k)
@@ -428,6 +433,7 @@ class _ReplayHook(_Hook):
             rule,
             bias=bias,
             backend=self.backend,
+            row_count=row_count,
         )
         # rows whose ids are not the record: -1 rows and faulty ones (routed live by the method,
         # counted); both take the router's own output, so its selection (groups, fusion) decides

@@ -61,6 +61,7 @@ def replay_router_output(
     *,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
+    row_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The replayed ``(weights, ids)`` of one router call.
 
@@ -74,6 +75,8 @@ def replay_router_output(
         rule: the router's :class:`ReplayRule`.
         bias: (num_experts,) float - the selection bias of ``rule.method`` (DeepSeek-V3 family).
         backend: ``replay_routing``'s backend.
+        row_count: ``replay_routing``'s ``row_count`` (the replayer's; its check fused into the
+            forward kernel), or None.
 
     Returns:
         weights: (n, k) ``live_weights.dtype`` - the rule's weights at the recorded ids; on a row of
@@ -105,6 +108,7 @@ def replay_router_output(
         topk_group=rule.topk_group,
         routed_scaling_factor=rule.routed_scaling_factor,
         backend=backend,
+        row_count=row_count,
     )
     if rule.weights_fn is not None:
         weights = rule.weights_fn(router_logits, ids.to(torch.int64))
@@ -189,7 +193,13 @@ def replaying_forward(
         logits_at, weights_at, ids_at = _router_positions(output)
         live_ids = output[ids_at]
         n = live_ids.shape[0]
-        recorded = replayer.layer_ids(layer, n)
+        # a RoutingReplayer's row-count check rides in replay_routing's forward kernel (no op of its
+        # own in a compiled or graphed step); another replayer checks what it checks
+        row_count = getattr(replayer, "row_count", None)
+        if isinstance(row_count, torch.Tensor):
+            recorded = replayer.layer_ids(layer, n, device_check=False)
+        else:
+            recorded, row_count = replayer.layer_ids(layer, n), None
         if recorded.shape[-1] != live_ids.shape[-1]:
             raise ValueError(
                 f"{where} picks top_k={live_ids.shape[-1]} experts per token but the replayer's rows "
@@ -207,6 +217,7 @@ def replaying_forward(
             current,
             bias=bias,
             backend=backend,
+            row_count=row_count,
         )
         if capture is not None:
             capture_into(capture, ids)

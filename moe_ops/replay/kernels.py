@@ -149,6 +149,7 @@ def replay_rows_torch(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
+    row_count: torch.Tensor | None = None,
 ) -> None:
     """PyTorch twin of :func:`replay_rows_triton`: same arguments, same writes, same fault record.
 
@@ -158,6 +159,8 @@ def replay_rows_torch(
     weights: (n, k) float32, or float64 for float64 logits - written; the compute dtype
     ids: (n, k) int32 - written
     errors: (2,) int32 - [faulty rows, OR of fault bits], added to
+    row_count: (1,) int32 or None - the rows the recorded batch holds (a ``RoutingReplayer``'s
+        ``row_count``); when it is not ``n``, one faulty call with :data:`REPLAY_FAULT_ROW_COUNT`
 
     Live ids are :func:`moe_ops.route.reference.select_experts` of every row in the compute dtype
     (the route twin's rule, so equal to ``route(backend="torch")`` bit for bit), used where needed.
@@ -177,8 +180,13 @@ def replay_rows_torch(
     flags = torch.where(out_of_range.any(), REPLAY_FAULT_OUT_OF_RANGE, 0) | torch.where(
         repeated.any(), REPLAY_FAULT_REPEATED, 0
     )
+    count = faulty.sum()
+    if row_count is not None:
+        wrong_rows = (row_count[0] != router_logits.shape[0]).to(count.dtype)
+        count = count + wrong_rows
+        flags = flags | wrong_rows * REPLAY_FAULT_ROW_COUNT
     with counter_lock:
-        errors[0] += faulty.sum().to(errors.dtype)
+        errors[0] += count.to(errors.dtype)
         errors[1] |= flags.to(errors.dtype)
 
 
@@ -247,6 +255,7 @@ if HAS_TRITON:
     _SUM_EPSILON = tl.constexpr(SUM_EPSILON)
     _OUT_OF_RANGE = tl.constexpr(REPLAY_FAULT_OUT_OF_RANGE)
     _REPEATED = tl.constexpr(REPLAY_FAULT_REPEATED)
+    _ROW_COUNT = tl.constexpr(REPLAY_FAULT_ROW_COUNT)
 
     # The live-routing helpers below follow moe_ops.route.kernels' _route_kernel operation for
     # operation (same keys, same int32 ordering, same two-step rounds), so a live row's ids equal
@@ -372,6 +381,7 @@ if HAS_TRITON:
         weights_ptr,
         ids_ptr,
         errors_ptr,
+        row_count_ptr,
         n_tokens,
         group_size,
         n_group,
@@ -393,6 +403,7 @@ if HAS_TRITON:
         NG_PAD: tl.constexpr,
         G_PAD: tl.constexpr,
         K_PAD: tl.constexpr,
+        CHECK_ROWS: tl.constexpr,
     ):
         # The recorded rows' path works in the layout of one (BLOCK_M, K_PAD) tile: every per-row
         # value is a keep_dims reduction of it broadcast over the columns, so the path has one load
@@ -469,6 +480,14 @@ if HAS_TRITON:
             flags |= tl.where(tl.max(repeated.to(tl.int32)) > 0, _REPEATED, 0)
             tl.atomic_add(errors_ptr, n_faulty)
             tl.atomic_or(errors_ptr + 1, flags)
+        # The replayer's row count against this call's: one faulty call when they differ (program 0
+        # only; the launch has at least one program when checking). Fused here rather than its own
+        # op: a separate check cost 5.4 us per call in the 61-call graph (5 small torch kernels)
+        # against the forward's 1.7 us at n = 1 (H200, bench_replay's replay-slot row).
+        if CHECK_ROWS:
+            wrong = (pid == 0) & (tl.load(row_count_ptr) != n_tokens)
+            tl.atomic_add(errors_ptr, 1, mask=wrong)
+            tl.atomic_or(errors_ptr + 1, _ROW_COUNT, mask=wrong)
 
     @triton.jit
     def _backward_column(
@@ -630,6 +649,7 @@ def replay_rows_triton(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
+    row_count: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     num_warps: int | None = None,
@@ -650,6 +670,8 @@ def replay_rows_triton(
     block_m = block_m or default_m
     num_warps = num_warps or default_warps
     programs = triton.cdiv(n_tokens, block_m)
+    if row_count is not None:
+        programs = max(programs, 1)  # a call of 0 rows still checks the count
     if programs == 0:
         return
     _replay_kernel[(programs,)](
@@ -659,6 +681,7 @@ def replay_rows_triton(
         weights,
         ids,
         errors,
+        errors if row_count is None else row_count,
         n_tokens,
         num_experts // n_group,
         n_group,
@@ -680,6 +703,7 @@ def replay_rows_triton(
         NG_PAD=ng_pad,
         G_PAD=g_pad,
         K_PAD=next_power_of_2(top_k),
+        CHECK_ROWS=row_count is not None,
         num_warps=num_warps,
     )
 

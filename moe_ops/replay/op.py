@@ -163,9 +163,10 @@ def _forward_twin(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
+    row_count: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
 ) -> None:
-    """Writes every row's replayed (or live) ``weights`` and ``ids``; counts faulty rows in
-    ``errors`` (contract in kernels.py)."""
+    """Writes every row's replayed (or live) ``weights`` and ``ids``; counts faulty rows (and a
+    call whose row count is not ``row_count``) in ``errors`` (contract in kernels.py)."""
     replay_rows_torch(
         router_logits,
         recorded_ids,
@@ -177,6 +178,7 @@ def _forward_twin(
         n_group,
         topk_group,
         routed_scaling_factor,
+        row_count,
     )
 
 
@@ -230,7 +232,9 @@ def _errors_for(router_logits: torch.Tensor) -> torch.Tensor:
     return replay_fault_counter(router_logits.device)
 
 
-def _forward(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton, dtype):
+def _forward(
+    router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton, dtype, row_count
+):
     """Allocates the outputs and runs the forward op (``dtype``: the compute dtype, float32 or
     float64)."""
     n, k = recorded_ids.shape
@@ -250,6 +254,7 @@ def _forward(router_logits, recorded_ids, bias, method, n_group, topk_group, sca
         n_group,
         topk_group,
         scale,
+        row_count,
     )
     return weights, ids
 
@@ -265,10 +270,29 @@ class ReplayRoutingFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton, dtype
+        ctx,
+        router_logits,
+        recorded_ids,
+        bias,
+        method,
+        n_group,
+        topk_group,
+        scale,
+        use_triton,
+        dtype,
+        row_count,
     ):
         weights, ids = _forward(
-            router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton, dtype
+            router_logits,
+            recorded_ids,
+            bias,
+            method,
+            n_group,
+            topk_group,
+            scale,
+            use_triton,
+            dtype,
+            row_count,
         )
         ctx.save_for_backward(router_logits, weights, ids)
         ctx.mark_non_differentiable(ids)
@@ -284,7 +308,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
     def backward(ctx, grad_weights, grad_ids):
         router_logits, weights, ids = ctx.saved_tensors
         if grad_weights is None:  # no gradient reached the weights (grads are not materialised)
-            return None, None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None, None
         grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
         backward_ = (
             torch.ops.moe_ops.replay_routing_backward_
@@ -292,7 +316,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
             else torch.ops.moe_ops.replay_routing_backward_reference_
         )
         backward_(grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale)
-        return grad_logits, None, None, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None, None, None
 
 
 def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor, method) -> None:
@@ -325,6 +349,22 @@ def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor,
         )
 
 
+def _check_row_count(row_count: object, router_logits: torch.Tensor) -> torch.Tensor | None:
+    if row_count is None:
+        return None
+    if not isinstance(row_count, torch.Tensor):
+        raise TypeError(f"row_count must be a torch.Tensor or None, got {type(row_count).__name__}")
+    if row_count.dtype != torch.int32 or tuple(row_count.shape) != (1,):
+        raise ValueError(
+            f"row_count must be a (1,) int32 tensor, got {row_count.dtype} {tuple(row_count.shape)}"
+        )
+    if isinstance(router_logits, torch.Tensor) and row_count.device != router_logits.device:
+        raise ValueError(
+            f"row_count must be on router_logits' device {router_logits.device}, got {row_count.device}"
+        )
+    return row_count
+
+
 def replay_routing(
     router_logits: torch.Tensor,
     recorded_ids: torch.Tensor,
@@ -335,6 +375,7 @@ def replay_routing(
     topk_group: int | None = None,
     routed_scaling_factor: float | None = None,
     backend: str = "auto",
+    row_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token through the experts the rollout recorded, weighted from the live logits.
 
@@ -352,6 +393,11 @@ def replay_routing(
         routed_scaling_factor: multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0).
         backend: "auto" (Triton on CUDA, the PyTorch twins on CPU or for rows wider than the kernel
             tile), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the twins).
+        row_count: (1,) int32 on the logits' device, or None - the rows the batch ``recorded_ids``
+            was read from holds (a :class:`~moe_ops.RoutingReplayer`'s ``row_count``): a call
+            whose ``n`` differs counts one fault (``REPLAY_FAULT_ROW_COUNT``) for
+            :func:`check_replay_errors`. The check runs inside the forward kernel, so a compiled or
+            CUDA-graphed step pays nothing for it (what ``attach_replay`` passes).
 
     Returns:
         weights: (n, top_k) float32 (float64 for float64 logits) - the method's weight rule
@@ -395,6 +441,7 @@ def replay_routing(
         cfg.routed_scaling_factor,
         use_triton,
         compute,
+        _check_row_count(row_count, router_logits),
     )
     if torch.is_grad_enabled() and router_logits.requires_grad:
         return ReplayRoutingFunction.apply(*args)

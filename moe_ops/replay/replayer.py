@@ -584,7 +584,10 @@ class RoutingReplayer:
                 self.buffer[:rows].copy_(self._slots[slot, :rows])
                 if self.num_mtp_layers:
                     self.mtp_buffer[:rows].copy_(self._mtp_slots[slot, :rows])
-        self._copy(self.row_count, torch.tensor([n], dtype=torch.int32), stream)
+        with self._on(stream):
+            # a fill kernel with n as its argument: no pinned staging copy (about 20 us of host time
+            # per select on the H200 host against a few for the launch)
+            self.row_count.fill_(n)
         self.slot, self.num_tokens = slot, n
 
     def select_in_backward(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
@@ -630,7 +633,9 @@ class RoutingReplayer:
         else:
             dst.copy_(src)
 
-    def layer_ids(self, model_layer_index: int, num_tokens: int, *, kind: str = "decoder") -> torch.Tensor:
+    def layer_ids(
+        self, model_layer_index: int, num_tokens: int, *, kind: str = "decoder", device_check: bool = True
+    ) -> torch.Tensor:
         """(num_tokens, top_k) int32 view ``buffer[:num_tokens, column]`` of one MoE layer.
 
         Args:
@@ -642,13 +647,18 @@ class RoutingReplayer:
                 was set (``num_tokens``), else the router would read another batch's rows or a
                 prefix of this one.
             kind: ``"decoder"`` or ``"mtp"`` (:data:`LAYER_KINDS`).
+            device_check: False when the caller checks the row count on the device itself, fused
+                into its kernel (``replay_routing(..., row_count=replayer.row_count)``, what the
+                wrappers of ``attach_replay`` do); the eager host check runs either way.
 
         The row count is checked on the host where that is exact: an eager call raises ValueError
         (also when no batch was set). Inside a compiled function (where ``num_tokens`` may be
         symbolic and the host count is not part of the graph) and inside a CUDA-graph capture
         (where later replays run with later batches), the check is on the device: a mismatch counts
         one faulty call (``REPLAY_FAULT_ROW_COUNT``) for ``check_replay_errors``, without a host
-        read, a graph break or a recompile. No copies: safe inside torch.compile and CUDA graphs.
+        read, a graph break or a recompile - here a small op of its own, inside ``replay_routing``'s
+        forward kernel when the caller passes ``row_count`` there (``device_check=False``). No
+        copies: safe inside torch.compile and CUDA graphs.
         """
         if kind == "decoder":
             column = self._column.get(model_layer_index)
@@ -676,11 +686,12 @@ class RoutingReplayer:
                 f"{what} has {num_tokens} rows, more than the replayer's max_num_tokens={self.max_num_tokens}"
             )
         if torch.compiler.is_compiling():
-            self._check_rows_on_device(num_tokens)
+            if device_check:
+                self._check_rows_on_device(num_tokens)
         else:
             if num_tokens != self.num_tokens:
                 raise ValueError(self._row_message(what, num_tokens))
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            if device_check and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 self._check_rows_on_device(num_tokens)
         return source[:num_tokens, column]
 
