@@ -486,7 +486,7 @@ if HAS_TRITON:
         # only; the launch has at least one program when checking). Fused here rather than its own
         # op: a separate check cost 5.4 us per call in the 61-call graph (5 small torch kernels)
         # against the forward's 1.7 us at n = 1 (H200, bench_replay's replay-slot row).
-        if CHECK_ROWS:
+        if CHECK_ROWS:  # noqa: SIM102 - a constexpr branch: Triton drops it when False; `and` would not
             if (pid == 0) & (held_rows != n_tokens):
                 tl.atomic_add(errors_ptr, 1)
                 tl.atomic_or(errors_ptr + 1, _ROW_COUNT)
