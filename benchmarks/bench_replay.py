@@ -13,7 +13,7 @@ MoE layers each route once per step), peers interleaved trial by trial (benchmar
 * ``forward``: ``replay`` (``replay_routing``, Triton) against ``route`` (the Triton router, same
   method). Target: **<= 1.0x** (replay does no top-k).
 * ``forward+backward``: ``replay`` (forward, then ``torch.autograd.grad`` to the logits) against
-  ``eager-ref`` (autograd through ``moe_ops.route.reference.weights_for_ids`` at the recorded ids)
+  ``eager-ref`` (autograd through ``moe_ops.router.reference.weights_for_ids`` at the recorded ids)
   and ``compiled-ref`` (the same, ``torch.compile``-d). Target: replay **>= 5x** faster than
   ``eager-ref`` at 4096 tokens; ``compiled-ref`` reported.
 * ``moe layer``: the MoE block of the reference model's ``deepseek_small`` preset (its router gate,
@@ -65,8 +65,8 @@ from moe_ops.replay.kernels import (
     replay_backward_triton,
     replay_rows_triton,
 )
-from moe_ops.route.kernels import tile_shape
-from moe_ops.route.reference import weights_for_ids
+from moe_ops.router.kernels import tile_shape
+from moe_ops.router.reference import weights_for_ids
 
 GRAPH_CALLS = 61  # DeepSeek-V3's MoE-bearing depth
 SLOTS, SELECTED = 4, 2  # micro-batch slots of the replayer peers, and the one they read

@@ -55,7 +55,7 @@ from benchmarks.host import host_us_per_call
 from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, sizes_option, strategies, switch
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
 from moe_ops._library import HAS_WRAP_TRITON, trace_triton_kernels
-from moe_ops.route.reference import route_reference
+from moe_ops.router.reference import route_reference
 
 LAYERS = 61  # DeepSeek-V3's MoE-bearing depth: the capture buffer's layer axis
 MAX_TOKENS = 4096  # capture buffer rows (more when a benchmarked batch is larger)

@@ -23,7 +23,7 @@ from .guards import UnsupportedConfigError, validate_serving_config
 from .layout import BatchLayout, infer_layout
 from .replay import RoutingMismatch, replay_routing, routing_mismatch
 from .replay.replayer import RoutingReplayer, replay_batch
-from .route import RoutingMethod, route
+from .router import RoutingMethod, route
 from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
 from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
 from .transfer import RingFullError, SnapshotHandle, TransferPipeline

@@ -63,7 +63,7 @@ from .capture.errors import FAULT_SLOT, FAULT_SOURCE_SHORT, cpu_counter_lock
 from .capture.monolithic import MoEDispatchConfig
 from .capture.target import check_process_group
 from .layout import BatchLayout, layout_from_value
-from .route import RoutingMethod, route
+from .router import RoutingMethod, route
 from .wire import decode_routing, encode_routing
 
 __all__ = [

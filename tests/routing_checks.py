@@ -1,4 +1,4 @@
-"""Checks a router's (weights, ids) against the float64 reference (moe_ops.route.reference).
+"""Checks a router's (weights, ids) against the float64 reference (moe_ops.router.reference).
 
 Ids are compared exactly wherever the choice is decided by the inputs and not by rounding:
 
@@ -19,8 +19,8 @@ import itertools
 
 import torch
 
-from moe_ops.route.methods import BIAS_METHODS
-from moe_ops.route.reference import (
+from moe_ops.router.methods import BIAS_METHODS
+from moe_ops.router.reference import (
     group_scores,
     route_reference,
     select_experts,

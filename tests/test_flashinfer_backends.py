@@ -13,7 +13,7 @@ import moe_ops
 from moe_ops.cli import main
 from moe_ops.flashinfer import SPECS
 from moe_ops.flashinfer.backends import fused_topk_support, trtllm_moe_support
-from moe_ops.route.policy import routing_backend
+from moe_ops.router.policy import routing_backend
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 needs_flashinfer = pytest.mark.skipif(

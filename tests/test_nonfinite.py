@@ -31,8 +31,8 @@ from moe_ops.replay.kernels import (
     replay_rows_torch,
     replay_rows_triton,
 )
-from moe_ops.route.kernels import route_rows_torch, route_rows_triton
-from moe_ops.route.methods import REPLAY_LOGIT_DTYPES
+from moe_ops.router.kernels import route_rows_torch, route_rows_triton
+from moe_ops.router.methods import REPLAY_LOGIT_DTYPES
 
 # the interpreter runs the kernels in numpy, which warns on these rows (an all-NaN max, inf - inf,
 # exp overflow): the values are what the tests check

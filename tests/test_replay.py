@@ -22,8 +22,8 @@ from moe_ops._triton import triton_runs_on
 from moe_ops.replay import ReplayFaultError, check_replay_errors, replay_fault_counter
 from moe_ops.replay import op as replay_op
 from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, replay_weights
-from moe_ops.route.methods import BIAS_METHODS
-from moe_ops.route.reference import route_reference
+from moe_ops.router.methods import BIAS_METHODS
+from moe_ops.router.reference import route_reference
 
 BACKENDS = [
     pytest.param(("torch", "cpu"), id="torch-cpu"),

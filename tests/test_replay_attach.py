@@ -39,7 +39,7 @@ from moe_ops.integrations.hf import (
 from moe_ops.models import ReferenceMoEModel, reference_config
 from moe_ops.replay import check_replay_errors
 from moe_ops.replay.attach import ReplayRule, replay_router_output
-from moe_ops.route.methods import RoutingMethod
+from moe_ops.router.methods import RoutingMethod
 
 try:
     import transformers

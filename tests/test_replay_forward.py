@@ -21,7 +21,7 @@ from strategies import POISON, ForwardCase, forward_cases, strided_rows
 
 from moe_ops import route
 from moe_ops.replay.kernels import replay_rows_torch, replay_rows_triton, replay_weights
-from moe_ops.route.methods import BIAS_METHODS
+from moe_ops.router.methods import BIAS_METHODS
 
 
 def _scale(config) -> float:

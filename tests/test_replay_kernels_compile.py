@@ -28,8 +28,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from moe_ops.replay.kernels import _replay_backward_kernel, _replay_kernel
-from moe_ops.route.kernels import _route_kernel
-from moe_ops.route.methods import RoutingMethod as M
+from moe_ops.router.kernels import _route_kernel
+from moe_ops.router.methods import RoutingMethod as M
 
 target = GPUTarget("cuda", 90, 32)
 out = {}

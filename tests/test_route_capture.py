@@ -23,7 +23,7 @@ import moe_ops
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, capture_routing, route
 from moe_ops.capture.errors import FAULT_SLOTS
 from moe_ops.capture.window import plan_window
-from moe_ops.route.kernels import FusedCapture, route_rows_torch, route_rows_triton
+from moe_ops.router.kernels import FusedCapture, route_rows_torch, route_rows_triton
 
 CPU_BACKENDS = [
     pytest.param(("torch", "cpu"), id="torch-cpu"),

@@ -30,8 +30,8 @@ _SCRIPT = r"""
 import itertools, json, sys
 from triton_ir import ttir, written_pointers
 from moe_ops.capture.kernels import _capture_rows_kernel
-from moe_ops.route.kernels import _route_kernel
-from moe_ops.route.methods import RoutingMethod
+from moe_ops.router.kernels import _route_kernel
+from moe_ops.router.methods import RoutingMethod
 
 results, written = {}, {}
 def build(name, kernel, pointers, scalars, constexprs, as_constants):

@@ -1,7 +1,7 @@
 """FlashInfer integration: its MoE kernels and fused routing as compile-safe custom ops.
 
 FlashInfer only; the backend-agnostic pieces live elsewhere (the monolithic capture contract in
-:mod:`moe_ops.capture.monolithic`, route's backend policy in :mod:`moe_ops.route.policy`).
+:mod:`moe_ops.capture.monolithic`, route's backend policy in :mod:`moe_ops.router.policy`).
 
 * :mod:`.ops` - the table of wrapped FlashInfer functions and the ops generated from it
   (``torch.ops.moe_ops.flashinfer_<name>``), with :func:`call`;

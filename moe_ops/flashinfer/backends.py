@@ -2,7 +2,7 @@
 
 ``moe_ops.backends()`` returns a :class:`BackendsReport`; ``moe-ops backends`` prints it. The same
 checks gate the ops at run time (:func:`kernel_support`) and ``route(..., backend="auto")``
-(:func:`moe_ops.route.policy.routing_backend`, route's own policy, which asks
+(:func:`moe_ops.router.policy.routing_backend`, route's own policy, which asks
 :func:`fused_topk_support` here), so the report says exactly what a call would do.
 
 FlashInfer is imported only when a CUDA device exists (its architecture lists live in its modules);
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..route.methods import RoutingMethod
-from ..route.policy import BackendLine, routing_backend
+from ..router.methods import RoutingMethod
+from ..router.policy import BackendLine, routing_backend
 
 __all__ = [
     "DEEPSEEK_V3",

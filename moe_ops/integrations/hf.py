@@ -53,7 +53,7 @@ from torch import nn
 from ..layout import BatchLayout, layout_from_value
 from ..replay.attach import REPLAY_MARK, ReplayHandle, ReplayRule, replaying_forward
 from ..replay.op import BACKENDS as REPLAY_BACKENDS
-from ..route.methods import RoutingMethod, validate_route_args
+from ..router.methods import RoutingMethod, validate_route_args
 
 __all__ = [
     "REPLAY_RULES",

@@ -74,7 +74,7 @@ from torch import nn
 from ..layout import BatchLayout, layout_from_value
 from ..replay.attach import ReplayRule, replay_router_output
 from ..replay.op import BACKENDS as REPLAY_BACKENDS
-from ..route.methods import BIAS_METHODS, RoutingMethod, validate_route_args
+from ..router.methods import BIAS_METHODS, RoutingMethod, validate_route_args
 from ..shapes import RoutingShape
 
 __all__ = [

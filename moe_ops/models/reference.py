@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..replay.attach import ReplayRule
-from ..route import RoutingMethod, route
-from ..route.methods import BIAS_METHODS, validate_route_args
-from ..route.op import BACKENDS
-from ..route.reference import weights_for_ids
+from ..router import RoutingMethod, route
+from ..router.methods import BIAS_METHODS, validate_route_args
+from ..router.op import BACKENDS
+from ..router.reference import weights_for_ids
 
 __all__ = ["PRESETS", "ReferenceMoEConfig", "ReferenceMoEModel", "reference_config"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..route.methods import RoutingMethod
+from ..router.methods import RoutingMethod
 from .op import REPLAY_LOGIT_DTYPES, replay_routing
 
 __all__ = [

@@ -8,7 +8,7 @@ Two implementations of each destination-passing contract, side by side:
   the test oracle.
 
 Both compute in the dtype of ``weights``: float32 (bf16/fp16 logits are upcast), or float64 for
-float64 logits (the kernels then key the live selection in 64 bits: ``moe_ops.route._select``).
+float64 logits (the kernels then key the live selection in 64 bits: ``moe_ops.router._select``).
 
 Forward contract (both). A row of ``recorded_ids`` is
 
@@ -43,9 +43,9 @@ import threading
 import torch
 
 from .._triton import HAS_TRITON, interpreting, next_power_of_2
-from ..route.kernels import launch_config, tile_shape
-from ..route.methods import BIAS_METHODS, RoutingMethod
-from ..route.reference import SUM_EPSILON, select_experts, selection_keys, weights_for_ids
+from ..router.kernels import launch_config, tile_shape
+from ..router.methods import BIAS_METHODS, RoutingMethod
+from ..router.reference import SUM_EPSILON, select_experts, selection_keys, weights_for_ids
 
 __all__ = [
     "REPLAY_FAULT_OUT_OF_RANGE",
@@ -101,7 +101,7 @@ _FORWARD_WARPS = 4
 
 def forward_launch_config(n_tokens: int, ng_pad: int, g_pad: int) -> tuple[int, int]:
     """(rows per program, warps) of the forward kernel for a ``(ng_pad, g_pad)`` expert tile
-    (:func:`moe_ops.route.kernels.tile_shape`)."""
+    (:func:`moe_ops.router.kernels.tile_shape`)."""
     if interpreting():
         # The interpreter pays per program and per operation, hardly per element: few programs.
         return min(next_power_of_2(n_tokens), 64), 1
@@ -112,7 +112,7 @@ def forward_launch_config(n_tokens: int, ng_pad: int, g_pad: int) -> tuple[int, 
 
 
 def replay_weights(x: torch.Tensor, ids: torch.Tensor, method: RoutingMethod, scale: float) -> torch.Tensor:
-    """The method's weights of the experts ``ids``: :func:`moe_ops.route.reference.weights_for_ids`.
+    """The method's weights of the experts ``ids``: :func:`moe_ops.router.reference.weights_for_ids`.
 
     x: (n, E) float - logits in the compute dtype
     ids: (n, k) int64 - distinct, in-range experts per row
@@ -162,7 +162,7 @@ def replay_rows_torch(
     row_count: (1,) int32 or None - the rows the recorded batch holds (a ``RoutingReplayer``'s
         ``row_count``); when it is not ``n``, one faulty call with :data:`REPLAY_FAULT_ROW_COUNT`
 
-    Live ids are :func:`moe_ops.route.reference.select_experts` of every row in the compute dtype
+    Live ids are :func:`moe_ops.router.reference.select_experts` of every row in the compute dtype
     (the route twin's rule, so equal to ``route(backend="torch")`` bit for bit), used where needed.
     No host reads; allocates its intermediates.
     """
@@ -242,7 +242,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ..route._select import keep_groups, ordered_keys, topk_rounds
+    from ..router._select import keep_groups, ordered_keys, topk_rounds
 
     # Triton kernels may only read globals that are constexpr.
     _DEFAULT = tl.constexpr(int(RoutingMethod.DEFAULT))
@@ -257,7 +257,7 @@ if HAS_TRITON:
     _REPEATED = tl.constexpr(REPLAY_FAULT_REPEATED)
     _ROW_COUNT = tl.constexpr(REPLAY_FAULT_ROW_COUNT)
 
-    # The live-routing helpers below follow moe_ops.route.kernels' _route_kernel operation for
+    # The live-routing helpers below follow moe_ops.router.kernels' _route_kernel operation for
     # operation (same keys, same int32 ordering, same two-step rounds), so a live row's ids equal
     # route(backend="triton")'s bit for bit; the tests compare them exactly. They are copies because
     # the router keeps its helpers inside its kernel module.

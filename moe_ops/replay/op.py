@@ -22,8 +22,8 @@ from torch.autograd.function import once_differentiable
 
 from .._library import destination_op, reference_op
 from .._triton import HAS_TRITON
-from ..route.methods import REPLAY_LOGIT_DTYPES, RoutingMethod, method_from_value, validate_route_args
-from ..route.op import choose_triton
+from ..router.methods import REPLAY_LOGIT_DTYPES, RoutingMethod, method_from_value, validate_route_args
+from ..router.op import choose_triton
 from .kernels import (
     REPLAY_FAULT_OUT_OF_RANGE,
     REPLAY_FAULT_REPEATED,

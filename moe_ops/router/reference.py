@@ -5,7 +5,7 @@ in the dtype of its input: float32 for the CPU path (bf16/fp16 logits are upcast
 for the accuracy tests. No host reads and fixed output shapes, so it traces under torch.compile and
 captures in CUDA graphs.
 
-Selection follows the package's tie-break rule (see :mod:`moe_ops.route.methods`): a stable
+Selection follows the package's tie-break rule (see :mod:`moe_ops.router.methods`): a stable
 descending sort, so among equal scores the lowest expert index wins (``torch.topk`` promises no
 order among ties). Methods without a bias sort the raw logits; DEEPSEEK_V3 and MINIMAX2 sort
 ``sigmoid(x) + bias``.

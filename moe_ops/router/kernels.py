@@ -4,11 +4,11 @@ Two implementations of one destination-passing contract:
 
 * :func:`route_rows_triton` - one Triton kernel for all ten methods (CUDA; CPU tensors under
   ``TRITON_INTERPRET=1``), with the capture fused in;
-* :func:`route_rows_torch` - its PyTorch reference twin (:mod:`moe_ops.route.reference`, then
+* :func:`route_rows_torch` - its PyTorch reference twin (:mod:`moe_ops.router.reference`, then
   :func:`moe_ops.capture.kernels.capture_rows_torch`), the CPU path and the test oracle.
 
 Contract (both): ``weights[t], ids[t]`` are token ``t``'s routing (see
-:mod:`moe_ops.route.methods`). With a capture destination, ``buffer[r, layer_id] = ids[start + r]``
+:mod:`moe_ops.router.methods`). With a capture destination, ``buffer[r, layer_id] = ids[start + r]``
 for ``r < c_eff``, where ``(start, c_eff)`` come from :func:`moe_ops.capture.window.rows_window`,
 the capture op's own device-side offset rule, and faults are recorded the same way: the result is
 bit-identical to routing and then calling ``capture_routing``.
@@ -426,7 +426,7 @@ def route_rows_torch(
 ) -> None:
     """PyTorch twin of :func:`route_rows_triton`: same arguments, same writes, same fault bits.
 
-    Routes in float32 with :func:`moe_ops.route.reference.route_reference`, then records with the
+    Routes in float32 with :func:`moe_ops.router.reference.route_reference`, then records with the
     capture op's own twin. RENORMALIZE_NAIVE's weights are computed as RENORMALIZE's
     ``softmax(x[sel])``, as the kernel computes them (the same choice; replay's rule too): the
     literal ``p[sel] / sum p[sel]`` reads the whole row, so a NaN logit the router did not choose

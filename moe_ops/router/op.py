@@ -232,7 +232,7 @@ def route(
             registered ops compute in float32); ``replay_routing`` takes float64 logits.
         top_k: experts per token, in [1, num_experts] (1 for LLAMA4).
         method: a :class:`RoutingMethod` (semantics and weight formulas in
-            :mod:`moe_ops.route.methods`).
+            :mod:`moe_ops.router.methods`).
         bias: (num_experts,) float - DEEPSEEK_V3/MINIMAX2 selection bias (None: no bias).
         n_group, topk_group: DEEPSEEK_V3 groups; ``n_group`` None or <= 1 means no grouping.
         routed_scaling_factor: multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0).
@@ -242,7 +242,7 @@ def route(
             all-gather first).
         backend: "auto" (Triton on CUDA, the PyTorch reference on CPU or for rows wider than the
             kernel's tile; FlashInfer's ``fused_topk_deepseek`` only where
-            ``moe_ops.route.policy.PREFER_FLASHINFER_ROUTING`` says it is faster, which the
+            ``moe_ops.router.policy.PREFER_FLASHINFER_ROUTING`` says it is faster, which the
             H200 measurements say it is not), "triton" (CUDA, or CPU under TRITON_INTERPRET=1),
             "torch" (the reference), "flashinfer" (``moe_ops.flashinfer.routing.route_flashinfer``;
             its column order is the kernel's).
