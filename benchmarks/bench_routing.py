@@ -300,7 +300,7 @@ SWEEP_CONFIGS = ((1, 1), (1, 2), (1, 4), (2, 1), (4, 1), (2, 2))
 
 def sweep_launch_config(sizes: list[int], cases=CASES) -> Table:
     """Per-call graph time and kernel time of the fused call for fixed (rows per program, warps)."""
-    from moe_ops.route import kernels
+    from moe_ops.router import kernels
 
     dev = torch.device("cuda")
     table = Table(

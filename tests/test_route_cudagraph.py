@@ -127,7 +127,7 @@ def test_triton_allocates_only_the_outputs(cuda_device, capture):
 
 def test_no_recompile_per_layer_count_or_batch_size(cuda_device):
     """Layer, counts and token count (below 512: one launch configuration) compile nothing new."""
-    from moe_ops.route import kernels
+    from moe_ops.router import kernels
 
     cfg = DEEPSEEK
     kern = kernels._route_kernel
