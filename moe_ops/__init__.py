@@ -36,7 +36,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "attach_capture": ("moe_ops.integrations.hf", "attach_capture"),
     "attach_replay": ("moe_ops.integrations.hf", "attach_replay"),
-    "backends": ("moe_ops.flashinfer.backends", "backends"),
+    "backends": ("moe_ops.backend_report", "backends"),
 }
 
 

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_selftest(args.device)
     if args.command == "backends":
-        from .flashinfer.backends import backends
+        from .backend_report import backends
 
         print(backends(args.device))
         return 0

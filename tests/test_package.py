@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import itertools
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -49,7 +52,7 @@ def test_the_megatron_integration_imports_megatron_on_first_use_only():
 def test_optional_names_resolve_on_first_use():
     assert moe_ops.attach_capture.__module__ == "moe_ops.integrations.hf"
     assert moe_ops.attach_replay.__module__ == "moe_ops.integrations.hf"
-    assert moe_ops.backends.__module__ == "moe_ops.flashinfer.backends"
+    assert moe_ops.backends.__module__ == "moe_ops.backend_report"
     assert {"attach_capture", "attach_replay", "backends"} <= set(dir(moe_ops))
     try:
         moe_ops.no_such_name  # noqa: B018 - the attribute access is the test
@@ -73,26 +76,49 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _top_level_imports(path: Path, module: str, modules) -> list[tuple[str, int]]:
-    """(imported module, line) for every import that runs when ``module`` is imported (imports
-    inside functions run later, on first use). ``from pkg import name`` is an import of the
-    submodule ``pkg.name`` when there is one, else of ``pkg`` itself."""
-    import ast
+class _Import(NamedTuple):
+    """One import statement's module of ``moe_ops``."""
 
+    # the module imported: ``pkg.name`` for ``from pkg import name`` when that is a module, else ``pkg``
+    target: str
+    # where the statement is: "moe_ops/x.py:12"
+    where: str
+    # qualified name of the enclosing function or method ("" when the import runs at import time)
+    function: str
+
+
+def _imports(path: Path, module: str, modules) -> list[_Import]:
+    """Every import statement of ``module``: at module level, in class bodies and inside functions
+    and methods (those run later, on first use, but still make an arrow between the modules).
+    ``import a.b`` imports ``a.b``; ``from pkg import name`` and ``from . import name`` import the
+    submodule ``pkg.name`` when there is one, else ``pkg`` itself."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    found = []
-    for node in tree.body:
-        if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.append((sub if sub in modules else base, node.lineno))
+    where = str(path.relative_to(ROOT))
+    found: list[_Import] = []
+
+    def visit(node: ast.AST, scope: str, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend(_Import(a.name, f"{where}:{child.lineno}", function) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - child.level + 1] + ([base] if base else []))
+                for alias in child.names:
+                    sub = f"{base}.{alias.name}"
+                    found.append(
+                        _Import(sub if sub in modules else base, f"{where}:{child.lineno}", function)
+                    )
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{scope}.{child.name}" if scope else child.name
+                is_def = not isinstance(child, ast.ClassDef)
+                visit(child, name, name if is_def or function else function)
+            else:
+                visit(child, scope, function)
+
+    visit(tree, "", "")
     return found
 
 
@@ -104,24 +130,27 @@ def _package_modules() -> dict[str, Path]:
     return modules
 
 
-def test_no_module_imports_the_package_root_and_no_import_cycle():
+def _import_graph() -> dict[str, dict[str, list[_Import]]]:
+    """module -> imported module of the package -> the statements that import it (self-imports out)."""
     modules = _package_modules()
-    edges: dict[str, set[str]] = {}
-    root_imports = []
+    graph: dict[str, dict[str, list[_Import]]] = {}
     for name, path in modules.items():
-        imports = _top_level_imports(path, name, modules)
-        if name != "moe_ops":
-            root_imports += [f"{name}:{line}" for target, line in imports if target == "moe_ops"]
-        edges[name] = {target for target, _ in imports if target in modules and target != name}
-    assert not root_imports, f"modules importing the package root moe_ops: {root_imports}"
-    # depth-first search for a cycle through module-level imports
+        graph[name] = {}
+        for imp in _imports(path, name, modules):
+            if imp.target in modules and imp.target != name:
+                graph[name].setdefault(imp.target, []).append(imp)
+    return graph
+
+
+def _find_cycle(graph: dict[str, dict[str, list[_Import]]]) -> list[str] | None:
+    """A cycle of the graph as [a, b, ..., a], or None (depth-first search)."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
     def visit(name: str) -> list[str] | None:
         state[name] = 1
         stack.append(name)
-        for target in sorted(edges[name]):
+        for target in sorted(graph[name]):
             if state.get(target) == 1:
                 return [*stack[stack.index(target) :], target]
             if target not in state and (cycle := visit(target)):
@@ -130,14 +159,76 @@ def test_no_module_imports_the_package_root_and_no_import_cycle():
         state[name] = 2
         return None
 
-    for name in modules:
-        if name not in state:
-            cycle = visit(name)
-            assert cycle is None, "import cycle: " + " -> ".join(cycle)
+    for name in graph:
+        if name not in state and (cycle := visit(name)):
+            return cycle
+    return None
+
+
+def _describe(graph, cycle: list[str]) -> str:
+    lines = []
+    for a, b in itertools.pairwise(cycle):
+        sites = ", ".join(f"{i.where}" + (f" in {i.function}()" if i.function else "") for i in graph[a][b])
+        lines.append(f"  {a} -> {b}  ({sites})")
+    return "import cycle:\n" + "\n".join(lines)
+
+
+def test_the_import_walk_reads_imports_inside_functions_and_submodules_of_from_imports():
+    """The walk the cycle test relies on, on a module of the package with all four forms."""
+    modules = _package_modules()
+    found = {(i.target, i.function) for i in _imports(ROOT / "moe_ops/cli.py", "moe_ops.cli", modules)}
+    # `from . import __version__` inside _version: the package itself; `from .demo import
+    # main_demo` inside main: the package moe_ops.demo; `from .selftest import run_selftest`: a module
+    assert {("moe_ops", "_version"), ("moe_ops.demo", "main"), ("moe_ops.selftest", "main")} <= found
+    found = {
+        (i.target, i.function)
+        for i in _imports(ROOT / "moe_ops/flashinfer/routing.py", "moe_ops.flashinfer.routing", modules)
+    }
+    assert ("moe_ops.flashinfer.ops", "") in found  # `from . import ops`: the submodule
+    assert ("torch", "") in found  # a plain `import torch`
+
+
+def test_no_module_imports_the_package_root_and_no_import_cycle():
+    """No cycle among the package's modules, counting the imports inside functions: each arrow is
+    one module needing another, whenever the import runs. Leaves (FlashInfer, the integrations)
+    build on the core; the core reaches a leaf only where a caller asks for it by name. An import of
+    ``pkg.mod`` also runs ``pkg/__init__.py``; that implicit arrow is not drawn (the subpackages'
+    ``__init__`` re-export their modules, so it would tie such a named entry, route's
+    backend="flashinfer", to all of moe_ops.router)."""
+    modules = _package_modules()
+    root_imports = [
+        i.where
+        for name, path in modules.items()
+        if name != "moe_ops"
+        for i in _imports(path, name, modules)
+        if i.target == "moe_ops" and not i.function
+    ]
+    # at import time only: moe_ops.cli's _version() reads the root's version once the package is loaded
+    assert not root_imports, f"modules importing the package root moe_ops: {root_imports}"
+    graph = _import_graph()
+    cycle = _find_cycle(graph)
+    assert cycle is None, _describe(graph, cycle)
     # the graph is the package's: FlashInfer's experts build on the backend-agnostic contract
-    assert "moe_ops.capture.monolithic" in edges["moe_ops.flashinfer.experts"]
-    assert not any(t.startswith("moe_ops.flashinfer") for t in edges["moe_ops.capture.monolithic"])
-    assert "moe_ops.capture.step" in edges["moe_ops.graphs.runner"]
+    assert "moe_ops.capture.monolithic" in graph["moe_ops.flashinfer.experts"]
+    assert not any(t.startswith("moe_ops.flashinfer") for t in graph["moe_ops.capture.monolithic"])
+    assert "moe_ops.capture.step" in graph["moe_ops.graphs.runner"]
+
+
+def test_the_router_reaches_flashinfer_only_through_backend_flashinfer():
+    """route(backend="auto") never picks FlashInfer, so the one arrow from moe_ops.router into
+    moe_ops.flashinfer is the explicit backend="flashinfer" call; FlashInfer's device support
+    imports nothing of its ops (the ops ask it, not the other way)."""
+    graph = _import_graph()
+    into_flashinfer = sorted(
+        (name, imp.function, imp.target)
+        for name, targets in graph.items()
+        if name.startswith("moe_ops.router")
+        for target, imps in targets.items()
+        if target.startswith("moe_ops.flashinfer")
+        for imp in imps
+    )
+    assert into_flashinfer == [("moe_ops.router.op", "_route_flashinfer", "moe_ops.flashinfer.routing")]
+    assert not [t for t in graph["moe_ops.flashinfer.backends"] if t.startswith("moe_ops.flashinfer.")]
 
 
 def test_the_wheel_installs_one_top_level_package_with_graphs_inside(tmp_path):

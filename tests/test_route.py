@@ -6,6 +6,10 @@ Comparison rules (exact ids, near-tie rows of the sigmoid+bias methods) are in r
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -198,7 +202,7 @@ def test_triton_on_cpu_without_interpreter_raises(cuda_device):
 @pytest.mark.gpu
 def test_auto_is_triton_on_cuda(cuda_device, monkeypatch):
     """backend='auto' on CUDA launches the Triton kernel: the reference twin is never called."""
-    from moe_ops.route import op
+    from moe_ops.router import op
 
     def refuse(*args, **kwargs):
         raise AssertionError("auto used the PyTorch reference on CUDA")
@@ -208,3 +212,36 @@ def test_auto_is_triton_on_cuda(cuda_device, monkeypatch):
     logits = torch.randn(4, config.num_experts, device=cuda_device)
     weights, ids = route(logits, config.top_k, config.method)
     check_routing(config, logits, None, weights, ids)
+
+
+# DeepSeek-V3's router (256 experts, k 8, 8 groups keep 4, bf16 logits): the one method FlashInfer's
+# fused_topk_deepseek implements, so the case where auto once asked FlashInfer whether to run it
+_AUTO_IMPORTS = """
+import sys, torch, moe_ops
+logits = torch.randn(5, 256, dtype=torch.bfloat16, device=sys.argv[1])
+bias = torch.randn(256, device=sys.argv[1])
+weights, ids = moe_ops.route(
+    logits, 8, moe_ops.RoutingMethod.DEEPSEEK_V3, bias=bias, n_group=8, topk_group=4,
+    routed_scaling_factor=2.5, backend="auto",
+)
+assert ids.shape == (5, 8) and ids.device == logits.device
+print(sorted(m for m in sys.modules if m.startswith(("moe_ops.flashinfer", "flashinfer"))))
+print(sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("moe_ops::flashinfer")))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_auto_imports_nothing_of_flashinfer(device):
+    """backend="auto" is the Triton router or the reference, never FlashInfer: the first eager
+    DeepSeek-V3 call in a fresh interpreter imports no FlashInfer module and registers no
+    FlashInfer op (about 5 s on 2 CPU cores, most of it importing torch, plus the Triton compile on a
+    GPU; the timeout is a hang guard)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _AUTO_IMPORTS, device],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["[]", "[]"], out.stdout

@@ -1,9 +1,9 @@
-"""Where FlashInfer's kernels run on this machine, and the report of which backend runs what, and why.
+"""Where FlashInfer's kernels run on this machine: one :class:`Support` (ok, reason) per kernel and device.
 
-``moe_ops.backends()`` returns a :class:`BackendsReport`; ``moe-ops backends`` prints it. The same
-checks gate the ops at run time (:func:`kernel_support`) and ``route(..., backend="auto")``
-(:func:`moe_ops.router.policy.routing_backend`, route's own policy, which asks
-:func:`fused_topk_support` here), so the report says exactly what a call would do.
+The ops ask :func:`kernel_support` before a launch (:mod:`moe_ops.flashinfer.ops` imports this
+module; this module imports nothing of the ops), and ``moe_ops.backends()``
+(:mod:`moe_ops.backend_report`) prints the same answers, so the report says exactly what a call
+would do.
 
 FlashInfer is imported only when a CUDA device exists (its architecture lists live in its modules);
 on a machine without CUDA nothing is imported beyond the package metadata.
@@ -21,13 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from ..router.methods import RoutingMethod
-from ..router.policy import BackendLine, routing_backend
 
 __all__ = [
     "DEEPSEEK_V3",
-    "BackendsReport",
     "Support",
-    "backends",
+    "device_description",
     "flashinfer_version",
     "fused_topk_support",
     "kernel_support",
@@ -49,34 +47,6 @@ class Support:
     ok: bool
     # why (not), e.g. "trtllm MoE: needs SM100/SM103, found SM90"
     reason: str
-
-
-@dataclass(frozen=True)
-class BackendsReport:
-    """What :func:`backends` found; ``str(report)`` is the text ``moe-ops backends`` prints."""
-
-    # the device described, e.g. "NVIDIA H200 (SM90)" or "no CUDA device"
-    device: str
-    # installed flashinfer-python version, or "not installed"
-    flashinfer: str
-    # one line per routing method, for route(..., backend="auto")
-    routing: tuple[BackendLine, ...]
-    # one line per wrapped FlashInfer function (torch.ops.moe_ops.flashinfer_<name>)
-    kernels: tuple[BackendLine, ...]
-
-    def format(self) -> str:
-        width = max(len(line.subject) for line in (*self.routing, *self.kernels))
-        lines = [
-            f"moe-ops backends on {self.device}; flashinfer {self.flashinfer}",
-            'routing (backend="auto"):',
-        ]
-        lines += [f"  {ln.subject:<{width}}  {ln.backend:<11}  {ln.reason}" for ln in self.routing]
-        lines.append("FlashInfer kernels (torch.ops.moe_ops.flashinfer_<name>):")
-        lines += [f"  {ln.subject:<{width}}  {ln.backend:<11}  {ln.reason}" for ln in self.kernels]
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.format()
 
 
 @functools.cache
@@ -179,37 +149,25 @@ def _trtllm_support_on(index: int) -> Support:
 
 
 def kernel_support(name: str, device: torch.device | str | int | None = None) -> Support:
-    """Support of the wrapped FlashInfer function ``name`` (see :data:`moe_ops.flashinfer.ops.SPECS`)."""
-    from .ops import spec_for
+    """Support of the wrapped FlashInfer function ``name`` (a name of :data:`moe_ops.flashinfer.ops.SPECS`).
 
-    spec_for(name)
+    ``fused_topk_deepseek`` has its own device list; every ``trtllm_*_moe`` function shares the
+    trtllm-gen MoE one (tests/test_flashinfer_backends.py checks that this covers every wrapped
+    name). ValueError for any other name.
+    """
     if name == "fused_topk_deepseek":
         return fused_topk_support(device)
-    return trtllm_moe_support(device)
+    if isinstance(name, str) and name.startswith("trtllm_") and name.endswith("_moe"):
+        return trtllm_moe_support(device)
+    raise ValueError(f"name must be fused_topk_deepseek or a trtllm_*_moe function, got {name!r}")
 
 
-def backends(device: torch.device | str | int | None = None) -> BackendsReport:
-    """Reports which backend each routing method and each wrapped FlashInfer kernel uses, and why.
-
-    Args:
-        device: the device to describe (default: the current CUDA device, if any).
-    """
-    from .ops import SPECS
-
+def device_description(device: torch.device | str | int | None = None) -> str:
+    """The device a report describes, e.g. "NVIDIA H200 (SM90)", "no CUDA device" or
+    "cpu (FlashInfer kernels need CUDA)" (default: the current CUDA device, if any)."""
     cuda = _cuda_device(device)
-    if cuda is None and device is not None and torch.device(device).type != "cuda":
-        where = f"{torch.device(device)} (FlashInfer kernels need CUDA)"
-    elif cuda is None:
-        where = _no_cuda(device)
-    else:
-        where = f"{torch.cuda.get_device_name(cuda)} ({_sm(_capability(cuda.index))})"
-    version = flashinfer_version() or "not installed"
-    routing = tuple(routing_backend(m, device) for m in RoutingMethod)
-    kernels = []
-    for spec in SPECS.values():
-        support = kernel_support(spec.name, device)
-        reason = support.reason
-        if not spec.writes_replay:
-            reason += "; precomputed top-k: leaves routing_replay_out untouched"
-        kernels.append(BackendLine(spec.name, "flashinfer" if support.ok else "unavailable", reason))
-    return BackendsReport(device=where, flashinfer=version, routing=routing, kernels=tuple(kernels))
+    if cuda is not None:
+        return f"{torch.cuda.get_device_name(cuda)} ({_sm(_capability(cuda.index))})"
+    if device is not None and torch.device(device).type != "cuda":
+        return f"{torch.device(device)} (FlashInfer kernels need CUDA)"
+    return _no_cuda(device)

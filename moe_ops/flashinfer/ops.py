@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from .._library import destination_op
+from .backends import kernel_support
 
 __all__ = [
     "SPECS",
@@ -482,8 +483,6 @@ def _run(spec: OpSpec, kw: dict[str, Any]) -> None:
             f"{spec.tokens_param} is on {tokens.device}"
         )
     _check_buffers(spec, kw)
-    from .backends import kernel_support
-
     support = kernel_support(spec.name, tokens.device)
     if not support.ok:
         raise ValueError(f"torch.ops.moe_ops.flashinfer_{spec.name} cannot run here: {support.reason}")

@@ -23,7 +23,7 @@ from .kernels import TRITON_MAX_TILE, FusedCapture, route_rows_torch, route_rows
 if HAS_TRITON:
     from .kernels import _route_kernel
 from .methods import RouteConfig, RoutingMethod, validate_route_args
-from .policy import auto_uses_flashinfer
+from .policy import auto_runs_triton
 
 __all__ = ["BACKENDS", "route"]
 
@@ -176,7 +176,7 @@ def choose_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
     if backend == "torch":
         return False
     if backend == "auto":
-        return device.type == "cuda" and triton_runs_on(device) and fits
+        return fits and auto_runs_triton(device)
     if not triton_runs_on(device):
         raise ValueError(
             f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
@@ -241,11 +241,10 @@ def route(
             itself; SEQUENCE_PARALLEL routes, then calls ``capture_routing`` (it needs its TP
             all-gather first).
         backend: "auto" (Triton on CUDA, the PyTorch reference on CPU or for rows wider than the
-            kernel's tile; FlashInfer's ``fused_topk_deepseek`` only where
-            ``moe_ops.router.policy.PREFER_FLASHINFER_ROUTING`` says it is faster, which the
-            H200 measurements say it is not), "triton" (CUDA, or CPU under TRITON_INTERPRET=1),
-            "torch" (the reference), "flashinfer" (``moe_ops.flashinfer.routing.route_flashinfer``;
-            its column order is the kernel's).
+            kernel's tile; never FlashInfer, see docs/routing.md; imports nothing of
+            ``moe_ops.flashinfer``), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
+            reference), "flashinfer" (``moe_ops.flashinfer.routing.route_flashinfer``; its column
+            order is the kernel's).
 
     Returns:
         weights: (n, top_k) float32 - routing weights, in the order of ``ids``. They carry no
@@ -273,14 +272,6 @@ def route(
     if backend == "flashinfer":
         return _route_flashinfer(
             router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, capture
-        )
-    if (
-        backend == "auto"
-        and capture is None
-        and auto_uses_flashinfer(device, int(cfg.method), cfg.num_experts, top_k, n_group, topk_group)
-    ):
-        return _route_flashinfer(
-            router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, None
         )
     use_triton = choose_triton(backend, device, cfg)
 
