@@ -96,7 +96,6 @@ def cuda_time_us(fn: Callable[[], object], repeats: int, trials: int) -> float:
 def auto_routes_with_flashinfer(device: torch.device) -> bool:
     """Whether backend="auto" sends DeepSeek-V3 routing without capture to FlashInfer here."""
     from moe_ops.router import RoutingMethod
-
     from moe_ops.router.policy import routing_backend
 
     return routing_backend(RoutingMethod.DEEPSEEK_V3, device).backend == "flashinfer"

@@ -273,7 +273,7 @@ def test_fused_topk_replay_matches_reference(fused_topk_device, n):
         )
         assert torch.equal(rows_as_sets(our_ids.cpu()), rows_as_sets(tri_ids)), f"route(backend={backend!r})"
     # backend="auto" routes with the Triton router (measured faster than this kernel with its weight
-    # cast; moe_ops.router.policy.PREFER_FLASHINFER_ROUTING), id for id
+    # cast: docs/routing.md, Backends), id for id
     kw = dict(bias=bias, n_group=N_GROUP, topk_group=TOPK_GROUP, routed_scaling_factor=SCALE)
     auto_w, auto_ids = route(logits, TOP_K, RoutingMethod.DEEPSEEK_V3, **kw)
     tri_w, tri_ids2 = route(logits, TOP_K, RoutingMethod.DEEPSEEK_V3, backend="triton", **kw)
