@@ -5,12 +5,9 @@ axes its clients read, its dtypes, the prefix its texts start with, encode, deco
 :data:`FORMATS` collects every module of this package whose name does not start with ``_``, in name
 order. :func:`encode_routing` / :func:`decode_routing` (``format=``), ``replay_batch``'s
 ``layer_axis`` (:data:`LAYER_AXES`) and ``moe-ops inspect`` (:func:`sniff_format`) consult it, so a
-new format is one new module (docs/wire.md, "Adding a wire format", lists the steps):
-
-- ``npy`` (:mod:`.npy`): base64 of the ``.npy`` bytes - vLLM's ``routed_experts`` and moe-ops' own;
-  the engine layout :func:`~moe_ops.wire.npy.vllm_layout`.
-- ``sglang`` (:mod:`.sglang`): base64 of the raw little-endian ids, no header - SGLang's
-  ``meta_info["routed_experts"]``; :data:`SGLANG_DTYPES`, :func:`~moe_ops.wire.sglang.sglang_layout`.
+new format is one new module (docs/wire.md has the table of formats and clients, and under "Adding
+a wire format" the steps). The engine layouts live with their formats (``npy.vllm_layout``,
+``sglang.sglang_layout``, ...).
 
 Raw bytes (``encode_routing_bytes`` / ``decode_routing_bytes``, the ``MOER`` form, :mod:`._raw`)
 are for clients that skip base64.
