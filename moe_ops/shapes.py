@@ -30,6 +30,11 @@ from typing import Any
 
 import numpy as np
 
+# the engine layouts live with their wire formats; RoutingShape's layout methods delegate to them
+# (vllm_dtype is re-exported: it was defined here)
+from .wire.npy import vllm_dtype, vllm_layout
+from .wire.sglang import sglang_layout
+
 __all__ = ["MAX_MODEL_LAYERS", "RoutingShape", "narrow_dtype", "resolve_routing_shape", "vllm_dtype"]
 
 # Layers a shape may have (MoE or not). The deepest released decoder stacks have ~100-200 layers;
@@ -74,20 +79,6 @@ def narrow_dtype(num_experts: int) -> np.dtype:
     if num_experts < 1 << 16:
         return np.dtype(np.uint16)
     return np.dtype(np.int32)
-
-
-def vllm_dtype(num_experts: int) -> np.dtype:
-    """The dtype vLLM returns ``routed_experts`` in: uint8 up to 256 experts, uint16 up to 65536
-    (docs/wire.md cites the source). At 256 and 65536 experts it has no value left for a row
-    without data: such a row cannot be said in vLLM's format (pass the ledger's ``missing`` mask to
-    ``replay_batch`` instead)."""
-    if num_experts <= 1 << 8:
-        return np.dtype(np.uint8)
-    if num_experts <= 1 << 16:
-        return np.dtype(np.uint16)
-    raise ValueError(
-        f"vLLM's routed_experts holds uint8 / uint16 ids; num_experts={num_experts} does not fit"
-    )
 
 
 def _is_int(value: Any) -> bool:
@@ -248,7 +239,7 @@ class RoutingShape:
         Raises ValueError for a wrong shape, a non-integer dtype, ids outside ``[0, num_experts)``,
         or more than 65536 experts (vLLM has no wider id dtype).
         """
-        return self._engine_layout(routing, vllm_dtype(self.num_experts))
+        return vllm_layout(self, routing)
 
     def sglang_layout(self, routing: np.ndarray, dtype: np.dtype | type = np.int32) -> np.ndarray:
         """The array SGLang returns in ``meta_info["routed_experts"]`` (before raw bytes + base64).
@@ -269,35 +260,7 @@ class RoutingShape:
         a ``dtype`` SGLang does not send, or ids that ``dtype`` cannot hold (SGLang itself falls back
         to int32 then and says so in ``routed_experts_dtype``; here the caller picks).
         """
-        try:
-            dtype = np.dtype(dtype)
-        except TypeError:
-            raise ValueError(f"dtype must be int32, uint16 or uint8, got {dtype!r}") from None
-        if dtype not in (np.dtype(np.int32), np.dtype(np.uint16), np.dtype(np.uint8)):
-            raise ValueError(f"dtype must be int32, uint16 or uint8 (SGLang's wire dtypes), got {dtype}")
-        if self.num_experts - 1 > np.iinfo(dtype).max:
-            raise ValueError(
-                f"dtype {dtype} holds ids up to {np.iinfo(dtype).max}, but this model has "
-                f"num_experts={self.num_experts}; use a wider dtype (int32 is SGLang's default)"
-            )
-        return self._engine_layout(routing, dtype)
-
-    def _engine_layout(self, routing: np.ndarray, dtype: np.dtype) -> np.ndarray:
-        routing = np.asarray(routing)
-        if routing.dtype.kind not in "iu":
-            raise ValueError(f"routing must be an integer array, got dtype {routing.dtype}")
-        if routing.ndim != 3 or routing.shape[1:] != (self.num_layers, self.top_k):
-            raise ValueError(
-                f"routing must have shape (n, {self.num_layers}, {self.top_k}), got {routing.shape}"
-            )
-        if routing.size and (routing.min() < 0 or routing.max() >= self.num_experts):
-            raise ValueError(
-                f"routing has ids in [{routing.min()}, {routing.max()}], outside [0, num_experts="
-                f"{self.num_experts}): not routing of this model (never-written rows?)"
-            )
-        out = np.zeros((routing.shape[0], self.num_model_layers, self.top_k), dtype=dtype)
-        out[:, self._moe_columns] = routing
-        return out
+        return sglang_layout(self, routing, dtype)
 
     @property
     def _moe_columns(self) -> slice | list[int]:

@@ -1953,3 +1953,92 @@ def megatron_router_cases(draw, max_tokens: int = 12, dtypes=MEGATRON_ROUTER_DTY
         kinds,
         draw(st.integers(0, 2**32 - 1)),
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# NeMo-RL's routed-experts envelope (format="nemo_rl"): envelopes built by NeMo-RL's rules, and hostile
+# ones
+# ---------------------------------------------------------------------------------------------------
+
+import base64  # noqa: E402 - this section is appended; the imports above are the earlier sections'
+
+# NeMo-RL's dtype names by item size (nemo_rl/utils/routed_experts_codec.py, _NP_DTYPES)
+NEMO_RL_NAMES = {1: "int8", 2: "int16", 4: "int32"}
+NEMO_RL_NP_DTYPES = (np.int8, np.int16, np.int32)
+
+
+def nemo_rl_envelope(array: np.ndarray) -> str:
+    """The text NeMo-RL's ``encode_routed_experts`` writes for a 3-D int8 / int16 / int32 ``array``,
+    by its rules (not moe-ops' code): ``"nrlre1:" + dtype name + ":" + "SxLxK" + ":"`` and the
+    standard base64 of the C-order bytes, little-endian (the order of every host NeMo-RL runs on)."""
+    little = array.dtype.newbyteorder("<")
+    data = np.ascontiguousarray(array, dtype=little).tobytes()
+    tokens, layers, top_k = array.shape
+    name = NEMO_RL_NAMES[array.dtype.itemsize]
+    return f"nrlre1:{name}:{tokens}x{layers}x{top_k}:" + base64.b64encode(data).decode("ascii")
+
+
+@st.composite
+def nemo_rl_arrays(draw, max_rows: int = 6) -> np.ndarray:
+    """A (tokens, layers, top_k) int8 / int16 / int32 array with values over the dtype's whole range
+    (-1 rows among them), any byte order and memory order (C, Fortran, strided); sizes from 0."""
+    dtype = np.dtype(draw(st.sampled_from(NEMO_RL_NP_DTYPES)))
+    shape = (draw(st.integers(0, max_rows)), draw(st.integers(0, 4)), draw(st.integers(0, 4)))
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    array = rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    if shape[0] and draw(st.booleans()):
+        array[rng.integers(0, shape[0])] = -1  # a row with no route captured
+    if draw(st.booleans()):
+        array = array.astype(dtype.newbyteorder(">"))
+    layout = draw(st.sampled_from(["C", "F", "strided"]))
+    if layout == "F":
+        array = np.asfortranarray(array)
+    elif layout == "strided":
+        array = np.repeat(array, 2, axis=0)[::2]
+    return array
+
+
+# sizes as text: what NeMo-RL's writer writes, then what only its int() reader takes, then junk
+NEMO_RL_SIZE_TEXTS = (
+    "0", "1", "2", "3", "07", "+3", " 3", "3 ", "3_0", "-1", "\u0663", "", "0x3", "3.0", "1e3",
+)  # fmt: skip
+NEMO_RL_DTYPE_TEXTS = ("int8", "int16", "int32", "uint16", "uint8", "int64", "float32", "INT16", " int16", "")
+
+
+@st.composite
+def nemo_rl_hostile_envelopes(draw) -> str:
+    """An envelope with every field drawn: the magic (right or near), the dtype name, 1-4 sizes
+    (small, huge up to 2**70, or text only NeMo-RL's int() reads), the separators, and a payload of
+    the announced size or not, sometimes with characters outside the base64 alphabet spliced in."""
+    magic = draw(st.sampled_from(["nrlre1"] * 6 + ["nrlre2", "NRLRE1", "nrlre", "", "nrlre1 "]))
+    name = draw(st.sampled_from(NEMO_RL_DTYPE_TEXTS[:3] * 3 + NEMO_RL_DTYPE_TEXTS))
+    count = draw(st.sampled_from([3] * 6 + [1, 2, 4]))
+    sizes = draw(
+        st.lists(
+            st.one_of(
+                st.integers(0, 4).map(str),
+                st.integers(0, 4).map(str),
+                st.integers(0, 2**70).map(str),
+                st.sampled_from(NEMO_RL_SIZE_TEXTS),
+            ),
+            min_size=count,
+            max_size=count,
+        )
+    )
+    sep = draw(st.sampled_from(["x"] * 6 + ["X", "*", ","]))
+    itemsize = {"int8": 1, "int16": 2, "int32": 4}.get(name, 2)
+    try:
+        size = math.prod(int(d) for d in sizes) * itemsize
+    except ValueError:
+        size = None
+    if size is not None and 0 <= size <= 256 and draw(st.integers(0, 3)):
+        payload = base64.b64encode(draw(st.binary(min_size=size, max_size=size))).decode()
+    else:
+        payload = base64.b64encode(draw(st.binary(max_size=48))).decode()
+    for _ in range(draw(st.sampled_from([0, 0, 0, 1, 2]))):
+        at = draw(st.integers(0, len(payload)))
+        junk = draw(st.sampled_from(["\n", " ", "-", "_", "=", "\u00c4", ":", "A"]))
+        payload = payload[:at] + junk + payload[at:]
+    colons = draw(st.sampled_from([":"] * 8 + ["", "::"]))
+    return f"{magic}:{name}:{sep.join(sizes)}{colons}{payload}"

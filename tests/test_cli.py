@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import moe_ops
+from moe_ops import encode_routing
 from moe_ops.cli import MAX_DEMO_REQUESTS, MAX_STEP_ROWS, _build_parser, main
+from moe_ops.wire import FORMATS
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -277,6 +279,32 @@ def test_inspect_counts_the_no_routing_marker_apart(tmp_path, capsys):
     assert main(["inspect", str(unsigned)]) == 0
     text = capsys.readouterr().out
     assert "rows with no routing (marker 255): 1 of 2" in text and "layer   2: 2/8 experts used" in text
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in FORMATS.items() if f.magic is not None))
+def test_inspect_reads_the_text_of_every_format_with_a_prefix(name, tmp_path, capsys):
+    """moe-ops inspect tells a text file's format by its prefix, through the registry: a format
+    module added to moe_ops/wire/ is read without a change to inspect."""
+    fmt = FORMATS[name]
+    dtype = (fmt.dtypes or (np.dtype(np.uint8),))[0]
+    routing = np.array([[[3, 1]], [[0, 2]], [[3, 0]]], dtype=dtype)  # 3 tokens, 1 layer, top-2
+    path = tmp_path / f"routing.{name}.txt"
+    path.write_text(encode_routing(routing, format=name) + "\n")
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert f"3 tokens x 1 MoE layers x top-2, dtype {dtype} (text {name})" in text
+    # ids 3, 1, 0, 2, 3, 0: 0 and 3 twice, ties by id
+    assert "layer   0: 4/4 experts used; busiest 0 (2), 3 (2), 1 (1)" in text
+
+
+def test_inspect_refuses_text_of_no_known_prefix_in_one_line(tmp_path, capsys):
+    """SGLang's bare base64 has no prefix: refused, saying how to decode it, not guessed."""
+    path = tmp_path / "sglang.txt"
+    path.write_text(encode_routing(np.zeros((2, 1, 2), np.int32), format="sglang"))
+    assert main(["inspect", str(path)]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"{path}: cannot read routing: text that starts with the prefix of no wire format")
+    assert "format='sglang'" in line
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from moe_ops import (
     encode_routing_bytes,
     wire,
 )
+from moe_ops.wire import _base as wire_base  # the base64 backend every format encodes with
 
 INT_DTYPES = [np.uint8, np.uint16, np.int32, np.int16, np.int64, np.int8, np.uint32, np.uint64]
 
@@ -290,7 +291,8 @@ def test_a_header_numpy_accepts_with_any_byte_order_descr_decodes():
         (dict(top_k=2.0), "top_k must be None or an int >= 1"),
         (dict(dtype="float32"), "dtype must be None or an integer numpy dtype, got float32"),
         (dict(dtype="nope"), "dtype must be None or an integer numpy dtype, got 'nope'"),
-        (dict(format="json"), r"format must be one of \('npy', 'sglang'\), got 'json'"),
+        # every registered format is named (npy and sglang at least; each format module adds one)
+        (dict(format="json"), r"format must be one of \((?=.*'npy')(?=.*'sglang').*\), got 'json'"),
         (dict(format=None), "format must be one of"),
     ],
 )
@@ -551,8 +553,8 @@ def test_both_base64_backends_give_the_same_text_and_arrays(monkeypatch):
     texts = {}
     for backend in ("installed", "stdlib"):
         if backend == "stdlib":
-            monkeypatch.setattr(wire, "_b64", base64)
-            monkeypatch.setattr(wire, "HAS_PYBASE64", False)
+            monkeypatch.setattr(wire_base, "_b64", base64)
+            monkeypatch.setattr(wire_base, "HAS_PYBASE64", False)
         texts[backend] = (encode_routing(rows), encode_routing(rows, format="sglang"))
         assert np.array_equal(decode_routing(texts[backend][0]), rows)
         back = decode_routing(texts[backend][1], format="sglang", num_layers=5, top_k=3, dtype=np.uint16)
@@ -577,3 +579,117 @@ def test_vllm_text_is_what_vllm_clients_decode():
     assert theirs.shape == (6, 5, 2) and theirs.dtype == np.uint8
     assert (theirs[:, [0, 2]] == 0).all() and np.array_equal(theirs[:, [1, 3, 4]], rows)
     assert math.prod(theirs.shape) == theirs.size
+
+
+# ------------------------------------------------------------------ the registry: every format
+#
+# Each test below runs for every registered format, so a new format module gets them without a
+# line here: its round trip, its self-description, and hostile text refused with ValueError only.
+
+FORMAT_NAMES = sorted(wire.FORMATS)
+
+
+def _format_arrays(fmt):
+    """3-D arrays a format carries: its dtypes (every integer dtype when the text says which), any
+    byte order and memory order, values over the dtype's whole range."""
+    dtypes = fmt.dtypes if fmt.dtypes is not None else INT_DTYPES
+    return routing_arrays(dtypes=dtypes).filter(lambda a: a.ndim == 3 and a.shape[1] >= 1 and a.shape[2] >= 1)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@settings(max_examples=100)
+@given(data=st.data())
+def test_every_format_round_trips_each_of_its_dtypes(name, data):
+    fmt = wire.FORMATS[name]
+    array = data.draw(_format_arrays(fmt))
+    text = encode_routing(array, format=name)
+    assert isinstance(text, str) and text.isascii()
+    native = array.dtype.newbyteorder("=")
+    _, num_layers, top_k = array.shape
+    for s in (text, text.encode(), bytearray(text.encode()), memoryview(text.encode())):
+        out = decode_routing(s, format=name, num_layers=num_layers, top_k=top_k, dtype=native)
+        assert out.dtype == native and out.flags.writeable and out.flags.c_contiguous
+        assert np.array_equal(out, array)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_every_format_describes_itself(name):
+    fmt = wire.FORMATS[name]
+    assert fmt.name == name and name in wire.WIRE_FORMATS
+    assert wire.wire_format(name) is fmt
+    assert fmt.layer_axes and set(fmt.layer_axes) <= {"moe", "model"}
+    dtype = (fmt.dtypes or (np.dtype(np.uint8),))[0]
+    text = encode_routing(np.zeros((2, 3, 1), dtype), format=name)
+    if fmt.magic is None:
+        assert wire.sniff_format(text) is not fmt
+    else:
+        assert text.startswith(fmt.magic) and wire.sniff_format(text) is fmt
+        assert wire.sniff_format(text.encode()) is fmt
+    if fmt.dtypes is not None:  # a dtype the format does not carry is refused, naming the format
+        other = next(d for d in map(np.dtype, INT_DTYPES) if d not in fmt.dtypes)
+        with pytest.raises(ValueError, match=f"format='{name}'"):
+            encode_routing(np.zeros((1, 1, 1), other), format=name)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@settings(max_examples=300)
+@given(data=st.data())
+def test_every_format_refuses_hostile_text_with_value_error_only(name, data):
+    """Any text, and the format's own texts mutated: a ValueError or an integer array no larger
+    than max_elements, never a warning, under 10 ms of CPU time (test_wire's _quietly)."""
+    fmt = wire.FORMATS[name]
+    dtype = (fmt.dtypes or (np.dtype(np.uint8),))[0]
+    own = data.draw(_format_arrays(fmt)).astype(dtype)
+    text = data.draw(
+        st.one_of(
+            st.text(max_size=64),
+            st.binary(max_size=64),
+            st.just(encode_routing(own, format=name).encode()).flatmap(lambda t: mutated(t, keep=8)),
+            st.text(max_size=40).map(lambda t: (fmt.magic or "") + t),
+        )
+    )
+    kwargs = dict(format=name, num_layers=own.shape[1], top_k=own.shape[2], dtype=dtype)
+    out = _quietly(decode_routing, text, max_elements=1 << 12, **kwargs)
+    assert out is None or (out.dtype == dtype and out.size <= 1 << 12 and out.shape[1:] == own.shape[1:])
+
+
+def test_the_registry_takes_every_public_module_and_refuses_one_without_its_format(tmp_path, monkeypatch):
+    """Every module of moe_ops/wire/ not named _* is a format: one without a FORMAT, or with a
+    FORMAT named otherwise than the module, stops the import instead of being skipped."""
+    import sys
+
+    assert tuple(wire.FORMATS) == wire.WIRE_FORMATS == tuple(sorted(wire.FORMATS))
+    monkeypatch.setattr(wire, "__path__", [*wire.__path__, str(tmp_path)])
+    for module, body, match in [
+        ("zz_none", "X = 1\n", "must define FORMAT, a WireFormat named 'zz_none'"),
+        ("zz_named", "from moe_ops.wire import npy\nFORMAT = npy.FORMAT\n", "named 'zz_named'"),
+    ]:
+        (tmp_path / f"{module}.py").write_text(body)
+        try:
+            with pytest.raises(ImportError, match=match):
+                wire._discover()
+        finally:
+            (tmp_path / f"{module}.py").unlink()
+            sys.modules.pop(f"moe_ops.wire.{module}", None)
+    assert set(wire._discover()) == set(wire.FORMATS)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(name="two-words"), "name must be an identifier"),
+        (dict(layer_axes=("decoder",)), "layer_axes must be a non-empty tuple of"),
+        (dict(layer_axes=()), "layer_axes must be a non-empty tuple of"),
+        (dict(dtypes=(np.dtype(np.float32),)), "native integer np.dtype"),
+        (dict(dtypes=(np.dtype(">i4"),)), "native integer np.dtype"),
+        (dict(magic=""), "magic must be None or non-empty ASCII"),
+        (dict(magic="Ä:"), "magic must be None or non-empty ASCII"),
+        (dict(decode=None), "must be callable"),
+    ],
+)
+def test_a_wire_format_is_checked_where_it_is_defined(fields, match):
+    good = dict(
+        name="x", layer_axes=("moe",), dtypes=None, magic="x:", encode=lambda a: "", decode=lambda s, **kw: s
+    )
+    with pytest.raises(ValueError, match=match):
+        wire.WireFormat(**{**good, **fields})

@@ -1,10 +1,11 @@
 """``moe-ops inspect FILE``: what a saved routing file holds, and which of it the file says.
 
-Reads the demo's ``routing.npz``, a bare ``.npy`` array, and both wire formats of
-:mod:`moe_ops.wire` (base64 ``.npy`` text, raw ``MOER`` bytes). Only ``routing.npz`` carries the
-model's MoE layer indices and expert count; for the other forms they are guessed (layer columns
-numbered 0, 1, ...; the largest id seen + 1 experts), and the summary marks every guessed value as
-guessed, so a reader never takes a guess for what the file recorded.
+Reads the demo's ``routing.npz``, a bare ``.npy`` array, raw ``MOER`` bytes, and the text of every
+wire format of :mod:`moe_ops.wire` whose texts start with a prefix of their own (base64 ``.npy``
+text, ...: ``moe_ops.wire.sniff_format``). Only ``routing.npz`` carries the model's MoE layer
+indices and expert count; for the other forms they are guessed (layer columns numbered 0, 1, ...;
+the largest id seen + 1 experts), and the summary marks every guessed value as guessed, so a reader
+never takes a guess for what the file recorded.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..wire import _MAX_NPY_HEADER, RAW_MAGIC, _parse_npy_header, decode_routing, decode_routing_bytes
+from ..wire import FORMATS, RAW_MAGIC, decode_routing, decode_routing_bytes, sniff_format
+from ..wire.npy import _MAX_NPY_HEADER, _parse_npy_header
 
 __all__ = ["MAX_COMPRESSION_RATIO", "RoutingFile", "inspect_file", "main_inspect", "read_routing_file"]
 
@@ -33,7 +35,8 @@ class RoutingFile:
 
     # the file read
     path: str
-    # "npz" (the demo's routing.npz), "npy", "raw" (MOER bytes) or "text" (base64 .npy)
+    # "npz" (the demo's routing.npz), "npy", "raw" (MOER bytes) or "text NAME" (the text of the wire
+    # format NAME that moe_ops.wire.sniff_format recognised, e.g. "text npy": base64 .npy)
     form: str
     # (tokens, num_moe_layers, top_k) integer - the expert ids
     routing: np.ndarray
@@ -136,7 +139,15 @@ def _load(path: str) -> tuple[str, np.ndarray, dict[str, np.ndarray]]:
         with open(path, "rb") as f:
             return "npy", _read_npy(f, "routing", os.path.getsize(path), None), {}
     with open(path) as f:
-        return "text", decode_routing(f.read().strip()), {}
+        text = f.read().strip()
+    fmt = sniff_format(text)
+    if fmt is None:
+        known = ", ".join(f"{w.magic!r} ({w.name})" for w in FORMATS.values() if w.magic is not None)
+        raise ValueError(
+            f"text that starts with the prefix of no wire format ({known}); SGLang's bare base64 has "
+            "none: decode it with moe_ops.decode_routing(text, format='sglang', ...)"
+        )
+    return f"text {fmt.name}", decode_routing(text, format=fmt.name), {}
 
 
 def _scalar(extra: dict[str, np.ndarray], name: str, minimum: int) -> int | None:

@@ -48,12 +48,12 @@ import torch
 
 from .._library import destination_op
 from ..shapes import RoutingShape
+from ..wire import check_layer_axis
 from .kernels import REPLAY_FAULT_ROW_COUNT, counter_lock
 from .op import replay_fault_counter
 
 __all__ = ["LAYER_KINDS", "NO_RECORD_MARKERS", "RoutingReplayer", "replay_batch"]
 
-LAYER_AXES = ("moe", "model")
 # "decoder": a layer of the model's decoder stack (model-layer index, mapped to the MoE-only axis);
 # "mtp": a multi-token-prediction layer (its own index from 0, its own columns)
 LAYER_KINDS = ("decoder", "mtp")
@@ -189,7 +189,8 @@ def replay_batch(
             (``layer_axis="model"``: vLLM's ``routed_experts``, a column per decoder layer; the
             dense layers' columns are dropped whatever they hold). Any integer dtype.
         shape: the model's :class:`~moe_ops.RoutingShape`.
-        layer_axis: ``"moe"`` or ``"model"``, see ``requests``.
+        layer_axis: ``"moe"`` or ``"model"`` (``moe_ops.wire.LAYER_AXES``), see ``requests``; a
+            format's ``moe_ops.wire.FORMATS[name].layer_axes`` say which its clients read.
         pad_to: None: requests packed back to back (``sum(T)`` rows, e.g. for packed sequences
             with per-sequence positions); an int: each request right-padded to ``pad_to`` rows
             (``len(requests) * pad_to`` rows, a ``(batch, pad_to)`` batch flattened row-major, as
@@ -225,8 +226,7 @@ def replay_batch(
     """
     if not isinstance(shape, RoutingShape):
         raise TypeError(f"shape must be a RoutingShape, got {type(shape).__name__}")
-    if layer_axis not in LAYER_AXES:
-        raise ValueError(f"layer_axis must be 'moe' or 'model', got {layer_axis!r}")
+    layer_axis = check_layer_axis(layer_axis)
     if pad_to is not None:
         pad_to = _check_int("pad_to", pad_to, 1)
     no_record = check_no_record(no_record, shape.top_k)

@@ -1,0 +1,157 @@
+"""Wire formats for routing arrays: the text each client decodes, and raw bytes.
+
+One module per client format, each defining ``FORMAT``, a :class:`WireFormat` (name, the layer
+axes its clients read, its dtypes, the prefix its texts start with, encode, decode); the registry
+:data:`FORMATS` collects every module of this package whose name does not start with ``_``, in name
+order. :func:`encode_routing` / :func:`decode_routing` (``format=``), ``replay_batch``'s
+``layer_axis`` (:data:`LAYER_AXES`) and ``moe-ops inspect`` (:func:`sniff_format`) consult it, so a
+new format is one new module (docs/wire.md has the table of formats and clients, and under "Adding
+a wire format" the steps). The engine layouts live with their formats (``npy.vllm_layout``,
+``sglang.sglang_layout``, ...).
+
+Raw bytes (``encode_routing_bytes`` / ``decode_routing_bytes``, the ``MOER`` form, :mod:`._raw`)
+are for clients that skip base64.
+
+``pybase64`` (SIMD) is used when importable, the standard library otherwise; both produce and accept
+the same text. Every malformed input raises ValueError, sizes checked before anything is allocated;
+only an argument of the wrong type (``s`` not text or bytes) raises TypeError.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from ._base import (
+    HAS_PYBASE64,
+    LAYER_AXES,
+    WireFormat,
+    as_text,
+    check_count,
+    check_dtype_arg,
+    check_layer_axis,
+    integer_array,
+)
+from ._raw import RAW_MAGIC, RAW_VERSION, decode_routing_bytes, encode_routing_bytes
+from .sglang import SGLANG_DTYPES
+
+__all__ = [
+    "FORMATS",
+    "HAS_PYBASE64",
+    "LAYER_AXES",
+    "RAW_MAGIC",
+    "RAW_VERSION",
+    "SGLANG_DTYPES",
+    "WIRE_FORMATS",
+    "WireFormat",
+    "check_layer_axis",
+    "decode_routing",
+    "decode_routing_bytes",
+    "encode_routing",
+    "encode_routing_bytes",
+    "sniff_format",
+    "wire_format",
+]
+
+
+def _discover() -> dict[str, WireFormat]:
+    """The ``FORMAT`` of every module of this package not named ``_*``, by name; ImportError for a
+    module without one, or whose format is named otherwise than the module."""
+    found = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        fmt = getattr(module, "FORMAT", None)
+        if not isinstance(fmt, WireFormat) or fmt.name != info.name:
+            raise ImportError(
+                f"{module.__name__} must define FORMAT, a WireFormat named {info.name!r} (every module "
+                f"of moe_ops.wire not named _* is a wire format), got {fmt!r}"
+            )
+        found[fmt.name] = fmt
+    return found
+
+
+# the registry: format name -> WireFormat, in name order
+FORMATS: Mapping[str, WireFormat] = MappingProxyType(_discover())
+WIRE_FORMATS = tuple(FORMATS)
+
+
+def wire_format(format: Any) -> WireFormat:
+    """The registered :class:`WireFormat` named ``format``; ValueError naming the registered ones."""
+    fmt = FORMATS.get(format) if isinstance(format, str) else None
+    if fmt is None:
+        raise ValueError(f"format must be one of {WIRE_FORMATS}, got {format!r}")
+    return fmt
+
+
+def sniff_format(s: str | bytes | bytearray | memoryview) -> WireFormat | None:
+    """The registered format whose ``magic`` starts ``s``; None when none does (a format without a
+    prefix, SGLang's bare base64, cannot be told from other text)."""
+    s = as_text(s)
+    return next((fmt for fmt in FORMATS.values() if fmt.matches(s)), None)
+
+
+def encode_routing(array: np.ndarray, *, format: str = "npy") -> str:
+    """Base64 text of an integer routing array, in one of the formats clients decode.
+
+    Args:
+        array: integer array; ``(n, num_layers, top_k)`` for every format but ``"npy"`` (any shape).
+            Build the array a client expects with :meth:`RoutingShape.vllm_layout` /
+            :meth:`RoutingShape.sglang_layout` (their layer axis is every model layer).
+        format: a name in :data:`WIRE_FORMATS` - ``"npy"``: base64 of the ``.npy`` bytes (C order),
+            read back by ``np.load(io.BytesIO(base64.b64decode(s)))`` and :func:`decode_routing`;
+            ``"sglang"``: base64 of the raw little-endian ids, no header; int32, uint16 or uint8
+            only (the dtypes SGLang's clients know), and the client must be told which.
+            docs/wire.md has every format.
+
+    Raises ValueError for a non-integer array, an unknown format, or an array the format cannot
+    carry (``"sglang"``: not 3-D, or a dtype other than int32 / uint16 / uint8).
+    """
+    fmt = wire_format(format)
+    return fmt.encode(integer_array(array, "array"))
+
+
+def decode_routing(
+    s: str | bytes,
+    *,
+    format: str = "npy",
+    num_layers: int | None = None,
+    top_k: int | None = None,
+    dtype: Any = None,
+    max_elements: int | None = None,
+) -> np.ndarray:
+    """The array of a base64 routing text (from :func:`encode_routing` or a serving engine).
+
+    Args:
+        s: the text (str or ASCII bytes, bytearray or memoryview; a non-contiguous memoryview is
+            copied first).
+        format: a name in :data:`WIRE_FORMATS` - ``"npy"`` (vLLM's ``routed_experts``; the header
+            gives shape and dtype) or ``"sglang"`` (raw ids with no header: ``num_layers``,
+            ``top_k`` and ``dtype`` required); docs/wire.md has every format.
+        num_layers: ids per token are ``(num_layers, top_k)``. A format whose text says the shape:
+            optional, the shape must then be ``(n, num_layers, top_k)``; ``"sglang"``: required.
+        top_k: see ``num_layers``.
+        dtype: a format whose text says the dtype: optional, it must then be it (any byte order);
+            ``"sglang"``: required, one of int32 (SGLang's default), uint16, uint8.
+        max_elements: refuse arrays with more elements than this (checked from the header or the
+            text's length, before the array is allocated). None: no limit.
+
+    Returns a new, writable array in native byte order; ``"sglang"`` gives ``(n, num_layers, top_k)``.
+
+    Raises ValueError for malformed base64, a malformed or truncated payload, trailing bytes, an
+    object or other non-integer dtype, too many elements, a shape or dtype other than the one asked
+    for, a ``"sglang"`` byte count that is not a whole number of rows, or a bad argument value;
+    TypeError when ``s`` is not str or bytes. Never unpickles.
+    """
+    fmt = wire_format(format)
+    num_layers = check_count("num_layers", num_layers, minimum=1)
+    top_k = check_count("top_k", top_k, minimum=1)
+    dtype = check_dtype_arg(dtype)
+    max_elements = check_count("max_elements", max_elements, minimum=0)
+    return fmt.decode(as_text(s), num_layers=num_layers, top_k=top_k, dtype=dtype, max_elements=max_elements)
