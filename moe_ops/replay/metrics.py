@@ -94,7 +94,7 @@ def routing_mismatch(
             of a replayed forward).
         valid: (n,) bool or None - tokens to count (padding False); None counts every token.
         no_record: the no-record marker of ``recorded_ids`` besides -1: -1 or 0 (all-zero rows, as
-            verl, slime and NeMo-RL send them; needs ``top_k >= 2``).
+            verl and slime send them; needs ``top_k >= 2``).
 
     Each argument is a torch tensor or a numpy array (taken as a CPU tensor, no copy).
 

@@ -57,8 +57,9 @@ __all__ = ["LAYER_KINDS", "NO_RECORD_MARKERS", "RoutingReplayer", "replay_batch"
 # "decoder": a layer of the model's decoder stack (model-layer index, mapped to the MoE-only axis);
 # "mtp": a multi-token-prediction layer (its own index from 0, its own columns)
 LAYER_KINDS = ("decoder", "mtp")
-# What marks a (token, layer) row without a record, besides moe-ops' own -1: verl, slime and
-# NeMo-RL send all-zero rows. An all-zero row is never a routing when top_k >= 2 (expert 0 twice).
+# What marks a (token, layer) row without a record, besides moe-ops' own -1: verl's aligned
+# placeholder and slime's padding are all-zero rows (NeMo-RL's current codec uses -1, as moe-ops
+# does). An all-zero row is never a routing when top_k >= 2 (expert 0 twice).
 NO_RECORD_MARKERS = (-1, 0)
 _INT32_MAX = (1 << 31) - 1
 
@@ -203,7 +204,7 @@ def replay_batch(
             the counts: a request a row short or long shifts every later request of a packed
             batch.
         no_record: what marks a row without a record in ``requests``, besides -1: -1 (only -1) or
-            0 (an all-zero row too, what verl, slime and NeMo-RL send; needs ``top_k >= 2``).
+            0 (an all-zero row too, what verl and slime send; needs ``top_k >= 2``).
         missing: per request, None or an ``(R,)`` bool mask of rows that hold no record whatever
             their values (``FinishedRouting.missing`` of the ledger: a dropped step's rows hold the
             store's fill value, which at 256 experts in uint8 is the valid id 255).
@@ -326,7 +327,7 @@ class RoutingReplayer:
         num_mtp_layers: multi-token-prediction layers with a router (their own columns, read with
             ``layer_ids(i, n, kind="mtp")``; 0: none).
         no_record: what marks a row without a record in the batches given to :meth:`set_batch`
-            besides -1: -1 (only -1) or 0 (all-zero rows too, as verl, slime and NeMo-RL send them;
+            besides -1: -1 (only -1) or 0 (all-zero rows too, as verl and slime send them;
             needs ``top_k >= 2``). Such rows are routed live and never counted as faults.
         record_live: keep what each router chose live during a replayed forward in
             ``live_buffer`` (the routers wrapped by ``attach_replay`` write it), for
