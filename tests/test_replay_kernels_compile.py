@@ -55,9 +55,10 @@ for ft in ("fp64", "fp32"):
         # small tiles: this checks the lowering, not the speed (the launch tiles compile the same ops)
         k_pad = 1 if m == M.LLAMA4 else 4
         fwd = dict(logits_ptr="*" + ft, rec_ptr="*i32", bias_ptr="*" + ft, weights_ptr="*" + ft,
-                   ids_ptr="*i32", errors_ptr="*i32", scale="fp64")
+                   ids_ptr="*i32", errors_ptr="*i32", row_count_ptr="*i32", scale="fp64")
+        # CHECK_ROWS on: the replayer's row-count check (loaded first, branched on last) compiles too
         ce = dict(METHOD=int(m), HAS_BIAS=biased, GROUPED=grouped, BLOCK_M=2, NG_PAD=4 if grouped else 1,
-                  G_PAD=8 if grouped else 32, K_PAD=k_pad)
+                  G_PAD=8 if grouped else 32, K_PAD=k_pad, CHECK_ROWS=True)
         build(f"forward {ft} {m.name}", _replay_kernel, fwd, ce, 4)
         bwd = dict(grad_w_ptr="*" + ft, logits_ptr="*" + ft, weights_ptr="*" + ft, ids_ptr="*i32",
                    grad_ptr="*" + ft, scale="fp64")
