@@ -121,7 +121,8 @@ class StepRunner:
         capture_sizes: the padded sizes; a batch runs at the smallest size that holds it and
             eagerly (unpadded) above the largest. Ignored in ``eager`` mode.
         device: where the static buffers live and the step runs.
-        capturer: a :class:`~moe_ops.capture.step.StepCapturer` (``moe_ops.RoutingCapturer``):
+        capturer: a :class:`~moe_ops.capture.step.StepCapturer` - the step part of a
+            :class:`~moe_ops.capture.Capturer` (``moe_ops.RoutingCapturer``):
             the runner sets its live counts before each step (``set_step``), zeroes them before
             warm-up and capture runs (``clear_counts``) and reads ``dp_size`` and
             ``max_num_tokens``, nothing else. None: no capture.

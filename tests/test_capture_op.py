@@ -342,3 +342,57 @@ def test_opcheck_cuda(cuda_device):
         torch.ops.moe_ops.capture_routing_.default,
         (buf, ids, counts, sizes, errors, stamps, step, 2, 1, 2),
     )
+
+
+@pytest.mark.parametrize("layer_id", [3, -1])
+def test_one_layer_check_for_the_target_and_the_monolithic_experts(layer_id):
+    """A layer outside the buffer raises one error wherever it is checked: the target's, and the
+    monolithic experts' check before any target is built (which raised a plain ValueError where the
+    target raised IndexError). It is both an IndexError and a ValueError."""
+    from moe_ops import LayerCapture, MoEDispatchConfig, RoutingReplayExperts
+    from moe_ops.capture import CaptureTarget, LayerIndexError
+
+    buffer = torch.full((8, 3, 2), POISON, dtype=torch.int32)
+    counts = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(LayerIndexError, match=r"layer_id must be in \[0, 3\) for this buffer") as from_target:
+        CaptureTarget(buffer, layer_id, token_counts=counts)
+    experts = RoutingReplayExperts(MoEDispatchConfig(max_num_tokens=8, top_k=2))
+    state = type("State", (), dict(buffer=buffer, token_counts=counts, dp_rank=0, shard_sizes=None))()
+    with pytest.raises(LayerIndexError) as from_experts:
+        experts.set_capture_fn(LayerCapture(state, layer_id))
+    assert str(from_experts.value) == str(from_target.value)
+    assert isinstance(from_target.value, IndexError) and isinstance(from_target.value, ValueError)
+    assert experts.capture_fn is None and (buffer == POISON).all()
+
+
+def test_monolithic_experts_validate_their_target_once_when_bound():
+    """set_capture_fn builds and validates the experts' target (here: a dp_rank outside the counts,
+    which used to pass the binding and fail at the first capture); each capture then checks only
+    the ids and writes this rank's rows."""
+    from moe_ops import LayerCapture, MoEDispatchConfig, RoutingReplayExperts
+
+    buffer = torch.full((8, 2, 2), POISON, dtype=torch.int32)
+    experts = RoutingReplayExperts(
+        MoEDispatchConfig(max_num_tokens=4, top_k=2, dp_size=2, layout=BatchLayout.GATHERED)
+    )
+    make = type("State", (), {})
+
+    def state(counts, dp_rank):
+        s = make()
+        s.buffer, s.token_counts, s.dp_rank, s.shard_sizes = buffer, counts, dp_rank, None
+        return s
+
+    with pytest.raises(ValueError, match=r"dp_rank must be an int in \[0, 1\)"):
+        experts.set_capture_fn(LayerCapture(state(torch.tensor([3], dtype=torch.int32), 1), 1))
+    assert experts.capture_fn is None
+    counts = torch.tensor([3, 2], dtype=torch.int32)
+    experts.set_capture_fn(LayerCapture(state(counts, 1), 1))
+    ids = torch.arange(10, dtype=torch.int16).reshape(5, 2)  # rank 0's 3 rows, then rank 1's 2
+    experts.capture_routing_replay(ids)
+    assert torch.equal(buffer[:2, 1], ids[3:5].to(torch.int32)) and (buffer[2:, 1] == POISON).all()
+    assert (buffer[:, 0] == POISON).all()
+    counts[0], counts[1] = 1, 3  # live counts: the same target reads them at the next call
+    experts.capture_routing_replay(ids[:4])
+    assert torch.equal(buffer[:3, 1], ids[1:4].to(torch.int32))
+    with pytest.raises(ValueError, match="top_k=1 columns"):
+        experts.capture_routing_replay(ids[:, :1])

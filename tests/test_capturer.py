@@ -349,3 +349,187 @@ def test_target_rejects_dense_and_out_of_range_layers():
         cap.target(5)
     with pytest.raises(ValueError, match="SHARDED"):
         cap.target(1, BatchLayout.SHARDED)  # no shard_sizes on this capturer
+
+
+# ------------------------------------------------------------------ one target per layer and layout
+
+
+def test_routing_capturer_is_a_capturer_and_a_step_capturer():
+    from moe_ops.capture import Capturer, RoutingCapturerLike, StepCapturer
+
+    cap = RoutingCapturer(SHAPE, 8, "cpu")
+    assert isinstance(cap, Capturer) and isinstance(cap, StepCapturer)
+    assert RoutingCapturerLike is Capturer
+    # the state part alone is not a whole Capturer (a step driver could not drive it)
+    state = type(
+        "State", (), dict(buffer=cap.buffer, token_counts=cap.token_counts, dp_rank=0, shard_sizes=None)
+    )
+    assert not isinstance(state(), Capturer)
+
+
+def test_target_is_built_once_per_layer_and_layout():
+    """The second call for a (layer, layout) returns the target the first built; another layer or
+    layout builds its own. A layout given as its int value is the same layout."""
+    cap = RoutingCapturer(SHAPE, 8, "cpu", dp_size=2, dp_rank=1, shards_per_rank=1)
+    local = cap.target(2)
+    assert cap.target(2) is local and cap.target(2, BatchLayout.LOCAL) is local and cap.target(2, 0) is local
+    gathered = cap.target(2, BatchLayout.GATHERED)
+    assert gathered is not local and cap.target(2, BatchLayout.GATHERED) is gathered
+    assert cap.target(4) is not local and cap.target(4).layer_id == SHAPE.buffer_layer(4)
+    assert gathered.layout == BatchLayout.GATHERED and gathered.shard_sizes is cap.shard_sizes
+
+
+def test_a_cached_target_refuses_what_the_uncached_refuses():
+    """Values that compare equal to a cached key but are no layer or layout (a bool, a float) are
+    refused as on the first call, never answered from the cache."""
+    cap = RoutingCapturer(SHAPE, 8, "cpu", dp_size=2, dp_rank=1, shards_per_rank=1)
+    cap.target(1, BatchLayout.GATHERED)
+    cap.target(1)
+    for layout in (True, 1.0):
+        with pytest.raises((TypeError, ValueError), match="layout"):
+            cap.target(1, layout)
+    with pytest.raises(TypeError, match="tp_group"):
+        cap.target(1, BatchLayout.SEQUENCE_PARALLEL, tp_group=[0, 1])
+    with pytest.raises(ValueError, match="model layer 3 is dense"):
+        cap.target(3)
+    with pytest.raises(ValueError, match="model layer 3 is dense"):
+        cap.target(3)  # a failed build is not cached
+
+
+@pytest.mark.parametrize("layout", [BatchLayout.LOCAL, BatchLayout.GATHERED], ids=["local", "gathered"])
+def test_cached_targets_follow_set_step(layout):
+    """One target per layer serves every step: set_step and clear_counts update the tensors it
+    holds in place, so each step records exactly its own rows."""
+    cap = RoutingCapturer(SHAPE, 8, "cpu", dp_size=2, dp_rank=1)
+    targets = {layer: cap.target(layer, layout) for layer in SHAPE.moe_layers}
+    g = torch.Generator().manual_seed(3)
+    for counts in ([2, 5], [4, 0], [0, 8], [3, 3]):
+        cap.set_step(counts)
+        cap.buffer.fill_(POISON)
+        n_rows = counts[1] if layout == BatchLayout.LOCAL else sum(counts)
+        start = 0 if layout == BatchLayout.LOCAL else counts[0]
+        ids = {layer: torch.randint(0, 64, (n_rows, 2), generator=g) for layer in SHAPE.moe_layers}
+        for layer in SHAPE.moe_layers:
+            assert cap.target(layer, layout) is targets[layer]
+            cap.capture(layer, ids[layer], layout)
+        for column, layer in enumerate(SHAPE.moe_layers):
+            expected = ids[layer][start : start + counts[1]].to(torch.int32)
+            assert torch.equal(cap.buffer[: counts[1], column], expected), f"counts {counts}"
+        assert (cap.buffer[counts[1] :] == POISON).all()
+    cap.clear_counts()
+    cap.buffer.fill_(POISON)
+    cap.capture(1, torch.zeros(8, 2, dtype=torch.int64), layout)
+    assert (cap.buffer == POISON).all(), "a cleared count recorded rows through a cached target"
+    assert check_capture_errors() == 0 and cap.check_errors() == 0
+
+
+class _TargetModel(torch.nn.Module):
+    """Three MoE layers: two record with capturer.capture, one routes and records in one call
+    (route(..., capture=capturer.target(layer)))."""
+
+    def __init__(self, capturer: RoutingCapturer, hidden: int = 16, backend: str = "torch"):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.capturer = capturer
+        self.backend = backend
+        self.gates = torch.nn.Parameter(torch.randn(SHAPE.num_model_layers, hidden, 64, generator=g))
+
+    def forward(self, x):
+        from moe_ops import RoutingMethod, route
+
+        out = []
+        for layer in SHAPE.moe_layers:
+            logits = x @ self.gates[layer]
+            if layer == SHAPE.moe_layers[-1]:
+                _, ids = route(
+                    logits,
+                    SHAPE.top_k,
+                    RoutingMethod.RENORMALIZE,
+                    capture=self.capturer.target(layer),
+                    backend=self.backend,
+                )
+            else:
+                ids = torch.topk(logits, SHAPE.top_k, dim=-1).indices
+                self.capturer.capture(layer, ids)
+            out.append(ids.to(torch.int32))
+            x = torch.tanh(logits[:, :16]) + x
+        return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold-cache", "warm-cache"])
+def test_compiled_capture_with_cached_targets_compiles_one_frame(warm):
+    """torch.compile(fullgraph) of a forward capturing 3 layers, set_step between steps: one frame,
+    no recompile, whether the eager cache holds the targets before compiling or not, and each
+    step's rows are its own. The eager cache still returns its targets afterwards."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    cap = RoutingCapturer(SHAPE, 16, "cpu")
+    model = _TargetModel(cap)
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    if warm:
+        cap.set_step([16])
+        model(x)
+    before = {layer: cap.target(layer) for layer in SHAPE.moe_layers} if warm else {}
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with CompileCounters() as cc:
+        for n in (5, 16, 0, 11, 3):
+            cap.set_step([n])
+            cap.buffer.fill_(POISON)
+            ids = compiled(x)
+            assert torch.equal(cap.buffer[:n], ids[:n]), f"n={n}"
+            assert (cap.buffer[n:] == POISON).all(), f"n={n}"
+    assert counter.frame_count == 1, cc.recompile_reasons
+    assert cc.graph_breaks == 0 and cc.recompile_reasons == []
+    for layer, target in before.items():
+        assert cap.target(layer) is target
+    assert cap.check_errors() == 0
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays_cached_targets_with_set_step(cuda_device):
+    """A manual CUDA graph of a step whose layers record through cached targets (capture and
+    route(capture=target)), LOCAL and GATHERED over two DP ranks: each replay after set_step records
+    the live counts' rows, and the targets the graph baked are the ones the cache returns."""
+    from moe_ops import RoutingMethod, route
+
+    cap = RoutingCapturer(SHAPE, 16, cuda_device, dp_size=2, dp_rank=1)
+    layouts = [BatchLayout.LOCAL, BatchLayout.GATHERED, BatchLayout.GATHERED]
+    # LOCAL: this rank's padded batch (<= the buffer's 16 rows); GATHERED: both ranks' rows
+    ids = [torch.empty(16 if i == 0 else 24, 2, dtype=torch.int64, device=cuda_device) for i in range(2)]
+    logits = torch.randn(24, 64, device=cuda_device)
+    routed = torch.empty(24, 2, dtype=torch.int32, device=cuda_device)
+
+    def step():
+        for layer, layout, t in zip(SHAPE.moe_layers[:2], layouts, ids):
+            cap.capture(layer, t, layout)
+        _, out = route(
+            logits[2],
+            SHAPE.top_k,
+            RoutingMethod.RENORMALIZE,
+            capture=cap.target(SHAPE.moe_layers[2], layouts[2]),
+        )
+        routed.copy_(out)
+
+    cap.set_step([8, 16])
+    step()  # warm-up: kernel compile, fault counter, the targets cached
+    targets = [cap.target(layer, layout) for layer, layout in zip(SHAPE.moe_layers, layouts)]
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for counts in ([4, 7], [0, 16], [8, 0], [5, 9]):
+        for t in ids:
+            t.random_(0, 64)
+        logits.normal_()
+        cap.set_step(counts)
+        graph.replay()
+        c, start = counts[1], counts[0]
+        with cap.snapshot() as handle:
+            rows = torch.from_numpy(handle.result().astype(np.int64))
+        assert torch.equal(rows[:, 0], ids[0][:c].cpu()), f"LOCAL, counts {counts}"
+        assert torch.equal(rows[:, 1], ids[1][start : start + c].cpu()), f"GATHERED, counts {counts}"
+        assert torch.equal(rows[:, 2], routed[start : start + c].cpu().long()), f"routed, counts {counts}"
+    assert all(cap.target(layer, layout) is t for layer, layout, t in zip(SHAPE.moe_layers, layouts, targets))
+    assert cap.check_errors() == 0

@@ -320,6 +320,29 @@ def test_remove_keeps_an_existing_instance_forward():
     assert_captured(capturer, reference, start=0, c=4)
 
 
+def test_capture_and_replay_handles_are_one_class():
+    """attach_capture's and attach_replay's handles are the one AttachHandle of
+    moe_ops.replay.attach: the same attributes, the same remove()."""
+    from moe_ops import RoutingReplayer
+    from moe_ops.integrations.hf import CaptureHandle, ReplayHandle, attach_replay
+    from moe_ops.replay.attach import AttachHandle
+
+    model = build_tiny_model("olmoe")
+    capturer = capturer_for(model, 4)
+    replayer = RoutingReplayer(capturer.shape, 4, "cpu")
+    with attach_replay(model, replayer) as replay, attach_capture(model, capturer) as capture:
+        assert type(capture) is CaptureHandle and type(replay) is ReplayHandle
+        assert isinstance(capture, AttachHandle) and isinstance(replay, AttachHandle)
+        assert (capture.what, capture.arch, capture.rules) == ("capture", "olmoe", ())
+        assert (replay.what, replay.arch, len(replay.rules)) == ("replay", "olmoe", 3)
+        assert capture.layers == replay.layers == capturer.shape.moe_layers
+        assert capture.paths == replay.paths
+        with pytest.raises(RuntimeError, match=r"replaced after attach_replay.*remove that handle first"):
+            replay.remove()
+    assert not capture.attached and not replay.attached
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
 def test_remove_refuses_when_forward_was_replaced_after_attach():
     model = build_tiny_model("olmoe")
     handle = attach_capture(model, capturer_for(model, 4))

@@ -661,6 +661,26 @@ def test_remove_restores_megatron_and_nesting_is_ordered():
     assert torch.equal(live[1], build_router({}, seed=5).routing(logits)[1])
 
 
+def test_megatron_handles_are_the_shared_attach_handle():
+    """MegatronHandle is the AttachHandle every attach_* returns: what, arch, layers, paths, rules;
+    removing the last one restores Megatron's routing function."""
+    from moe_ops.replay.attach import AttachHandle
+
+    router = build_router({})
+    replayer = replayer_for(router, record(np.random.default_rng(6), 4, 1, 8, 2))
+    capturer = RoutingCapturer(mg.routing_shape(router.config), 4, "cpu")
+    with mg.attach_replay(router, replayer) as replay, mg.attach_capture(router, capturer) as capture:
+        for handle, what in ((replay, "replay"), (capture, "capture")):
+            assert type(handle) is mg.MegatronHandle and isinstance(handle, AttachHandle)
+            assert (handle.what, handle.arch, handle.layers) == (what, "megatron", (("decoder", 0),))
+        assert len(replay.rules) == 1 and capture.rules == () and replay.paths == capture.paths
+        assert (
+            router.router_replay is capture._hooks[0][1] and router.router_replay.inner is replay._hooks[0][1]
+        )
+    assert router.router_replay is None and not replay.attached and not capture.attached
+    assert megatron_router.topk_routing_with_score_function is mg._megatron().original
+
+
 def test_attach_errors_leave_the_model_untouched():
     router = build_router({})
     rows = np.zeros((4, 1, 2), dtype=np.int32)

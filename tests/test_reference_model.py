@@ -217,3 +217,18 @@ def test_forward_compiles_without_graph_breaks(model):
     capturer.set_step([4])
     rows = _rows([1, 2, 3, 4], [0, 1, 2, 3], [0, 0, 0, 0])
     assert count_graph_breaks(lambda *r: model(*r, capturer=capturer), *rows) == 0
+
+
+def test_moe_blocks_are_the_moe_layers_in_order():
+    """moe_blocks(): (model layer, block) of each MoE layer, the blocks replay_routers lists; the
+    gate is each block's router weight (what the demo perturbs and reads gradients of)."""
+    model = ReferenceMoEModel(reference_config("tiny", num_layers=4, first_k_dense=2))
+    blocks = model.moe_blocks()
+    assert [layer for layer, _ in blocks] == [2, 3] == list(model.config.moe_layers)
+    assert all(block is model.layers[layer].mlp for layer, block in blocks)
+    assert [(r[0], r[1], r[2], r[3]) for r in model.replay_routers()] == [
+        (layer, f"layers.{layer}.mlp", block, "router") for layer, block in blocks
+    ]
+    assert all(
+        block.gate.shape == (model.config.hidden_size, model.config.num_experts) for _, block in blocks
+    )

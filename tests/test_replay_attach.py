@@ -879,6 +879,41 @@ def test_reference_model_replays_recorded_ids(dtype):
     assert torch.equal(after, moved), "remove() must give the live routing back"
 
 
+def test_the_reference_model_has_its_own_attach_path():
+    """moe_ops.models.attach_replay attaches the reference model (and its torch.compile wrapper);
+    moe_ops.attach_replay hands the reference model to it (one dispatch) and gives the same handle;
+    it refuses a model that does not list its routers, before touching anything."""
+    import moe_ops.models
+    from moe_ops.replay.attach import AttachHandle, ReplayHandle
+
+    model = ReferenceMoEModel(REF)
+    shape = model.config.routing_shape()
+    replayer = RoutingReplayer(shape, 8, "cpu")
+    step = reference_step(6, seed=3)
+    recorded = distinct_rows(np.random.default_rng(4), 6, shape)
+    replayer.set_batch(recorded)
+    outputs = []
+    for attach, target in [
+        (moe_ops.models.attach_replay, model),
+        (attach_replay, model),
+        (moe_ops.models.attach_replay, torch.compile(model, backend="eager")),
+    ]:
+        with attach(target, replayer) as handle:
+            assert type(handle) is ReplayHandle and isinstance(handle, AttachHandle)
+            assert (handle.what, handle.arch, handle.layers) == ("replay", "reference", (1, 2))
+            assert handle.paths == ("layers.1.mlp", "layers.2.mlp") and len(handle.rules) == 2
+            assert all("router" in block.__dict__ for _, block in model.moe_blocks())
+            outputs.append(model(*step, return_router_ids=True)[1])
+        assert not any("router" in block.__dict__ for _, block in model.moe_blocks())
+    expected = torch.from_numpy(recorded).to(torch.int32)
+    assert all(torch.equal(ids, expected) for ids in outputs)
+    with pytest.raises(TypeError, match=r"replay_routers\(\).*got Linear"):
+        moe_ops.models.attach_replay(torch.nn.Linear(2, 2), replayer)
+    with pytest.raises(TypeError, match="layer_ids"):
+        moe_ops.models.attach_replay(model, object())
+    assert not any("router" in block.__dict__ for _, block in model.moe_blocks())
+
+
 # ---------------------------------------------------------------------------------------------------
 # GPU: CUDA graphs
 # ---------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Capture: the routing-replay capture op, its device-side fault counters, and the monolithic capture
-contract (experts kernels that route inside the kernel, :mod:`.monolithic`)."""
+"""Capture: the routing-replay capture op, its device-side fault counters, what a capturer is
+(:class:`Capturer`, :mod:`.protocol`), and the monolithic capture contract (experts kernels that
+route inside the kernel, :mod:`.monolithic`)."""
 
 from .errors import CaptureFaultError, capture_error_counter, check_capture_errors
 from .monolithic import (
@@ -11,13 +12,15 @@ from .monolithic import (
     unbind_routing_capture,
 )
 from .op import capture_routing
-from .step import StepCapturer
-from .target import CaptureTarget, RoutingCapturerLike
+from .protocol import Capturer, StepCapturer
+from .target import CaptureTarget, LayerIndexError, RoutingCapturerLike
 
 __all__ = [
     "CaptureFaultError",
     "CaptureTarget",
+    "Capturer",
     "LayerCapture",
+    "LayerIndexError",
     "MoEDispatchConfig",
     "RoutingCapturerLike",
     "RoutingReplayExperts",

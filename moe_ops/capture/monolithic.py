@@ -28,9 +28,10 @@ as in those engines but graph-safe:
   to ``layer.experts`` (a weight reload that rebuilds the kernel) moves the binding to it and frees
   the old scratch. Serving engines lost the capture on exactly that path.
 
-The capture step (:func:`capture_ids`) is one ``capture_routing`` op on a target built by
-:meth:`CaptureTarget.of` (a registered custom op, so ``torch.compile`` traces it and CUDA graphs
-record it; no Python callback and no host read runs per step).
+The capture step is one ``capture_routing`` op on the target that ``set_capture_fn`` built and
+validated once, from :meth:`CaptureTarget.of` (a registered custom op, so ``torch.compile`` traces
+it and CUDA graphs record it; no Python callback and no host read runs per step, and per call only
+the ids are checked).
 
 The scratch is shared by every call of one experts object and is written and read on the current
 stream, in order; one experts object must not run on two streams at once.
@@ -45,7 +46,8 @@ import torch
 
 from ..layout import BatchLayout, layout_from_value
 from .op import capture_into
-from .target import CaptureTarget, RoutingCapturerLike, check_capturer
+from .protocol import Capturer, buffer_column, check_capturer
+from .target import CaptureTarget
 
 __all__ = [
     "LayerCapture",
@@ -61,21 +63,8 @@ __all__ = [
 _DISPATCH_LAYOUTS = (BatchLayout.LOCAL, BatchLayout.GATHERED, BatchLayout.SHARDED)
 
 
-def buffer_column(capturer: object, layer_id: int) -> int:
-    """The capture-buffer column of a MoE layer.
-
-    A capturer with a ``RoutingShape`` (``moe_ops.RoutingCapturer``, whose layer axis holds MoE
-    layers only) maps the model layer index ``layer_id`` with ``shape.buffer_layer`` (ValueError for
-    a dense layer); any other capturer takes ``layer_id`` as the column.
-    """
-    shape = getattr(capturer, "shape", None)
-    if shape is not None and hasattr(shape, "buffer_layer"):
-        return shape.buffer_layer(layer_id)
-    return layer_id
-
-
 def capture_ids(
-    capturer: RoutingCapturerLike,
+    capturer: Capturer,
     layer_id: int,
     topk_ids: torch.Tensor,
     layout: BatchLayout | int,
@@ -142,7 +131,7 @@ class LayerCapture:
     """
 
     # the model's capture state (buffer, token_counts, dp_rank, shard_sizes)
-    capturer: RoutingCapturerLike
+    capturer: Capturer
     # this layer's index into capturer.buffer's layer dimension
     layer_id: int
 
@@ -175,6 +164,8 @@ class RoutingReplayExperts:
             raise TypeError(f"config must be a MoEDispatchConfig, got {type(config).__name__}")
         self.config = config
         self._capture_fn: LayerCapture | None = None
+        # the target of _capture_fn in config.layout, built and validated by set_capture_fn
+        self._capture_target: CaptureTarget | None = None
         # (config.scratch_rows, top_k) int16 while capture is on with a replay-writing kernel, else None
         self._replay_scratch: torch.Tensor | None = None
 
@@ -198,49 +189,48 @@ class RoutingReplayExperts:
             "all-zero. Use a kernel that fills routing_replay_out, or a router + experts path."
         )
 
-    def check_capture_fn(self, fn: LayerCapture) -> None:
-        """Everything ``set_capture_fn(fn)`` checks, without allocating (ValueError/TypeError)."""
+    def check_capture_fn(self, fn: LayerCapture) -> CaptureTarget:
+        """Everything ``set_capture_fn(fn)`` checks, without allocating; returns the target the
+        experts will capture into (ValueError/TypeError; the layer check is the target's own,
+        a :class:`~moe_ops.capture.target.LayerIndexError`, a ValueError too)."""
         if not isinstance(fn, LayerCapture):
             raise TypeError(f"set_capture_fn needs a LayerCapture or None, got {type(fn).__name__}")
         check_capturer(fn.capturer)
         if self.monolithic and not self.supports_routing_replay_capture():
             raise ValueError(self.cannot_capture_message())
-        buffer = fn.capturer.buffer
-        if not isinstance(buffer, torch.Tensor) or buffer.dim() != 3:
-            shape = tuple(buffer.shape) if isinstance(buffer, torch.Tensor) else type(buffer).__name__
-            raise ValueError(f"capturer.buffer must be a (max_tokens, num_layers, top_k) tensor, got {shape}")
+        if self.config.layout == BatchLayout.SHARDED and fn.capturer.shard_sizes is None:
+            raise ValueError(
+                "a SHARDED dispatch needs capturer.shard_sizes (dp_size * shards_per_rank entries)"
+            )
+        target = fn.target(self.config.layout)  # the buffer, the layer, the counts
+        buffer = target.buffer
         if buffer.shape[2] != self.config.top_k:
             raise ValueError(
                 f"capturer.buffer has top_k={buffer.shape[2]} columns but {self.kernel_name} routes "
                 f"top_k={self.config.top_k} experts per token"
             )
-        if isinstance(fn.layer_id, bool) or not isinstance(fn.layer_id, int):
-            raise TypeError(f"layer_id must be an int, got {type(fn.layer_id).__name__}")
-        if not 0 <= fn.layer_id < buffer.shape[1]:
-            raise ValueError(f"layer_id must be in [0, {buffer.shape[1]}) for this buffer, got {fn.layer_id}")
         if self.config.layout == BatchLayout.LOCAL and buffer.shape[0] < self.config.max_num_tokens:
             raise ValueError(
                 f"capturer.buffer has {buffer.shape[0]} rows but a LOCAL batch may have "
                 f"max_num_tokens={self.config.max_num_tokens} rows"
             )
-        if self.config.layout == BatchLayout.SHARDED and fn.capturer.shard_sizes is None:
-            raise ValueError(
-                "a SHARDED dispatch needs capturer.shard_sizes (dp_size * shards_per_rank entries)"
-            )
+        return target
 
     def set_capture_fn(self, fn: LayerCapture | None) -> None:
         """Turns capture on (``fn``) or off (None).
 
-        On: checks ``fn`` (:meth:`check_capture_fn`) and, when the kernel writes replay ids,
-        allocates the ``(max_num_tokens * dispatch_group_size, top_k)`` int16 scratch on the capture
-        buffer's device (kept when one of that shape and device is already held). Off: drops ``fn``
-        and frees the scratch. Raises before changing anything.
+        On: checks ``fn`` (:meth:`check_capture_fn`), keeps the target it built for every later
+        call and, when the kernel writes replay ids, allocates the ``(max_num_tokens *
+        dispatch_group_size, top_k)`` int16 scratch on the capture buffer's device (kept when one of
+        that shape and device is already held). Off: drops ``fn`` and frees the scratch. Raises
+        before changing anything.
         """
         if fn is None:
             self._capture_fn = None
+            self._capture_target = None
             self._replay_scratch = None
             return
-        self.check_capture_fn(fn)
+        target = self.check_capture_fn(fn)
         scratch = None
         if self.supports_routing_replay_capture():
             shape = (self.config.scratch_rows, self.config.top_k)
@@ -251,6 +241,7 @@ class RoutingReplayExperts:
                 # a fixed address: inductor's CUDA-graph trees keep graphs that mutate it
                 torch._dynamo.mark_static_address(scratch)
         self._capture_fn = fn
+        self._capture_target = target
         self._replay_scratch = scratch
 
     def routing_replay_out(self, num_tokens: int, device: torch.device) -> torch.Tensor | None:
@@ -287,8 +278,7 @@ class RoutingReplayExperts:
         """
         if replay_out is None:
             return
-        fn = self._capture_fn
-        capture_ids(fn.capturer, fn.layer_id, replay_out, self.config.layout)
+        capture_into(self._capture_target, replay_out)
 
 
 class RoutingReplayLayer:
@@ -306,10 +296,10 @@ class RoutingReplayLayer:
     experts: RoutingReplayExperts
 
     @property
-    def routing_capturer(self) -> RoutingCapturerLike | None:
+    def routing_capturer(self) -> Capturer | None:
         return self.__dict__.get("_routing_capturer")
 
-    def _capture_fn_for(self, capturer: RoutingCapturerLike) -> LayerCapture:
+    def _capture_fn_for(self, capturer: Capturer) -> LayerCapture:
         return LayerCapture(capturer=capturer, layer_id=buffer_column(capturer, self.layer_id))
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -326,7 +316,7 @@ class RoutingReplayLayer:
                 old.set_capture_fn(None)
             value.set_capture_fn(self._capture_fn_for(capturer))
 
-    def bind_routing_capture(self, capturer: RoutingCapturerLike) -> None:
+    def bind_routing_capture(self, capturer: Capturer) -> None:
         """Binds ``capturer`` to this layer (and its current experts); raises before changing anything."""
         fn = self._capture_fn_for(capturer)
         self.experts.set_capture_fn(fn)
@@ -341,14 +331,14 @@ def _moe_layers(model: torch.nn.Module) -> list[RoutingReplayLayer]:
     return [m for m in model.modules() if isinstance(m, RoutingReplayLayer)]
 
 
-def bind_routing_capture(model: torch.nn.Module, capturer: RoutingCapturerLike) -> list[int]:
+def bind_routing_capture(model: torch.nn.Module, capturer: Capturer) -> list[int]:
     """Binds ``capturer`` to every MoE layer (:class:`RoutingReplayLayer`) of ``model``.
 
     Everything is checked before any layer is bound, so a failure leaves the model as it was.
     Returns the bound layer ids, sorted.
 
     Raises:
-        TypeError: ``capturer`` lacks the :class:`RoutingCapturerLike` attributes.
+        TypeError: ``capturer`` lacks the :class:`Capturer` attributes.
         ValueError: ``model`` has no MoE layer ("nothing would be captured"); a monolithic layer's
             kernel cannot write replay ids (the message names the kernel and the layer: "routed
             expert ids would be silently all-zero"); two layers share a layer_id; a layer's

@@ -4,6 +4,9 @@ A driver that pads batches to CUDA-graph sizes owns the capturer's live counts a
 it writes the step's real counts before the forward and zeroes them before warm-up and capture
 runs on padding rows (count 0 records nothing in any layout, :mod:`moe_ops.capture.window`). It
 reads two sizes and calls two methods, nothing else; :class:`moe_ops.RoutingCapturer` is one.
+
+It is the step part of :class:`~moe_ops.capture.protocol.Capturer` (which extends it), kept in its
+own module so that a step driver depends on these four members only.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ STEP_CAPTURER_MEMBERS = ("set_step", "clear_counts", "dp_size", "max_num_tokens"
 
 @runtime_checkable
 class StepCapturer(Protocol):
-    """The capturer of a step driver (see the module docstring).
+    """The step part of a :class:`~moe_ops.capture.protocol.Capturer` (see the module docstring).
 
     dp_size: int - DP ranks whose counts a step sets (a driver asks for them when > 1)
     max_num_tokens: int - rows of the capture buffer; a driver's padded sizes must fit it

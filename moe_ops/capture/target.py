@@ -5,29 +5,32 @@ monolithic experts all build a :class:`CaptureTarget` and hand it the ids; the t
 once, on construction, and the ids once, by :meth:`CaptureTarget.check_ids`. The rows a target
 selects come from :mod:`moe_ops.capture.window`, the one row rule.
 
-A capturer (anything holding a model's capture state) is described by :class:`RoutingCapturerLike`;
-:meth:`CaptureTarget.of` is the one mapping from a capturer and a layer to a target.
+A capturer is described once, by :class:`~moe_ops.capture.protocol.Capturer`;
+:meth:`CaptureTarget.of` is the one mapping from its state and a buffer column to a target, and
+``RoutingCapturer.target`` keeps the targets it built (one per layer and layout).
 """
 
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..layout import BatchLayout, layout_from_value
 from .errors import FaultCounter
 from .kernels import id_limit
+from .protocol import Capturer, check_capturer
 from .window import plan_window
 
 __all__ = [
     "BUFFER_DTYPES",
     "ID_DTYPES",
     "CaptureTarget",
+    "LayerIndexError",
     "RoutingCapturerLike",
     "check_buffer",
     "check_capturer",
+    "check_layer_id",
     "check_process_group",
 ]
 
@@ -80,39 +83,24 @@ def check_buffer(buffer: object) -> None:
         )
 
 
-@runtime_checkable
-class RoutingCapturerLike(Protocol):
-    """The capture state of a model, as the capture paths read it (``moe_ops.RoutingCapturer``).
-
-    buffer: (max_tokens, num_layers, top_k) int16/int32/int64 - the capture buffer, written in place
-    token_counts: (dp_size,) int32, on the buffer's device - real tokens of each DP rank this step,
-        updated in place between steps (read on the device)
-    dp_rank: int - this rank's index into token_counts
-    shard_sizes: (dp_size * shards_per_rank,) int32, or None - rows each rank (shard) occupies in a
-        gathered batch; GATHERED and SHARDED read it (see :mod:`moe_ops.capture.window`)
-
-    Optional attributes, read when present: ``fault_counter`` (a :class:`FaultCounter`; None: the
-    device-wide one), ``layer_stamps`` and ``step_tensor`` (stale-layer stamps, see
-    :class:`CaptureTarget`).
-    """
-
-    buffer: torch.Tensor
-    token_counts: torch.Tensor
-    dp_rank: int
-    shard_sizes: torch.Tensor | None
+# The capture state a target is built from; the one protocol of a capturer is
+# moe_ops.capture.protocol.Capturer, this name stays for code written against it.
+RoutingCapturerLike = Capturer
 
 
-_CAPTURER_FIELDS = ("buffer", "token_counts", "dp_rank", "shard_sizes")
+class LayerIndexError(IndexError, ValueError):
+    """``layer_id`` outside the buffer's layer axis: an IndexError (an index out of range) that is
+    also a ValueError (a bad argument), so that the target and the checks made before one is built
+    (``RoutingReplayExperts.check_capture_fn``) raise the same error for the same check."""
 
 
-def check_capturer(capturer: object, what: str = "capturer") -> None:
-    """TypeError naming the missing attributes when ``capturer`` is not :class:`RoutingCapturerLike`."""
-    missing = [name for name in _CAPTURER_FIELDS if not hasattr(capturer, name)]
-    if missing:
-        raise TypeError(
-            f"{what} must have the attributes {', '.join(_CAPTURER_FIELDS)} (RoutingCapturerLike); "
-            f"{type(capturer).__name__} lacks {', '.join(missing)}"
-        )
+def check_layer_id(layer_id: object, num_layers: int) -> None:
+    """TypeError unless ``layer_id`` is an int (not a bool); :class:`LayerIndexError` unless it is
+    in ``[0, num_layers)``."""
+    if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+        raise TypeError(f"layer_id must be an int, got {type(layer_id).__name__}")
+    if not 0 <= layer_id < num_layers:
+        raise LayerIndexError(f"layer_id must be in [0, {num_layers}) for this buffer, got {layer_id}")
 
 
 def check_process_group(name: str, group: object, *, optional: bool = True) -> None:
@@ -134,7 +122,10 @@ class CaptureTarget:
     :func:`moe_ops.capture_routing` takes.
 
     Validated on construction (ValueError naming the argument, TypeError for wrong types,
-    IndexError for ``layer_id``); the checks that need the ids run in :meth:`check_ids`.
+    :class:`LayerIndexError` - an IndexError and a ValueError - for ``layer_id``); the checks that
+    need the ids run in :meth:`check_ids`, per call. A target holds the capturer's tensors, not
+    their values: the counts, stamps and step it points at change in place between steps, so one
+    target serves every step.
     """
 
     # (max_tokens, num_layers, top_k) int16/int32/int64 - the replay buffer; a static address
@@ -167,12 +158,7 @@ class CaptureTarget:
     def __post_init__(self) -> None:
         layout = layout_from_value(self.layout)
         check_buffer(self.buffer)
-        if isinstance(self.layer_id, bool) or not isinstance(self.layer_id, int):
-            raise TypeError(f"layer_id must be an int, got {type(self.layer_id).__name__}")
-        if not 0 <= self.layer_id < self.buffer.shape[1]:
-            raise IndexError(
-                f"layer_id must be in [0, {self.buffer.shape[1]}) for this buffer, got {self.layer_id}"
-            )
+        check_layer_id(self.layer_id, self.buffer.shape[1])
         device = self.buffer.device
         sizes, n_first = plan_window(layout, self.token_counts, self.dp_rank, self.shard_sizes, device)
         check_process_group("tp_group", self.tp_group)
@@ -212,13 +198,14 @@ class CaptureTarget:
     @classmethod
     def of(
         cls,
-        capturer: RoutingCapturerLike,
+        capturer: Capturer,
         layer_id: int,
         layout: BatchLayout | int = BatchLayout.LOCAL,
         *,
         tp_group: object = None,
     ) -> CaptureTarget:
-        """The target of buffer layer ``layer_id`` of ``capturer`` for rows in ``layout``.
+        """The target of buffer layer ``layer_id`` of ``capturer`` (its state members, see
+        :class:`~moe_ops.capture.protocol.Capturer`) for rows in ``layout``.
 
         ``shard_sizes`` is passed to GATHERED and SHARDED when the capturer has them (the window
         rule reads them; see :mod:`moe_ops.capture.window`), never to the other layouts; the

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..models.reference import ReferenceMoEModel, _MoEBlock
+from ..models.reference import ReferenceMoEModel
 from ..replay.metrics import routing_mismatch
 from ..replay.replayer import RoutingReplayer, replay_batch
 from ..shapes import RoutingShape
@@ -138,11 +138,10 @@ def perturb_routers(model: ReferenceMoEModel, lr: float, seed: int) -> None:
     """
     _check_lr(lr)
     generator = torch.Generator().manual_seed(seed)
-    for layer in model.layers:
-        if isinstance(layer.mlp, _MoEBlock):
-            gate = layer.mlp.gate
-            noise = torch.randn(gate.shape, generator=generator, dtype=torch.float64)
-            gate.add_(noise.to(device=gate.device, dtype=gate.dtype), alpha=float(lr))
+    for _, block in model.moe_blocks():
+        gate = block.gate
+        noise = torch.randn(gate.shape, generator=generator, dtype=torch.float64)
+        gate.add_(noise.to(device=gate.device, dtype=gate.dtype), alpha=float(lr))
 
 
 def _packed_inputs(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -253,7 +252,7 @@ def train_check(
         replay_changed, _ = mismatch(live.detach())
         loss = -_generated_logprobs(logits, seqs, prompts).mean()
         loss.backward()
-    grads = [layer.mlp.gate.grad for layer in train.layers if isinstance(layer.mlp, _MoEBlock)]
+    grads = [block.gate.grad for _, block in train.moe_blocks()]
     grad_norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads if g is not None))
     return TrainCheck(
         mode=mode,

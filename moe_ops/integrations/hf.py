@@ -50,16 +50,32 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..capture.protocol import Capturer, check_capturer
 from ..layout import BatchLayout, layout_from_value
-from ..replay.attach import REPLAY_MARK, ReplayHandle, ReplayRule, replaying_forward
-from ..replay.op import BACKENDS as REPLAY_BACKENDS
-from ..router.methods import RoutingMethod, validate_route_args
+from ..models.attach import attach_replay as attach_own_replay
+from ..models.attach import lists_its_routers
+from ..replay.attach import (
+    CAPTURE_MARK,
+    AttachHandle,
+    ReplayHandle,
+    ReplayRule,
+    RouterSite,
+    attach_wrappers,
+    check_against_shape,
+    check_device,
+    check_replay_sites,
+    check_replayer,
+    describe_output,
+    replaying_forward,
+)
+from ..router.methods import RoutingMethod
 
 __all__ = [
     "REPLAY_RULES",
     "SUPPORTED_ARCHITECTURES",
     "CaptureHandle",
     "HFArchitecture",
+    "ReplayHandle",
     "attach_capture",
     "attach_replay",
     "build_tiny_model",
@@ -528,23 +544,16 @@ def _routed_ids(output: Any) -> torch.Tensor:
             return ids if ids.dim() == 2 else ids.reshape(-1, ids.shape[-1])
     raise TypeError(
         "a router's forward must return (router_logits, weights, ids) with exactly one integer tensor "
-        f"(the expert ids); got {_describe(output)}"
+        f"(the expert ids); got {describe_output(output)}"
     )
 
 
-def _describe(output: Any) -> str:
-    if isinstance(output, torch.Tensor):
-        return f"a tensor {tuple(output.shape)} {output.dtype}"
-    if isinstance(output, (tuple, list)):
-        return "(" + ", ".join(_describe(o) for o in output) + ")"
-    return type(output).__name__
+def _sites(routers: list[tuple[int, str, nn.Module]]) -> list[RouterSite]:
+    """The routers :func:`find_routers` found, as the sites an attach wraps (their ``forward``)."""
+    return [RouterSite(layer, path, module) for layer, path, module in routers]
 
 
-# set on our forward wrappers, so that a second attach_capture on one router is refused
-_MARK = "_moe_ops_capture"
-
-
-def _capturing_forward(original: Callable, capturer: Any, layer: int, layout: BatchLayout) -> Callable:
+def _capturing_forward(original: Callable, capturer: Capturer, layer: int, layout: BatchLayout) -> Callable:
     """``original`` followed by ``capturer.capture(layer, ids, layout=layout)``; returns its output.
 
     Dynamo inlines it (a closure over plain Python values and the registered capture op).
@@ -555,103 +564,28 @@ def _capturing_forward(original: Callable, capturer: Any, layer: int, layout: Ba
         capturer.capture(layer, _routed_ids(output), layout=layout)
         return output
 
-    setattr(forward, _MARK, True)
+    setattr(forward, CAPTURE_MARK, True)
     return forward
 
 
-def _check_against_shape(
-    capturer: Any, routers: list[tuple[int, str, nn.Module]], name: str = "capturer"
-) -> None:
-    """Checks the routers found against ``capturer.shape`` (a RoutingShape) when it has one;
-    ``name`` is the argument the messages name."""
-    shape = getattr(capturer, "shape", None)
-    moe_layers = getattr(shape, "moe_layers", None)
-    if moe_layers is None:
-        return
-    found = tuple(layer for layer, _, _ in routers)
-    if tuple(moe_layers) != found:
-        raise ValueError(
-            f"{name}.shape.moe_layers={tuple(moe_layers)} but the model's routers are in decoder "
-            f"layers {found}: build the {name}'s shape from this model's config "
-            "(moe_ops.resolve_routing_shape(model.config))"
-        )
-    top_k = getattr(shape, "top_k", None)
-    for _, path, module in routers:
-        router_k = getattr(module, "top_k", None)
-        if isinstance(router_k, int) and top_k is not None and router_k != top_k:
-            raise ValueError(f"{name}.shape.top_k={top_k} but the router at {path!r} picks top_k={router_k}")
-
-
-def _check_device(capturer: Any, routers: list[tuple[int, str, nn.Module]], name: str = "capturer") -> None:
-    buffer = getattr(capturer, "buffer", None)
-    if not isinstance(buffer, torch.Tensor):
-        return
-    for _, path, module in routers:
-        for p in module.parameters(recurse=False):
-            if p.device.type != "meta" and p.device != buffer.device:
-                raise ValueError(
-                    f"{name}.buffer is on {buffer.device} but the router at {path!r} has its weights on "
-                    f"{p.device}: create the {name} on the model's device"
-                )
-            break
-
-
-@dataclass
-class CaptureHandle:
-    """What :func:`attach_capture` attached; ``remove()`` (or leaving a ``with`` block) undoes it."""
-
-    # registry key of the model's architecture (config.model_type), e.g. "deepseek_v3"
-    arch: str
-    # decoder-layer index of each wrapped router, strictly increasing
-    layers: tuple[int, ...]
-    # module path of each wrapped router, same order as layers
-    paths: tuple[str, ...]
-    # (router, forward it had in its instance __dict__ or None, our wrapper); empty once removed
-    _wrapped: list[tuple[nn.Module, Callable | None, Callable]] = field(repr=False, default_factory=list)
-
-    @property
-    def attached(self) -> bool:
-        """True until :meth:`remove`."""
-        return bool(self._wrapped)
-
-    def remove(self) -> None:
-        """Restores every router's ``forward``; a second call does nothing.
-
-        RuntimeError, before anything is restored, when some router's ``forward`` was replaced by
-        someone else after :func:`attach_capture` (remove that wrapper first).
-        """
-        for path, (module, _, wrapper) in zip(self.paths, self._wrapped):
-            if module.__dict__.get("forward") is not wrapper:
-                raise RuntimeError(
-                    f"the forward of the router at {path!r} was replaced after attach_capture; "
-                    "remove that wrapper first"
-                )
-        for module, previous, _ in self._wrapped:
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
-        self._wrapped = []
-
-    def __enter__(self) -> CaptureHandle:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
+class CaptureHandle(AttachHandle):
+    """What :func:`attach_capture` attached; ``remove()`` (or leaving a ``with`` block) undoes it.
+    See :class:`~moe_ops.replay.attach.AttachHandle` (``rules`` is ``()``)."""
 
 
 def attach_capture(
-    model: nn.Module, capturer: Any, *, layout: BatchLayout | int = BatchLayout.LOCAL
+    model: nn.Module, capturer: Capturer, *, layout: BatchLayout | int = BatchLayout.LOCAL
 ) -> CaptureHandle:
     """Records the routing of every MoE layer of a transformers ``model`` into ``capturer``.
 
     Args:
         model: a transformers model of a supported architecture (``SUPPORTED_ARCHITECTURES``,
             keyed by ``config.model_type``): the ``*ForCausalLM`` or its base model.
-        capturer: where ids go, e.g. :class:`moe_ops.RoutingCapturer`: an object with
-            ``capture(layer_id, topk_ids, layout=...)`` taking the MODEL layer index. With a
-            ``shape`` (RoutingShape) its ``moe_layers`` must be exactly the decoder layers that have
-            a router, and its ``top_k`` the routers' top_k.
+        capturer: where ids go, a :class:`~moe_ops.capture.Capturer` (e.g.
+            :class:`moe_ops.RoutingCapturer`); only its ``capture(layer_id, topk_ids,
+            layout=...)`` is called, with the MODEL layer index. With a ``shape`` (RoutingShape)
+            its ``moe_layers`` must be exactly the decoder layers that have a router, and its
+            ``top_k`` the routers' top_k; with a ``buffer``, on the routers' device.
         layout: the :class:`BatchLayout` of the router's rows (LOCAL for a transformers model run
             on one rank: the flattened ``(batch * seq)`` tokens, padding rows last).
 
@@ -669,32 +603,20 @@ def attach_capture(
     first compiled call after attaching (or removing) recompiles, or reuses a graph compiled for
     that state. No host reads and no graph breaks are added; CUDA graphs record the capture op.
     """
-    if not callable(getattr(capturer, "capture", None)):
-        raise TypeError(
-            "capturer must have a capture(layer_id, topk_ids, layout=...) method (e.g. "
-            f"moe_ops.RoutingCapturer), got {type(capturer).__name__}"
-        )
+    check_capturer(capturer, members=("capture",))
     layout = layout_from_value(layout)
     arch, routers = find_routers(model)
-    _check_against_shape(capturer, routers)
-    _check_device(capturer, routers)
-    for _, path, module in routers:
-        if getattr(module.__dict__.get("forward"), _MARK, False):
+    sites = _sites(routers)
+    check_against_shape(capturer, sites, "capturer")
+    check_device(capturer, sites, "capturer")
+    for site in sites:
+        if site.wrapped_by(CAPTURE_MARK):
             raise ValueError(
-                f"the router at {path!r} already has a routing capture attached: remove() that handle first"
+                f"the router at {site.path!r} already has a routing capture attached: "
+                "remove() that handle first"
             )
-    wrapped = []
-    for layer, _, module in routers:
-        previous = module.__dict__.get("forward")
-        wrapper = _capturing_forward(module.forward, capturer, layer, layout)
-        module.forward = wrapper
-        wrapped.append((module, previous, wrapper))
-    return CaptureHandle(
-        arch=arch,
-        layers=tuple(layer for layer, _, _ in routers),
-        paths=tuple(path for _, path, _ in routers),
-        _wrapped=wrapped,
-    )
+    wrappers = [_capturing_forward(site.module.forward, capturer, site.layer, layout) for site in sites]
+    return attach_wrappers(CaptureHandle, "capture", arch, sites, wrappers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -876,33 +798,15 @@ def replay_rule(arch: str, router: nn.Module) -> ReplayRule:
     return _rule_builder(arch)(router)
 
 
-def _check_rule(rule: ReplayRule, module: nn.Module, path: str, top_k: int | None) -> None:
-    """replay_routing's argument checks, once at attach time, on a (0, num_experts) stand-in."""
-    num_experts = getattr(module, "num_experts", None)
-    if not isinstance(num_experts, int) or top_k is None:
-        return
-    bias = None if rule.bias_attr is None else getattr(module, rule.bias_attr)
-    try:
-        validate_route_args(
-            torch.empty(0, num_experts),
-            top_k,
-            rule.method,
-            None if bias is None else bias.detach().to("cpu", torch.float32),
-            rule.n_group,
-            rule.topk_group,
-            rule.routed_scaling_factor,
-        )
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"the router at {path!r} cannot be replayed with {rule.method.name}: {e}") from None
-
-
 def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> ReplayHandle:
     """Makes every MoE router of ``model`` return the ids in ``replayer``, weighted by its own rule.
 
     Args:
         model: a transformers model of a supported architecture (``SUPPORTED_ARCHITECTURES``, the
-            ``*ForCausalLM`` or its base model, or their ``torch.compile`` wrapper), or a
-            :class:`~moe_ops.models.ReferenceMoEModel` (any model with ``replay_routers()``).
+            ``*ForCausalLM`` or its base model, or their ``torch.compile`` wrapper). A model that
+            lists its own routers (``replay_routers()``: :class:`~moe_ops.models.ReferenceMoEModel`)
+            is handed to :func:`moe_ops.models.attach_replay` - the one dispatch, here, so that
+            ``moe_ops.attach_replay`` takes both.
         replayer: where the ids come from, e.g. :class:`moe_ops.RoutingReplayer`: an object with
             ``layer_ids(model_layer_index, num_tokens)`` returning ``(num_tokens, top_k)`` ids. With
             a ``shape`` its ``moe_layers`` must be exactly the decoder layers that have a router,
@@ -929,68 +833,26 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
     after attaching). Attach before or after ``torch.compile`` (dynamo guards on the wrapped
     attribute, as for ``attach_capture``); no host reads and no graph breaks are added.
     """
-    if not callable(getattr(replayer, "layer_ids", None)):
-        raise TypeError(
-            "replayer must have a layer_ids(model_layer_index, num_tokens) method (e.g. "
-            f"moe_ops.RoutingReplayer), got {type(replayer).__name__}"
+    if lists_its_routers(model):
+        return attach_own_replay(model, replayer, backend=backend)
+    check_replayer(replayer, backend)
+    arch, routers = find_routers(model, caller="attach_replay")
+    _check_replay_version(arch)
+    builder = _rule_builder(arch)
+    sites = _sites(routers)
+    # the shape first: a rule refuses some top_k itself (PhiMoE's), with a less useful message
+    check_against_shape(replayer, sites, "replayer")
+    check_device(replayer, sites, "replayer")
+    rules = [builder(site.module) for site in sites]
+    check_replay_sites(replayer, sites, rules)
+    # each wrapper calls the builder on the router's fields at every call
+    wrappers = [
+        replaying_forward(
+            site.module.forward, replayer, site.layer, builder, site.module, backend=backend, path=site.path
         )
-    if backend not in REPLAY_BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, REPLAY_BACKENDS))}, got {backend!r}")
-    base = getattr(model, "_orig_mod", model)
-    if callable(getattr(base, "replay_routers", None)):
-        arch = "reference"
-        found = list(base.replay_routers())
-        routers = [(layer, path, module) for layer, path, module, _, _ in found]
-        _check_against_shape(replayer, routers, "replayer")
-        _check_device(replayer, routers, "replayer")
-        targets = found
-        per_call = [rule for *_, rule in targets]  # the reference model's rules are fixed
-    else:
-        arch, routers = find_routers(model, caller="attach_replay")
-        _check_replay_version(arch)
-        builder = _rule_builder(arch)
-        # the shape first: a rule refuses some top_k itself (PhiMoE's), with a less useful message
-        _check_against_shape(replayer, routers, "replayer")
-        _check_device(replayer, routers, "replayer")
-        targets = [(layer, path, module, "forward", builder(module)) for layer, path, module in routers]
-        per_call = [builder] * len(targets)  # the router's fields, read at every call
-    shape = getattr(replayer, "shape", None)
-    top_k, num_experts = getattr(shape, "top_k", None), getattr(shape, "num_experts", None)
-    for _, path, module, attr, rule in targets:
-        router_experts = getattr(module, "num_experts", None)
-        if isinstance(router_experts, int) and num_experts is not None and router_experts != num_experts:
-            raise ValueError(
-                f"replayer.shape.num_experts={num_experts} but the router at {path!r} has "
-                f"{router_experts} experts"
-            )
-        _check_rule(rule, module, path, getattr(module, "top_k", top_k))
-        if getattr(module.__dict__.get(attr), REPLAY_MARK, False):
-            raise ValueError(
-                f"the router at {path!r} already has a routing replay attached: remove() that handle first"
-            )
-        if getattr(module.__dict__.get(attr), _MARK, False):
-            # the capture would wrap the router below the replay and record its live choice
-            raise ValueError(
-                f"the router at {path!r} has a routing capture attached (attach_capture, then "
-                "attach_replay): the capture would record the router's live ids, not the replayed ids "
-                "the experts get. Attach in the other order: remove() the capture handle, attach_replay, "
-                "then attach_capture on top"
-            )
-    wrapped = []
-    for (layer, path, module, attr, _), rule in zip(targets, per_call):
-        previous = module.__dict__.get(attr)
-        wrapper = replaying_forward(
-            getattr(module, attr), replayer, layer, rule, module, backend=backend, path=path
-        )
-        setattr(module, attr, wrapper)
-        wrapped.append((module, attr, previous, wrapper))
-    return ReplayHandle(
-        arch=arch,
-        layers=tuple(t[0] for t in targets),
-        paths=tuple(t[1] for t in targets),
-        rules=tuple(t[4] for t in targets),
-        _wrapped=wrapped,
-    )
+        for site in sites
+    ]
+    return attach_wrappers(ReplayHandle, "replay", arch, sites, wrappers, rules)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,9 +71,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..capture.protocol import Capturer, check_capturer
 from ..layout import BatchLayout, layout_from_value
-from ..replay.attach import ReplayRule, replay_router_output
-from ..replay.op import BACKENDS as REPLAY_BACKENDS
+from ..replay.attach import (
+    AttachHandle,
+    ReplayRule,
+    RouterSite,
+    attach_wrappers,
+    check_replayer,
+    replay_router_output,
+)
 from ..router.methods import BIAS_METHODS, RoutingMethod, validate_route_args
 from ..shapes import RoutingShape
 
@@ -445,7 +452,7 @@ class _ReplayHook(_Hook):
 
 
 class _CaptureHook(_Hook):
-    def __init__(self, inner: Any, kind: str, index: int, capturer: Any, layout: BatchLayout):
+    def __init__(self, inner: Any, kind: str, index: int, capturer: Capturer, layout: BatchLayout):
         super().__init__(inner, kind, index)
         self.capturer = capturer
         self.layout = layout
@@ -620,49 +627,18 @@ def _check_target(target: Any, name: str, routers: list[MegatronRouter]) -> None
 # ---------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class MegatronHandle:
+class MegatronHandle(AttachHandle):
     """What :func:`attach_replay` / :func:`attach_capture` attached; ``remove()`` (or leaving a
-    ``with`` block) restores every router's ``router_replay``."""
-
-    # "replay" or "capture"
-    what: str
-    # (kind, index) of each hooked router: ("decoder", layer) then ("mtp", mtp layer)
-    layers: tuple[tuple[str, int], ...]
-    # module path of each hooked router, same order as layers
-    paths: tuple[str, ...]
-    # replay: each router's weight rule for its config's logits dtype (calls with another dtype use
-    # that dtype's rule); capture: ()
-    rules: tuple[ReplayRule, ...] = ()
-    # (router, our hook); empty once removed
-    _hooks: list[tuple[nn.Module, _Hook]] = field(repr=False, default_factory=list)
+    ``with`` block) restores every router's ``router_replay`` and, with the last handle, Megatron's
+    routing function. See :class:`~moe_ops.replay.attach.AttachHandle`: ``what`` is "replay" or
+    "capture", ``arch`` "megatron", ``layers`` the ``(kind, index)`` of each hooked router
+    (("decoder", layer) then ("mtp", mtp layer)); replay ``rules`` are each router's rule for its
+    config's logits dtype (calls with another dtype use that dtype's rule)."""
 
     @property
-    def attached(self) -> bool:
-        """True until :meth:`remove`."""
-        return bool(self._hooks)
-
-    def remove(self) -> None:
-        """Restores every router's ``router_replay``; a second call does nothing. RuntimeError,
-        before anything is restored, when another handle was attached on top of this one and is
-        still attached (remove that one first)."""
-        for path, (router, hook) in zip(self.paths, self._hooks):
-            if router.__dict__.get("router_replay") is not hook:
-                raise RuntimeError(
-                    f"the router at {path!r} got another hook after this {self.what} was attached; "
-                    "remove that handle first"
-                )
-        for router, hook in self._hooks:
-            router.router_replay = hook.inner
-        if self._hooks:
-            self._hooks = []
-            _release()
-
-    def __enter__(self) -> MegatronHandle:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
+    def _hooks(self) -> list[tuple[nn.Module, _Hook]]:
+        """(router, our hook) of each hooked router; empty once removed."""
+        return [(module, hook) for module, _, _, hook in self._wrapped]
 
 
 def _check_rule(rule: ReplayRule, router: MegatronRouter) -> None:
@@ -690,19 +666,12 @@ def _check_rule(rule: ReplayRule, router: MegatronRouter) -> None:
 def _attach(
     what: str, routers: list[MegatronRouter], make: Callable[[Any, MegatronRouter], _Hook], rules=()
 ) -> MegatronHandle:
+    """Hooks each router (``make(inner, router)``, ``inner`` its ``router_replay`` now) with the
+    dispatcher installed; the handle releases the dispatcher when removed."""
     _install()
-    hooks = []
-    for r in routers:
-        hook = make(r.module.__dict__.get("router_replay"), r)
-        r.module.router_replay = hook
-        hooks.append((r.module, hook))
-    return MegatronHandle(
-        what=what,
-        layers=tuple((r.kind, r.index) for r in routers),
-        paths=tuple(r.path for r in routers),
-        rules=tuple(rules),
-        _hooks=hooks,
-    )
+    sites = [RouterSite((r.kind, r.index), r.path, r.module, "router_replay") for r in routers]
+    hooks = [make(r.module.__dict__.get("router_replay"), r) for r in routers]
+    return attach_wrappers(MegatronHandle, what, "megatron", sites, hooks, rules, on_remove=_release)
 
 
 def attach_replay(
@@ -732,13 +701,7 @@ def attach_replay(
     ``replay_routing`` refuses, or a router that already replays; TypeError for a replayer without
     ``layer_ids``; ImportError without megatron-core.
     """
-    if not callable(getattr(replayer, "layer_ids", None)):
-        raise TypeError(
-            "replayer must have a layer_ids(layer, num_tokens, kind=...) method "
-            f"(e.g. moe_ops.RoutingReplayer), got {type(replayer).__name__}"
-        )
-    if backend not in REPLAY_BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, REPLAY_BACKENDS))}, got {backend!r}")
+    check_replayer(replayer, backend, call="layer_ids(layer, num_tokens, kind=...)")
     routers = find_routers(model)
     _check_target(replayer, "replayer", routers)
     rules = []
@@ -757,14 +720,18 @@ def attach_replay(
 
 
 def attach_capture(
-    model: nn.Module | Sequence[nn.Module], capturer: Any, *, layout: BatchLayout | int = BatchLayout.LOCAL
+    model: nn.Module | Sequence[nn.Module],
+    capturer: Capturer,
+    *,
+    layout: BatchLayout | int = BatchLayout.LOCAL,
 ) -> MegatronHandle:
     """Records the routing of every decoder ``TopKRouter`` of ``model`` into ``capturer``.
 
     Args:
         model: as for :func:`attach_replay`.
-        capturer: e.g. :class:`moe_ops.RoutingCapturer` with a :func:`routing_shape` shape: an object
-            with ``capture(layer, ids, layout=...)`` taking the 0-based decoder layer.
+        capturer: a :class:`~moe_ops.capture.Capturer`, e.g. :class:`moe_ops.RoutingCapturer` with
+            a :func:`routing_shape` shape; only its ``capture(layer, ids, layout=...)`` is called,
+            with the 0-based decoder layer.
         layout: the :class:`~moe_ops.BatchLayout` of a router's rows (LOCAL: this rank's tokens in
             ``[s, b]`` order; set the capturer's counts before each forward).
 
@@ -779,11 +746,7 @@ def attach_capture(
     shape or device that does not fit them, or a router that already captures; TypeError for a
     capturer without ``capture``.
     """
-    if not callable(getattr(capturer, "capture", None)):
-        raise TypeError(
-            "capturer must have a capture(layer, ids, layout=...) method (e.g. moe_ops.RoutingCapturer), "
-            f"got {type(capturer).__name__}"
-        )
+    check_capturer(capturer, members=("capture",))
     layout = layout_from_value(layout)
     routers = [r for r in find_routers(model) if r.kind == "decoder"]
     if not routers:

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..capture.protocol import Capturer
+from ..capture.target import CaptureTarget
 from ..replay.attach import ReplayRule
 from ..router import RoutingMethod, route
 from ..router.methods import BIAS_METHODS, validate_route_args
@@ -285,7 +287,7 @@ class _DenseMLP(nn.Module):
         self.w_gate_up = init.normal(h, 2 * i, std=h**-0.5)
         self.w_down = init.normal(i, h, std=i**-0.5)
 
-    def forward(self, x: torch.Tensor, capture: Any = None) -> tuple[torch.Tensor, None]:
+    def forward(self, x: torch.Tensor, capture: CaptureTarget | None = None) -> tuple[torch.Tensor, None]:
         gate, up = (_rms_norm(x, self.norm) @ self.w_gate_up).chunk(2, dim=-1)
         return (F.silu(gate) * up) @ self.w_down, None
 
@@ -322,9 +324,12 @@ class _MoEBlock(nn.Module):
     def num_experts(self) -> int:
         return self.config.num_experts
 
-    def router(self, x: torch.Tensor, capture: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def router(
+        self, x: torch.Tensor, capture: CaptureTarget | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(router_logits, weights, ids)`` of the normalised hidden states ``x``, the contract of
-        the transformers routers: ``attach_replay`` replaces this method on the instance.
+        the transformers routers: :func:`moe_ops.models.attach_replay` replaces this method on the
+        instance.
 
         router_logits: (n, num_experts) float32 (float64 in float64 models)
         weights: (n, top_k) float32 - ``moe_ops.route``'s weights
@@ -348,7 +353,8 @@ class _MoEBlock(nn.Module):
         return logits, weights, ids
 
     def replay_rule(self) -> ReplayRule:
-        """How ``attach_replay`` weights the recorded ids: this block's own routing method."""
+        """How :func:`moe_ops.models.attach_replay` weights the recorded ids: this block's own
+        routing method."""
         cfg = self.config
         return ReplayRule(
             RoutingMethod(cfg.routing_method),
@@ -360,7 +366,9 @@ class _MoEBlock(nn.Module):
             description=f"moe_ops.route's {RoutingMethod(cfg.routing_method).name} weights",
         )
 
-    def forward(self, x: torch.Tensor, capture: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, capture: CaptureTarget | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         scale = 1.0 if cfg.routed_scaling_factor is None else cfg.routed_scaling_factor
         x = _rms_norm(x, self.norm)
@@ -411,8 +419,8 @@ class ReferenceMoEModel(nn.Module):
 
     The KV caches are module buffers marked as static addresses (inductor's CUDA-graph trees accept
     their in-place updates). Parameters do not require grad (a serving model); to train with
-    replayed routing (``attach_replay(model, replayer)``, see :meth:`replay_routers`), call
-    ``requires_grad_()`` on the parameters to train.
+    replayed routing (:func:`moe_ops.models.attach_replay`, which ``moe_ops.attach_replay`` hands
+    this model to; see :meth:`replay_routers`), call ``requires_grad_()`` on the parameters to train.
     """
 
     def __init__(self, config: ReferenceMoEConfig, device: torch.device | str = "cpu"):
@@ -440,7 +448,7 @@ class ReferenceMoEModel(nn.Module):
         positions: torch.Tensor,
         slot_ids: torch.Tensor,
         *,
-        capturer: Any = None,
+        capturer: Capturer | None = None,
         return_router_ids: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One step over flat token rows (prefill, decode or both).
@@ -450,8 +458,8 @@ class ReferenceMoEModel(nn.Module):
             positions: (n,) int64 - its position in its request, in [0, max_seq_len).
             slot_ids: (n,) int64 - its request's KV slot, in [0, max_requests); padding rows use
                 ``config.dummy_slot``. Rows of one request in one step have distinct positions.
-            capturer: a ``RoutingCapturer`` (anything with ``target(model_layer_index)`` returning
-                a :class:`~moe_ops.CaptureTarget`): each MoE layer records its ids through
+            capturer: a :class:`~moe_ops.capture.Capturer` (``moe_ops.RoutingCapturer``; only its
+                ``target(model_layer_index)`` is called): each MoE layer records its ids through
                 ``route(..., capture=capturer.target(layer_idx))``. None: no capture.
             return_router_ids: also return the ids every MoE layer chose.
 
@@ -478,23 +486,26 @@ class ReferenceMoEModel(nn.Module):
             return logits, torch.stack(all_ids, dim=1)
         return logits
 
+    def moe_blocks(self) -> list[tuple[int, nn.Module]]:
+        """``(model layer, MoE block)`` of every MoE layer, in layer order; a block's ``gate``
+        ((hidden, num_experts) parameter) is its router's weight."""
+        return [(i, layer.mlp) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, _MoEBlock)]
+
     def replay_routers(self) -> list[tuple[int, str, nn.Module, str, ReplayRule]]:
-        """The MoE blocks ``attach_replay`` wraps: ``(model layer, module path, block, "router",
-        rule)`` per MoE layer, in layer order. The block's ``router`` method is replaced on the
-        instance; the rule is the block's own routing method (and bias, groups, scale)."""
+        """The MoE blocks :func:`moe_ops.models.attach_replay` wraps: ``(model layer, module path,
+        block, "router", rule)`` per MoE layer, in layer order. The block's ``router`` method is
+        replaced on the instance; the rule is the block's own routing method (and bias, groups,
+        scale)."""
         return [
-            (i, f"layers.{i}.mlp", layer.mlp, "router", layer.mlp.replay_rule())
-            for i, layer in enumerate(self.layers)
-            if isinstance(layer.mlp, _MoEBlock)
+            (i, f"layers.{i}.mlp", block, "router", block.replay_rule()) for i, block in self.moe_blocks()
         ]
 
     def set_router_backend(self, backend: str) -> None:
         """Routes with ``backend`` from now on (steps traced or captured before keep theirs)."""
         config = dataclasses.replace(self.config, router_backend=backend)
         self.config = config
-        for layer in self.layers:
-            if isinstance(layer.mlp, _MoEBlock):
-                layer.mlp.config = config
+        for _, block in self.moe_blocks():
+            block.config = config
 
     def reset_cache(self) -> None:
         """Zeroes every KV cache (not needed between requests: stale positions are never read)."""
