@@ -192,7 +192,10 @@ class Peer:
         sizes = tuple(capture_sizes or (batch.n,))
         self.peer, self.batch = peer, batch.n
         self.use(batch)
-        model.set_router_backend("auto" if peer == "off[auto]" else backend)
+        wanted = "auto" if peer == "off[auto]" else backend
+        if model.config.router_backend != wanted:
+            # a new config object: the steps compiled before it would recompile on their next call
+            model.set_router_backend(wanted)
         capture = peer in ("on", "on+snapshot")
         self.capturer = (
             RoutingCapturer(model.config.routing_shape(), max(sizes), device, ring_depth=3)
@@ -268,17 +271,25 @@ def interleaved_step_us(
 def measure_outside_graphs(
     model, batch: StepBatch, peers: Sequence[str], mode: RunnerMode, steps: int, trials: int
 ) -> dict[str, float]:
-    """step_us of every peer at one step batch, eager or compiled (no CUDA graphs), interleaved."""
-    built = {}
-    try:
-        for peer in peers:
-            built[peer] = Peer(model, batch, peer, mode, "triton")
-        return interleaved_step_us({name: p.step for name, p in built.items()}, steps, trials)
-    finally:
-        for p in built.values():
-            p.close()
-        if mode.compiles:
-            torch._dynamo.reset()  # the next size compiles afresh, its peers alone in the cache
+    """step_us of every peer at one step batch, eager or compiled (no CUDA graphs). The peers that
+    route with the Triton kernel run interleaved; ``off[auto]`` (another router backend, read by the
+    eager step at every call) is measured alone after them, for context."""
+    times: dict[str, float] = {}
+    for group in ([p for p in peers if p != "off[auto]"], [p for p in peers if p == "off[auto]"]):
+        built = {}
+        try:
+            for peer in group:
+                built[peer] = Peer(model, batch, peer, mode, "triton")
+            if built:
+                times.update(interleaved_step_us({name: p.step for name, p in built.items()}, steps, trials))
+        finally:
+            for p in built.values():
+                p.close()
+            if mode.compiles:
+                torch._dynamo.reset()  # the next peers compile afresh, alone in the cache
+    if model.config.router_backend != "triton":
+        model.set_router_backend("triton")
+    return {peer: times[peer] for peer in peers}
 
 
 def _peers(requested: str) -> list[str]:
@@ -434,8 +445,8 @@ def _graph_table(model, case, run, mode, case_peers, steps, trials) -> Table:
 def _outside_graphs_table(model, case, mode, batches, case_peers, steps, trials) -> Table:
     layers = model.config.num_moe_layers
     table = Table(
-        f"bench_e2e ({case.name}, {mode.value}, no CUDA graphs; decode at position {POSITION}, prefill of "
-        f"{model.config.max_seq_len}-token prompts)",
+        f"bench_e2e ({case.name}, {mode.value}, no CUDA graphs; decode at position "
+        f"{min(POSITION, model.config.max_seq_len - 1)}, prefill of {model.config.max_seq_len}-token prompts)",
         ["kind", "tokens", "peer", "step_us", "step_vs_off", "delta_us", "delta_us/layer", "target"],
     )
     for kind, n in batches:
