@@ -444,9 +444,10 @@ def _graph_table(model, case, run, mode, case_peers, steps, trials) -> Table:
 
 def _outside_graphs_table(model, case, mode, batches, case_peers, steps, trials) -> Table:
     layers = model.config.num_moe_layers
+    position, prompt = min(POSITION, model.config.max_seq_len - 1), model.config.max_seq_len
     table = Table(
-        f"bench_e2e ({case.name}, {mode.value}, no CUDA graphs; decode at position "
-        f"{min(POSITION, model.config.max_seq_len - 1)}, prefill of {model.config.max_seq_len}-token prompts)",
+        f"bench_e2e ({case.name}, {mode.value}, no CUDA graphs; decode at position {position}, prefill of "
+        f"{prompt}-token prompts)",
         ["kind", "tokens", "peer", "step_us", "step_vs_off", "delta_us", "delta_us/layer", "target"],
     )
     for kind, n in batches:
