@@ -15,12 +15,13 @@ Modes (``--mode``), each run by ``graphs.StepRunner``:
   copies into the static buffers, ``set_step``, replay; plus the snapshot for ``on+snapshot``),
   timed with CUDA events around ``--steps`` consecutive steps (median over trials).
 * outside CUDA graphs (``eager``; ``compiled``: ``torch.compile(fullgraph=True)``, rows dynamic, no
-  graphs), where the host issues every launch and a capture's host cost per layer call (eager 26-36
-  us, compiled 12-22 us against 0.6-1.3 us for a plain compiled copy, measured on the H200 host)
-  lands in the step: decode steps at ``--batches`` and prefill steps at ``--prefill`` tokens (whole
-  128-token prompts of 16 and 64 requests, positions 0-127, one KV slot each). One time per peer,
-  ``step_us``: CUDA events around consecutive steps (as many as fill about 0.1 s, at least 2, at
-  most ``--steps``), the peers of one size interleaved trial by trial (median over trials).
+  graphs), where the host issues every launch and a capture's host cost per layer call
+  (docs/performance.md, ``bench_capture --host``) lands in the step: decode steps at ``--batches``
+  and prefill steps at ``--prefill`` tokens (whole 128-token prompts of 16 and 64 requests,
+  positions 0-127, one KV slot each). One time per peer, ``step_us``: CUDA events around
+  consecutive steps (as many as fill about 0.1 s, at least 2, at most ``--steps``), the peers of
+  one size interleaved trial by trial (median over trials; ``off[auto]``, another router backend,
+  measured alone after them).
 
 Peers, per size (``PEERS``):
 
