@@ -136,3 +136,14 @@ def test_the_demo_names_every_long_phase_on_a_terminal(tmp_path, monkeypatch):
     at = [first(lines, p) for p in phases]
     assert at == sorted(at), list(zip(phases, at))
     assert term.getvalue().endswith("\r"), "the line is cleared before the demo returns"
+
+
+def test_the_hf_demo_clears_the_import_line_before_it_prints(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    argv = ["demo", "--hf", "qwen3_moe", "--requests", "2", "--device", "cpu", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    drawn = term.getvalue()
+    assert "moe-ops demo: importing torch" in drawn
+    assert drawn.endswith("\r") and drawn.split("\r")[-2].strip() == "", "the line is left cleared"

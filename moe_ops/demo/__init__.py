@@ -98,6 +98,7 @@ def main_demo(args: Any) -> int:
         torch.set_num_threads(1)
     try:
         if args.hf:
+            StatusLine(enabled=not args.no_progress).close()  # clears the command's "importing torch"
             return main_demo_hf(args, device)
         with StatusLine(enabled=not args.no_progress) as status, _inductor_settings(device, modes):
             return _run_demo(args, device, modes, status)
