@@ -13,6 +13,11 @@ test covers. ``tests/`` is not a package: pytest imports the file as the module 
 process see the same case objects (``tests.strategies`` would be a second copy, whose dataclasses
 compare unequal to the first's).
 
+Tables: a benchmark may declare the tables it prints (:func:`table`: what it measures, whether it
+needs a CUDA GPU, the flags that select it), so that ``--list`` says which run on this machine and a
+run on a machine without a GPU says at once which it skips; undeclared, its one table needs what
+the benchmark needs.
+
 Options: a benchmark declares its own flags (:func:`option`, :func:`sizes_option`); the runner accepts
 the flags of every registered benchmark, and a flag applies to each chosen benchmark that declares it
 (``--sizes 1,128`` sets the sizes of routing and replay alike). A flag no chosen benchmark declares is
@@ -51,6 +56,7 @@ __all__ = [
     "Benchmark",
     "Option",
     "Run",
+    "TableSpec",
     "benchmark",
     "int_list",
     "load_all",
@@ -61,6 +67,8 @@ __all__ = [
     "sizes_option",
     "strategies",
     "switch",
+    "table",
+    "tables_here",
     "write_csv",
 ]
 
@@ -154,6 +162,33 @@ class Run:
             raise AttributeError(f"the benchmark declares no option {name!r}") from None
 
 
+@dataclass(frozen=True)
+class TableSpec:
+    """One table a benchmark prints: what ``--list`` shows of it."""
+
+    # what it measures, one line
+    name: str
+    # "cuda": measured on a GPU only; "cpu": runs anywhere
+    needs: str = "cuda"
+    # the flags that select it, e.g. "--mode eager|compiled"; "" when the benchmark prints it by default
+    flags: str = ""
+
+
+def table(name: str, needs: str = "cuda", flags: str = "") -> TableSpec:
+    """A table a benchmark declares (:func:`benchmark`'s ``tables``)."""
+    if not name or "\n" in name:
+        raise ValueError(f"table name must be one non-empty line, got {name!r}")
+    if needs not in NEEDS:
+        raise ValueError(f"needs must be one of {NEEDS}, got {needs!r}")
+    return TableSpec(name, needs, flags)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 TableFn = Callable[[Sequence, Run], "Table | list[Table]"]
 
 
@@ -178,9 +213,26 @@ class Benchmark:
     doc: str = ""
     # the file that registered it
     source: str = field(default="", compare=False)
+    # the tables it prints; empty: one, needing what the benchmark needs (see :meth:`table_specs`)
+    tables: tuple[TableSpec, ...] = ()
 
     def defaults(self) -> dict[str, Any]:
         return {o.dest: o.default for o in self.options}
+
+    def table_specs(self) -> tuple[TableSpec, ...]:
+        """The declared tables, or the benchmark's one table (its doc line, its needs)."""
+        return self.tables or (TableSpec(self.doc or self.name, self.needs),)
+
+
+def tables_here(bench: Benchmark, has_cuda: bool | None = None) -> tuple[list[TableSpec], list[TableSpec]]:
+    """(the tables of ``bench`` that run on this machine, those that need a CUDA GPU it lacks)."""
+    cuda = _has_cuda() if has_cuda is None else has_cuda
+    specs = bench.table_specs()
+    if bench.needs == "cuda" and not cuda:
+        return [], list(specs)
+    return [t for t in specs if t.needs == "cpu" or cuda], [
+        t for t in specs if t.needs == "cuda" and not cuda
+    ]
 
 
 _REGISTRY: dict[str, Benchmark] = {}
@@ -198,10 +250,13 @@ def benchmark(
     needs: str = "cuda",
     options: Sequence[Option] = (),
     dry_run: TableFn | None = None,
+    tables: Sequence[TableSpec] = (),
 ) -> Callable[[TableFn], TableFn]:
     """Registers the decorated table function ``fn(cases, run)`` as benchmark ``name``; returns it
-    unchanged. Re-registering a name from the same file replaces the entry (a file run as a script
-    and imported as ``benchmarks.bench_x`` executes twice); from another file it is an error."""
+    unchanged. ``tables``: what it prints (:func:`table`), for ``--list`` and the note of what a
+    machine without a GPU skips. Re-registering a name from the same file replaces the entry (a
+    file run as a script and imported as ``benchmarks.bench_x`` executes twice); from another file
+    it is an error."""
     if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name or ""):
         raise ValueError(f"benchmark name must match [a-z0-9][a-z0-9_-]*, got {name!r}")
     if needs not in NEEDS:
@@ -220,6 +275,11 @@ def benchmark(
     for o in options:
         if o.flag in ("--csv", "--quick", "--list", "--dry-run"):
             raise ValueError(f"benchmark {name!r}: {o.flag} is a runner flag")
+    tables = tuple(tables)
+    if not all(isinstance(t, TableSpec) for t in tables):
+        raise TypeError(f"benchmark {name!r}: tables must be made with table(), got {tables!r}")
+    if needs == "cuda" and any(t.needs == "cpu" for t in tables):
+        raise ValueError(f"benchmark {name!r} needs cuda, so none of its tables runs on the CPU")
 
     def register(fn: TableFn) -> TableFn:
         source = (
@@ -240,7 +300,7 @@ def benchmark(
                         )
         doc = (fn.__doc__ or "").strip().splitlines()
         _REGISTRY[name] = Benchmark(
-            name, fn, cases, needs, tuple(options), dry_run, doc[0] if doc else "", source
+            name, fn, cases, needs, tuple(options), dry_run, doc[0] if doc else "", source, tables
         )
         return fn
 
@@ -342,32 +402,52 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(
                 f"--{dest.replace('_', '-')} is an option of {', '.join(users)}, none of which is chosen"
             )
+    has_cuda = _has_cuda()
     if listing:
+        print(f"this machine: {'a CUDA GPU' if has_cuda else 'no CUDA GPU'}")
         for b in chosen:
+            here, not_here = tables_here(b, has_cuda)
             print(f"{b.name} (needs {b.needs}{', dry run' if b.dry_run else ''}): {b.doc}")
+            if not b.tables:
+                print(
+                    "    runs here (its tables are not declared: it says when it runs which need a GPU)"
+                    if here
+                    else "    not here: needs a CUDA GPU"
+                )
+            for t in b.tables:
+                where = "runs here" if t in here else "not here: needs a CUDA GPU"
+                print(f"    table {t.name}{f' ({t.flags})' if t.flags else ''}: {where}")
+            if not here and b.dry_run is not None:
+                print("    --dry-run checks it on the CPU")
             for case in b.cases:
                 print(f"    case {case.name}: {case.test}")
             for o in b.options:
                 print(f"    {o.flag} (default {o.default!r}) {o.help}")
         return 0
-    import torch
 
     tables: list[tuple[str, Table]] = []
     skipped, failed = [], []
     for b in chosen:
         mine = {k: v for k, v in args.items() if k in b.defaults()}
         run = Run({**b.defaults(), **mine}, quick=quick, given=frozenset(mine))
+        here, not_here = tables_here(b, has_cuda)
         try:
             if dry:
                 missing = missing_tests(b)
                 if missing:
                     raise AssertionError("cases name tests that do not exist: " + "; ".join(missing))
                 out = b.dry_run(b.cases, run) if b.dry_run is not None else _cases_table(b)
-            elif b.needs == "cuda" and not torch.cuda.is_available():
-                print(f"{b.name}: needs a CUDA GPU; skipped (--dry-run checks it on the CPU)", flush=True)
+            elif b.needs == "cuda" and not has_cuda:
+                print(
+                    f"{b.name}: needs a CUDA GPU; skipped ({', '.join(t.name for t in not_here)}; --dry-run "
+                    "checks it on the CPU)",
+                    flush=True,
+                )
                 skipped.append(b.name)
                 continue
             else:
+                if not_here:  # said before the run, which may take minutes on the CPU tables
+                    print(f"{b.name}: no CUDA GPU, not measured here: {'; '.join(t.name for t in not_here)}")
                 print(f"{b.name}: running", flush=True)
                 out = b.fn(b.cases, run)
         except Exception:

@@ -5,48 +5,90 @@ eagerly, under ``torch.compile`` or replayed from CUDA graphs. The data path is 
 route -> capture -> transfer -> store -> wire.
 """
 
-from .capture import (
-    CaptureFaultError,
-    CaptureTarget,
-    LayerCapture,
-    MoEDispatchConfig,
-    RoutingReplayExperts,
-    RoutingReplayLayer,
-    bind_routing_capture,
-    capture_error_counter,
-    capture_routing,
-    check_capture_errors,
-    unbind_routing_capture,
-)
-from .capture.capturer import RoutingCapturer
-from .guards import UnsupportedConfigError, validate_serving_config
-from .layout import BatchLayout, infer_layout
-from .replay import RoutingMismatch, replay_routing, routing_mismatch
-from .replay.replayer import RoutingReplayer, replay_batch
-from .router import RoutingMethod, route
-from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
-from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
-from .transfer import RingFullError, SnapshotHandle, TransferPipeline
-from .wire import decode_routing, decode_routing_bytes, encode_routing, encode_routing_bytes
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-# Optional integrations resolve on first use, so that `import moe_ops` imports neither FlashInfer
-# nor transformers and registers no FlashInfer op.
-_LAZY = {
-    "attach_capture": ("moe_ops.integrations.hf", "attach_capture"),
-    "attach_replay": ("moe_ops.integrations.hf", "attach_replay"),
-    "backends": ("moe_ops.backend_report", "backends"),
+# Every public name resolves on first use (PEP 562), from the submodule that defines it: `import
+# moe_ops` imports no torch, so `moe-ops --help` and `--version` answer at once (they took 6-7 s of
+# CPU importing torch and torch._dynamo), and the optional integrations (FlashInfer, transformers)
+# load only when their names are used, registering no op before. Any attribute access loads its
+# submodule, whose import registers that module's custom ops.
+_EXPORTS = {
+    "moe_ops.capture": (
+        "CaptureFaultError",
+        "CaptureTarget",
+        "LayerCapture",
+        "MoEDispatchConfig",
+        "RoutingReplayExperts",
+        "RoutingReplayLayer",
+        "bind_routing_capture",
+        "capture_error_counter",
+        "capture_routing",
+        "check_capture_errors",
+        "unbind_routing_capture",
+    ),
+    "moe_ops.capture.capturer": ("RoutingCapturer",),
+    "moe_ops.guards": ("UnsupportedConfigError", "validate_serving_config"),
+    "moe_ops.layout": ("BatchLayout", "infer_layout"),
+    "moe_ops.replay": ("RoutingMismatch", "replay_routing", "routing_mismatch"),
+    "moe_ops.replay.replayer": ("RoutingReplayer", "replay_batch"),
+    "moe_ops.router": ("RoutingMethod", "route"),
+    "moe_ops.shapes": ("RoutingShape", "narrow_dtype", "resolve_routing_shape"),
+    "moe_ops.store": ("FinishedRouting", "RoutingLedger", "ScheduledStep", "SlotStore"),
+    "moe_ops.transfer": ("RingFullError", "SnapshotHandle", "TransferPipeline"),
+    "moe_ops.wire": ("decode_routing", "decode_routing_bytes", "encode_routing", "encode_routing_bytes"),
+    # optional integrations
+    "moe_ops.integrations.hf": ("attach_capture", "attach_replay"),
+    "moe_ops.backend_report": ("backends",),
 }
+_LAZY = {name: module for module, names in _EXPORTS.items() for name in names}
+
+if TYPE_CHECKING:  # what static tools read; at run time __getattr__ resolves these
+    from .backend_report import backends
+    from .capture import (
+        CaptureFaultError,
+        CaptureTarget,
+        LayerCapture,
+        MoEDispatchConfig,
+        RoutingReplayExperts,
+        RoutingReplayLayer,
+        bind_routing_capture,
+        capture_error_counter,
+        capture_routing,
+        check_capture_errors,
+        unbind_routing_capture,
+    )
+    from .capture.capturer import RoutingCapturer
+    from .guards import UnsupportedConfigError, validate_serving_config
+    from .integrations.hf import attach_capture, attach_replay
+    from .layout import BatchLayout, infer_layout
+    from .replay import RoutingMismatch, replay_routing, routing_mismatch
+    from .replay.replayer import RoutingReplayer, replay_batch
+    from .router import RoutingMethod, route
+    from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
+    from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
+    from .transfer import RingFullError, SnapshotHandle, TransferPipeline
+    from .wire import decode_routing, decode_routing_bytes, encode_routing, encode_routing_bytes
+
+
+# the modules an eager `import moe_ops` used to import: the first public name used loads them all, so
+# that from then on the package is what it always was (every core op registered, every subpackage bound)
+_CORE = tuple(m for m in _EXPORTS if m not in ("moe_ops.integrations.hf", "moe_ops.flashinfer.backends"))
 
 
 def __getattr__(name: str):
-    target = _LAZY.get(name)
-    if target is None:
+    module = _LAZY.get(name)
+    if module is None and (name.startswith("__") or importlib.util.find_spec(f"{__name__}.{name}") is None):
         raise AttributeError(f"module 'moe_ops' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(target[0]), target[1])
+    for core in _CORE:
+        importlib.import_module(core)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    else:  # a subpackage (moe_ops.replay, moe_ops.distributed, ...): imported on first use
+        value = importlib.import_module(f"{__name__}.{name}")
     globals()[name] = value
     return value
 

@@ -1,14 +1,31 @@
-"""The ``moe-ops`` command (also ``python -m moe_ops``)."""
+"""The ``moe-ops`` command (also ``python -m moe_ops``).
+
+Parsing imports no torch: ``--help``, ``--version`` and a usage error answer at once (importing
+torch and ``torch._dynamo`` took 6-7 s of CPU on a 2-core machine). The only checks that import it
+ask whether this machine has the CUDA device a ``--device`` or ``--modes`` value needs. Every usage
+error, found while parsing or later (a CUDA mode without a CUDA device, an ``--out`` folder that
+cannot be written, an ``--hf`` architecture the integration does not know), is argparse's: the
+subcommand's usage line, ``moe-ops SUBCOMMAND: error: ...`` and exit 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["MAX_DEMO_REQUESTS", "MAX_PROMPT_TOKENS", "MAX_STEP_ROWS", "UsageError", "main"]
 
+# The runner modes (moe_ops.graphs.RunnerMode's values) and the reference model's presets
+# (moe_ops.models.reference.PRESETS), written here so that parsing imports no torch;
+# tests/test_cli.py checks that they are those.
 _MODES = ("eager", "compiled", "cuda-graph", "compiled+cuda-graph", "reduce-overhead")
+_CUDA_MODES = ("cuda-graph", "compiled+cuda-graph", "reduce-overhead")
+_PRESETS = ("deepseek_small", "tiny")
+# the longest prompt moe_ops.demo.serve.synthetic_requests makes by default: a step must hold one
+MAX_PROMPT_TOKENS = 20
 # The demo is a check, not a load generator: 4096 requests take about 2 minutes per mode on 2 CPU
 # cores (measured: 120 in 3.6 s, eager, captured and plain); a count without a bound only grows the
 # request list until memory runs out.
@@ -21,26 +38,40 @@ MAX_STEP_ROWS = 4096
 MAX_SEED = 2**63 - 1
 
 
+class UsageError(ValueError):
+    """A command-line value this run cannot use, found after parsing (e.g. by the demo): the command
+    reports it as argparse does (the usage line, ``moe-ops SUBCOMMAND: error: MESSAGE``, exit 2)."""
+
+
+_DEVICE = re.compile(r"(cpu|cuda)(:(\d+))?")
+
+
 def _device(value: str) -> str:
-    """A device this machine has: cpu, cuda or cuda:N (argparse turns the ValueError into a usage
-    error, exit 2)."""
+    """A device this machine has: cpu, cuda or cuda:N (argparse turns the error into a usage error,
+    exit 2). Only a CUDA device imports torch, to ask whether this machine has it."""
+    match = _DEVICE.fullmatch(value.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device; use cpu, cuda or cuda:N")
+    if match.group(1) == "cpu":
+        if match.group(2):
+            raise argparse.ArgumentTypeError(f"{value!r}: the CPU device takes no index; use cpu")
+        return "cpu"
+    problem = _cuda_problem(int(match.group(3)) if match.group(3) else None)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{value!r}: {problem}")
+    return value.strip()
+
+
+def _cuda_problem(index: int | None = None) -> str | None:
+    """Why this machine cannot run on CUDA device ``index`` (None: the current one), or None.
+    Imports torch (the one question parsing asks it)."""
     import torch
 
-    try:
-        device = torch.device(value)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{value!r} is not a device; use cpu or cuda") from None
-    if device.type == "cpu":
-        return value
-    if device.type != "cuda":
-        raise argparse.ArgumentTypeError(f"{value!r}: only cpu and cuda are supported")
     if not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(
-            f"{value!r}: this torch ({torch.__version__}) sees no CUDA device; use --device cpu"
-        )
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{value!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    return value
+        return f"this torch ({torch.__version__}) sees no CUDA device; use --device cpu"
+    if index is not None and index >= torch.cuda.device_count():
+        return f"only {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
 def _int_in(low: int, high: int, why: str = "") -> Any:
@@ -61,8 +92,6 @@ def _int_in(low: int, high: int, why: str = "") -> Any:
 
 
 def _batch_tokens(value: str) -> int:
-    from .demo.serve import MAX_PROMPT_TOKENS
-
     return _int_in(MAX_PROMPT_TOKENS, MAX_STEP_ROWS, " (the longest synthetic prompt fits in one step)")(
         value
     )
@@ -89,10 +118,8 @@ def _modes(value: str) -> str:
 
 
 def _preset(value: str) -> str:
-    from .models.reference import PRESETS
-
-    if value not in PRESETS:
-        raise argparse.ArgumentTypeError(f"unknown preset {value!r}; presets: {', '.join(sorted(PRESETS))}")
+    if value not in _PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown preset {value!r}; presets: {', '.join(_PRESETS)}")
     return value
 
 
@@ -159,7 +186,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--max-batch-tokens",
         type=_batch_tokens,
         default=48,
-        help=f"rows per step at most, 20-{MAX_STEP_ROWS} (default 48)",
+        help=f"rows per step at most, {MAX_PROMPT_TOKENS}-{MAX_STEP_ROWS} (default 48)",
     )
     p.add_argument(
         "--capture-sizes",
@@ -190,11 +217,52 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Summarises saved routing files: shapes, dtypes, expert load per layer.",
     )
     p.add_argument("files", nargs="+", metavar="FILE", help="routing.npz, .npy or wire-format text files")
+    for p in sub.choices.values():  # what reports a usage error found after parsing
+        p.set_defaults(command_parser=p)
     return parser
+
+
+def _output_folder_problem(path: str) -> str | None:
+    """Why the demo cannot write into ``path`` (created here if missing), or None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return f"cannot create the output folder ({e.strerror or e})"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "the output folder is not writable"
+    return None
+
+
+def check_demo_args(args: argparse.Namespace) -> None:
+    """The demo's checks that parsing cannot make alone (UsageError), in order: CUDA-graph modes need
+    a CUDA device (torch is imported only when ``--device`` is not given and a mode needs CUDA), then
+    the output folder is created and checked writable, so that a run that cannot write its files
+    never starts."""
+    modes = args.modes.split(",") if args.modes else []
+    unknown = [m for m in modes if m not in _MODES]
+    if unknown:
+        raise UsageError(f"--modes: unknown mode(s) {', '.join(unknown)}; modes: {', '.join(_MODES)}")
+    cuda_modes = [m for m in modes if m in _CUDA_MODES]
+    if cuda_modes:
+        device = args.device or "the default device"
+        if args.device == "cpu":
+            raise UsageError(f"--modes {args.modes} include CUDA-graph modes, but the device is cpu")
+        if args.device is None and (problem := _cuda_problem()):
+            raise UsageError(f"--modes {args.modes} include CUDA-graph modes, but on {device}: {problem}")
+    problem = _output_folder_problem(args.out)
+    if problem:
+        raise UsageError(f"--out {args.out!r}: {problem}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except UsageError as exc:
+        args.command_parser.error(str(exc))  # argparse's format: usage line, error line, exit 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "selftest":
         from .selftest import run_selftest
 
@@ -205,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         print(backends(args.device))
         return 0
     if args.command == "demo":
+        check_demo_args(args)
+        if not args.no_progress and sys.stderr.isatty():
+            # the first second: importing torch takes 3-7 s before the demo can say anything else
+            sys.stderr.write("\r  moe-ops demo: importing torch and moe_ops ...")
+            sys.stderr.flush()
         from .demo import main_demo
 
         return main_demo(args)

@@ -75,10 +75,19 @@ def test_runner_dry_runs_every_registered_benchmark(benches, tmp_path, capsys):
             assert [r["case"] for r in rows if r["bench"] == name] == [c.name for c in bench.cases]
     # the dry runs that check something: e2e compared the capture buffer with the routed ids of
     # every peer that captures, at every dry batch, and distributed ran every grid on 2 ranks
+    # in both modes outside CUDA graphs (eager, compiled) and at decode and prefill batches
     e2e = [r for r in rows if r["bench"] == "e2e"]
-    checked = {(r["peer"], int(r["batch"])) for r in e2e if r["checked"] == "capture == routed ids"}
-    dry_batches = sys.modules["benchmarks.bench_e2e"].DRY_BATCHES
-    assert checked == {(p, b) for p in ("on", "on+snapshot") for b in dry_batches}
+    bench_e2e = sys.modules["benchmarks.bench_e2e"]
+    checked = {
+        (r["mode"], r["kind"], int(r["tokens"]), r["peer"])
+        for r in e2e
+        if r["checked"] == "capture == routed ids"
+    }
+    batches = [("decode", n) for n in bench_e2e.DRY_BATCHES] + [("prefill", n) for n in bench_e2e.DRY_PREFILL]
+    assert bench_e2e.DRY_MODES == ("eager", "compiled")
+    assert checked == {
+        (m, k, n, p) for m in bench_e2e.DRY_MODES for k, n in batches for p in ("on", "on+snapshot")
+    }
     assert {r["peer"] for r in e2e} == {"off", "on", "on+snapshot", "off[auto]"}
     dist = [r for r in rows if r["bench"] == "distributed"]
     assert [r["case"] for r in dist] == [c.name for c in BENCH_CASES["distributed"]]
@@ -117,7 +126,63 @@ def test_gpu_benchmark_without_a_gpu_is_skipped_and_fails_when_named(benches, ca
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: e2e would run")
     assert registry.main(["e2e", "--batches", "1"]) == 1
-    assert "e2e: needs a CUDA GPU; skipped" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert (
+        "e2e: needs a CUDA GPU; skipped (decode steps in CUDA graphs, decode and prefill steps outside CUDA "
+        "graphs; --dry-run checks it on the CPU)" in out
+    )
+
+
+def test_list_says_which_tables_run_on_this_machine(benches, capsys):
+    assert registry.main(["--list", "e2e", "replay", "distributed"]) == 0
+    out = capsys.readouterr().out
+    here = torch.cuda.is_available()
+    assert out.startswith(f"this machine: {'a CUDA GPU' if here else 'no CUDA GPU'}\n")
+    where = "runs here" if here else "not here: needs a CUDA GPU"
+    for t in benches["e2e"].tables:
+        assert f"    table {t.name} ({t.flags}): {where}" in out
+    assert ("replay (needs cuda, dry run)" in out) and (
+        "    runs here (its tables are not declared" if here else "    not here: needs a CUDA GPU"
+    ) in out.split("replay (needs cuda")[1].split("\n")[1]
+    assert "distributed (needs cpu, dry run)" in out and "    runs here (its tables" in out
+
+
+def test_tables_here_splits_by_what_this_machine_has(scratch_registry, benches):
+    fn = lambda cases, run: []
+    cases = BENCH_CASES["e2e"]
+    gpu, cpu = registry.table("graphs", flags="--graphs"), registry.table("host", needs="cpu")
+    registry.benchmark("mixed", cases=cases, needs="cpu", tables=[gpu, cpu])(fn)
+    registry.benchmark("gpu_only", cases=cases, tables=[gpu])(fn)
+    registry.benchmark("plain", cases=cases, needs="cpu")(fn)
+    got = registry.registry()
+    assert registry.tables_here(got["mixed"], has_cuda=False) == ([cpu], [gpu])
+    assert registry.tables_here(got["mixed"], has_cuda=True) == ([gpu, cpu], [])
+    assert registry.tables_here(got["gpu_only"], has_cuda=False) == ([], [gpu])
+    (plain,) = got["plain"].table_specs()  # undeclared: one table, needing what the benchmark needs
+    assert plain.needs == "cpu" and registry.tables_here(got["plain"], has_cuda=False) == ([plain], [])
+
+
+def test_a_cpu_run_says_what_it_skips_before_it_runs(scratch_registry, benches, capsys):
+    """A benchmark with a table that needs a GPU, run on a machine without one: the note comes first,
+    before the minutes its CPU tables may take."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: every table runs")
+
+    def fn(cases, run):
+        print("measuring the host table")
+        t = Table("host", ["x"])
+        t.add(1)
+        return t
+
+    tables = [registry.table("device table in CUDA graphs"), registry.table("host", needs="cpu")]
+    registry.benchmark("mixed", cases=BENCH_CASES["e2e"], needs="cpu", tables=tables)(fn)
+    assert registry.main(["mixed"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:3] == [
+        "mixed: no CUDA GPU, not measured here: device table in CUDA graphs",
+        "mixed: running",
+        "measuring the host table",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -127,7 +192,8 @@ def test_gpu_benchmark_without_a_gpu_is_skipped_and_fails_when_named(benches, ca
         (["distributed", "--batches", "1,2"], "--batches is an option of e2e, none of which is chosen"),
         (["e2e", "--batches", "1,x"], "comma-separated ints"),
         (["e2e", "--batches", "0"], "positive ints"),
-        (["e2e", "--mode", "eager"], "invalid choice"),
+        (["e2e", "--mode", "reduce-overhead"], "invalid choice"),
+        (["e2e", "--prefill", "0"], "positive ints"),
     ],
 )
 def test_runner_rejects_bad_arguments(benches, capsys, argv, match):
@@ -194,6 +260,14 @@ def test_registration_rejects_bad_entries_and_leaves_the_registry(scratch_regist
         registry.benchmark("x", cases=cases, options=[registry.option("--batches", type=int)])(fn)
     with pytest.raises(ValueError, match=r"benchmark 'e2e' is registered by .*bench_e2e\.py"):
         registry.benchmark("e2e", cases=cases)(fn)
+    with pytest.raises(ValueError, match="needs must be one of"):
+        registry.table("x", needs="tpu")
+    with pytest.raises(ValueError, match="table name must be one non-empty line"):
+        registry.table("")
+    with pytest.raises(TypeError, match=r"tables must be made with table\(\)"):
+        registry.benchmark("x", cases=cases, tables=["graphs"])
+    with pytest.raises(ValueError, match="needs cuda, so none of its tables runs on the CPU"):
+        registry.benchmark("x", cases=cases, tables=[registry.table("host", needs="cpu")])
     assert registry.registry() == before
 
 
@@ -335,6 +409,47 @@ def test_e2e_preset_is_the_benchmarked_shape():
         )
         assert got == want, case.name
         assert config.max_requests >= max(BENCH_SIZES["e2e"])
+
+
+def test_e2e_step_batches_are_decode_rows_and_whole_prompts(benches):
+    """The rows the e2e benchmark steps: decode, one row per request at position 64 (KV slots 0..n-1);
+    prefill, whole prompts of max_seq_len tokens from position 0, one slot each (the last shorter)."""
+    bench_e2e = sys.modules["benchmarks.bench_e2e"]  # loaded by the benches fixture
+    config = reference_config("deepseek_small")
+    cpu = torch.device("cpu")
+    decode = bench_e2e.step_batch(config, "decode", 16, cpu)
+    assert decode.kind == "decode" and decode.n == 16
+    assert decode.positions.tolist() == [64] * 16 and decode.slot_ids.tolist() == list(range(16))
+    for n in bench_e2e.PREFILL:
+        prefill = bench_e2e.step_batch(config, "prefill", n, cpu)
+        assert prefill.n == n and prefill.token_ids.shape == (n,)
+        assert prefill.positions.tolist() == [i % 128 for i in range(n)]
+        assert prefill.slot_ids.tolist() == [i // 128 for i in range(n)]
+        assert int(prefill.slot_ids.max()) < config.max_requests
+    odd = bench_e2e.step_batch(config, "prefill", 130, cpu)  # a full prompt, then 2 tokens
+    assert odd.positions.tolist()[-3:] == [127, 0, 1] and odd.slot_ids.tolist()[-3:] == [0, 1, 1]
+    assert ((decode.token_ids >= 1) & (decode.token_ids < config.vocab_size)).all()
+    with pytest.raises(ValueError, match="decode batch 129 > max_requests=128"):
+        bench_e2e.step_batch(config, "decode", 129, cpu)
+    with pytest.raises(ValueError, match="prefill of 16385 tokens > max_requests \\* max_seq_len = 16384"):
+        bench_e2e.step_batch(config, "prefill", 16385, cpu)
+    with pytest.raises(ValueError, match="kind must be 'decode' or 'prefill'"):
+        bench_e2e.step_batch(config, "chunked", 8, cpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_e2e_outside_cuda_graphs_measures_every_peer_gpu(cuda_device, benches, capsys, mode):
+    """The e2e modes outside CUDA graphs on the real preset, one decode and one prefill size, few
+    steps: every peer measured, the ratios against off printed (numbers: docs/performance.md)."""
+    argv = ["e2e", "--mode", mode, "--batches", "1", "--prefill", "2048", "--steps", "3", "--trials", "2"]
+    assert registry.main([*argv, "--peers", "off,on,on+snapshot"]) == 0
+    out = capsys.readouterr().out
+    assert f"## bench_e2e (deepseek_small, {mode}, no CUDA graphs" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["decode"], ["prefill"])]
+    assert {(r[0], r[1], r[2]) for r in rows} == {
+        (k, n, p) for k, n in (("decode", "1"), ("prefill", "2048")) for p in ("off", "on", "on+snapshot")
+    }
 
 
 # ------------------------------------------------- the shapes only the benchmark cases name

@@ -1,4 +1,5 @@
-"""The command line a newcomer meets first: --version, and usage errors (exit 2) instead of tracebacks."""
+"""The command line a newcomer meets first: --help, --version and usage errors (argparse's, exit 2)
+instead of tracebacks, all answered without importing torch."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import pytest
 import torch
 
 import moe_ops
-from moe_ops import encode_routing
+from moe_ops import cli, encode_routing
 from moe_ops.cli import MAX_DEMO_REQUESTS, MAX_STEP_ROWS, _build_parser, main
 from moe_ops.wire import FORMATS
 
 NO_CUDA = not torch.cuda.is_available()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_version(capsys):
@@ -104,14 +106,129 @@ def test_the_largest_seed_runs_the_demo(tmp_path, capsys):
 
 @pytest.mark.parametrize("where", ["under a regular file", "a regular file"])
 def test_an_unwritable_output_folder_stops_the_demo_before_any_work(tmp_path, capsys, where):
-    """--out under a regular file used to fail after the whole run; now: exit 2 at once, nothing run."""
+    """--out under a regular file used to fail after the whole run; now: argparse's usage error at
+    once (exit 2), nothing run."""
     (tmp_path / "file").write_text("x")
     out = tmp_path / "file" / "demo" if where == "under a regular file" else tmp_path / "file"
-    code = main(["demo", "--modes", "eager", "--requests", "2", "--device", "cpu", "--out", str(out)])
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--modes", "eager", "--requests", "2", "--device", "cpu", "--out", str(out)])
     captured = capsys.readouterr()
-    assert code == 2 and captured.out == "", captured.out  # the demo printed nothing: it never started
-    (line,) = captured.err.strip().splitlines()
-    assert line.startswith(f"error: --out '{out}': ") and "Traceback" not in captured.err
+    assert exc.value.code == 2 and captured.out == "", captured.out  # the demo never started
+    lines = captured.err.strip().splitlines()
+    assert lines[0].startswith("usage: moe-ops demo ") and "Traceback" not in captured.err
+    assert lines[-1].startswith(f"moe-ops demo: error: --out '{out}': ")
+
+
+# usage errors found after parsing (by the demo, or by a check that needs the file system or the
+# integration): reported as argparse reports its own, not as a bare "error: ..." line
+LATE = [
+    (
+        ["demo", "--modes", "eager,cuda-graph", "--device", "cpu"],
+        "include CUDA-graph modes, but the device is cpu",
+    ),
+    (["demo", "--hf", "no-such-arch", "--device", "cpu"], "--hf 'no-such-arch' is not supported; supported:"),
+]
+
+
+@pytest.mark.parametrize("argv, message", LATE, ids=[" ".join(a) for a, _ in LATE])
+def test_usage_errors_found_after_parsing_are_argparses(argv, message, tmp_path, capsys):
+    if "--hf" in argv:
+        pytest.importorskip("transformers")
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert captured.out == "" and "Traceback" not in captured.err
+    assert lines[0].startswith(f"usage: moe-ops {argv[0]} "), lines
+    assert lines[-1].startswith(f"moe-ops {argv[0]}: error: ") and message in lines[-1], lines
+
+
+def test_the_command_line_constants_are_the_packages():
+    """The modes, presets and the longest prompt are written in moe_ops.cli so that parsing imports no
+    torch; they must be what the runner, the reference model and the request generator use."""
+    from moe_ops.demo.serve import MAX_PROMPT_TOKENS, synthetic_requests
+    from moe_ops.graphs import RunnerMode
+    from moe_ops.models.reference import PRESETS
+
+    assert tuple(m.value for m in RunnerMode) == cli._MODES
+    assert tuple(m.value for m in RunnerMode if m.needs_cuda) == cli._CUDA_MODES
+    assert tuple(sorted(PRESETS)) == cli._PRESETS
+    assert MAX_PROMPT_TOKENS == cli.MAX_PROMPT_TOKENS
+    requests = synthetic_requests(200, vocab_size=64, max_seq_len=64, seed=3)
+    assert max(len(r.prompt) for r in requests) == cli.MAX_PROMPT_TOKENS
+
+
+# Runs the command line on each argv in one fresh interpreter and prints, per argv, its exit code
+# and whether torch (or torch._dynamo) had been imported by then.
+_WITHOUT_TORCH = """
+import contextlib, io, json, sys
+from moe_ops.cli import main
+for argv in json.loads(sys.argv[1]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    print(json.dumps([argv, code, sorted(m for m in ("torch", "torch._dynamo") if m in sys.modules)]))
+"""
+
+
+def test_help_version_and_usage_errors_import_no_torch(tmp_path):
+    """`moe-ops --help` and `--version` took 6-7 s of CPU importing torch and torch._dynamo; now
+    neither they nor a usage error import torch (checked in a fresh interpreter, in order)."""
+    argvs = [
+        ["--version"],
+        ["--help"],
+        *([c, "--help"] for c in ("selftest", "backends", "demo", "inspect")),
+        ["bogus"],
+        ["demo", "--requests", "0"],
+        ["demo", "--preset", "foo"],
+        ["demo", "--device", "tpu"],
+        ["demo", "--max-batch-tokens", "5"],
+        ["demo", "--capture-sizes", "4,0"],
+        ["demo", "--modes", "warp"],
+        ["demo", "--modes", "eager,cuda-graph", "--device", "cpu"],
+        ["demo", "--out", str(tmp_path / "file" / "out")],
+        ["selftest", "--device", "cpu:x"],
+        ["inspect"],
+    ]
+    (tmp_path / "file").write_text("x")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # a hang guard: well under a second each without torch, 8 s with it on a busy 2-core machine
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TORCH, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    results = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r[0] for r in results] == argvs
+    assert [r[1] for r in results] == [0] * 6 + [2] * (len(argvs) - 6)
+    imported = [(argv, modules) for argv, _, modules in results if modules]
+    assert not imported, f"torch imported by: {imported[0]}"
+
+
+def test_the_package_root_resolves_every_public_name_on_first_use():
+    """`import moe_ops` imports nothing heavy; each name of __all__ resolves to its definition, and
+    once one is used, the subpackages an eager root used to bind are attributes again."""
+    code = (
+        "import sys, moe_ops\n"
+        "print('torch' in sys.modules)\n"
+        "names = {n: getattr(moe_ops, n) for n in moe_ops.__all__}\n"
+        "print(sorted(n for n, v in names.items() if getattr(v, '__name__', n) != n))\n"
+        "print(moe_ops.replay.replayer.RoutingReplayer is moe_ops.RoutingReplayer)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["False", "[]", "True"], out.stdout
+    assert set(moe_ops.__all__) == set(moe_ops._LAZY)
 
 
 @pytest.mark.parametrize("command", ["selftest", "backends", "demo", "inspect"])

@@ -18,8 +18,12 @@ from moe_ops.cli import main
 from moe_ops.demo import serve, synthetic_requests
 from moe_ops.demo.train import (
     LOGPROB_TOL,
+    RoutingDrift,
     TrainCheck,
+    drift_figure,
     perturb_routers,
+    replay_mismatch_figure,
+    routing_drift,
     train_check,
     training_model,
     wire_round_trip,
@@ -250,6 +254,110 @@ def test_vllm_and_sglang_output_feed_replay_batch(engine):
     )
 
 
+# ------------------------------------------------------------------- training over several steps
+
+
+def test_routing_drift_leaves_the_rollout_without_replay_and_stays_on_it_with_replay():
+    """routing_drift.png's data: Adam steps with replay; the trainer's own routing moves away from
+    the record in every MoE layer, the replayed forward's never does, and the loss falls."""
+    requests = synthetic_requests(6, vocab_size=CONFIG.vocab_size, max_seq_len=CONFIG.max_seq_len, seed=1)
+    result, prompt_lens = rollout(requests)
+    before = gates(model())
+    drift = routing_drift(model(), "eager", result.sequences, result.routing, prompt_lens, steps=6)
+    assert all(torch.equal(g, h) for g, h in zip(before, gates(model()))), "rollout model modified"
+    assert drift.steps == 6 and drift.mode == "eager" and drift.lr == demo_train.DRIFT_LR
+    assert drift.changed.shape == drift.replay_changed.shape == (7, SHAPE.num_layers)
+    packed = sorted(result.routing)[: CONFIG.max_requests]
+    assert drift.recorded_rows == sum(len(result.sequences[i]) - 1 for i in packed)
+    assert (drift.replay_changed == 0).all(), "the replayed forward left the record"
+    assert (drift.changed[-1] > 0).all(), drift.changed
+    assert ((drift.changed >= 0) & (drift.changed <= 1)).all()
+    assert drift.loss.shape == (7,) and np.isfinite(drift.loss).all() and drift.loss[-1] < drift.loss[0]
+
+
+def test_routing_drift_is_caught_when_replay_is_off(monkeypatch):
+    """Fault injection: an attach_replay that replays nothing shows the replayed line leaving 0."""
+    import moe_ops.integrations.hf as hf
+
+    monkeypatch.setattr(hf, "attach_replay", lambda model, replayer: contextlib.nullcontext())
+    requests = synthetic_requests(4, vocab_size=CONFIG.vocab_size, max_seq_len=CONFIG.max_seq_len, seed=1)
+    result, prompt_lens = rollout(requests)
+    drift = routing_drift(model(), "eager", result.sequences, result.routing, prompt_lens, steps=3)
+    assert (drift.replay_changed[-1] > 0).any()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(steps=0), "steps must be an int >= 1, got 0"),
+        (dict(steps=2.0), "steps must be an int >= 1, got 2.0"),
+        (dict(lr=0.0), "lr must be a finite number > 0, got 0.0"),
+        (dict(lr=float("nan")), "lr must be a finite number >= 0"),
+        (dict(max_requests=9), r"max_requests must be an int in \[1, config.max_requests=4\]"),
+    ],
+)
+def test_routing_drift_rejects_bad_arguments(kwargs, match):
+    requests = synthetic_requests(2, vocab_size=CONFIG.vocab_size, max_seq_len=CONFIG.max_seq_len, seed=1)
+    result, prompt_lens = rollout(requests)
+    with pytest.raises(ValueError, match=match):
+        routing_drift(model(), "eager", result.sequences, result.routing, prompt_lens, **kwargs)
+
+
+def _drift(steps: int = 3) -> RoutingDrift:
+    rng = np.random.default_rng(0)
+    changed = np.sort(rng.uniform(0, 1, size=(steps + 1, SHAPE.num_layers)), axis=0).astype(np.float32)
+    changed[0] = 0
+    replay = np.zeros_like(changed)
+    return RoutingDrift("compiled", 1e-3, 120, changed, replay, np.linspace(2.5, 1.0, steps + 1))
+
+
+def test_the_drift_picture_plots_each_layer_with_and_without_replay():
+    plt = pytest.importorskip("matplotlib.pyplot", reason="the picture needs the plot extra")
+    drift = _drift()
+    fig = drift_figure(drift, SHAPE)
+    try:
+        (ax,) = fig.axes
+        assert ax.get_ylabel() == "fraction of tokens"
+        assert ax.get_xlabel() == "training step (Adam, lr 0.001)"
+        assert "compiled rollout, 120 tokens" in ax.get_title()
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        for i, layer in enumerate(SHAPE.moe_layers):
+            for label, values in (
+                (f"layer {layer}, no replay", drift.changed),
+                (f"layer {layer}, replay", drift.replay_changed),
+            ):
+                np.testing.assert_array_equal(lines[label].get_xdata(), np.arange(drift.steps + 1))
+                np.testing.assert_array_equal(lines[label].get_ydata(), values[:, i])
+        assert len(lines) == 2 * SHAPE.num_layers
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == list(lines)
+    finally:
+        plt.close(fig)
+
+
+def test_the_mismatch_picture_has_one_pair_of_bars_per_layer():
+    plt = pytest.importorskip("matplotlib.pyplot", reason="the picture needs the plot extra")
+    changed = np.array([0.25, 0.5], dtype=np.float32)[: SHAPE.num_layers]
+    zeros = np.zeros(SHAPE.num_layers, dtype=np.float32)
+    check = TrainCheck("eager", 3, 50, 47, 0, 0.01, changed, zeros, zeros, zeros, 1e-6, 2, 1.0, 0.5)
+    fig = replay_mismatch_figure(check, SHAPE)
+    try:
+        (ax,) = fig.axes
+        assert ax.get_ylabel() == "fraction of tokens" and ax.get_xlabel() == "MoE layer (model index)"
+        assert [t.get_text() for t in ax.get_xticklabels()] == [str(layer) for layer in SHAPE.moe_layers]
+        no_replay, replay = ax.containers  # one BarContainer each: no other bars drawn
+        assert [no_replay.get_label(), replay.get_label()] == ["no replay", "replay"]
+        for bars, values in ((no_replay, check.changed), (replay, check.replay_changed)):
+            assert [p.get_height() for p in bars.patches] == pytest.approx(values.tolist())
+        for i in range(SHAPE.num_layers):  # the pair of layer i sits side by side around x = i
+            left, right = no_replay.patches[i], replay.patches[i]
+            assert left.get_x() + left.get_width() == pytest.approx(right.get_x())
+            assert (left.get_x() + right.get_x() + right.get_width()) / 2 == pytest.approx(i)
+        labels = [t.get_text() for t in ax.texts]
+        assert labels == [f"{v:.2f}" for v in (*check.changed, *check.replay_changed)]
+    finally:
+        plt.close(fig)
+
+
 # ------------------------------------------------------------------------------------ the command
 
 
@@ -261,13 +369,19 @@ def test_demo_prints_the_training_half_and_plots_it(tmp_path, capsys):
     assert "training step: the same model in float32 with autograd" in text
     row = next(line for line in text.splitlines() if line.startswith("eager") and "e-" in line)
     assert row.endswith("PASS"), row
-    png = out / "replay_mismatch.png"
+    pictures = [out / "replay_mismatch.png", out / "routing_drift.png"]
     try:
         import matplotlib  # noqa: F401 - only whether it imports matters here
     except ImportError:
-        assert "matplotlib is not installed" in text and "replay_mismatch.png" in text and not png.exists()
+        for png in pictures:
+            assert f"matplotlib is not installed (pip install 'moe-ops[plot]'): skipped {png.name}" in text
+            assert not png.exists()
     else:
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        for png in pictures:
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png.name} (" in text
+    assert not (out / "expert_load.png").exists()  # it showed a random model's load, nothing of replay
+    drift = next(line for line in text.splitlines() if "routing_drift.png" in line)
+    assert "over 10 training steps" in drift and "0.00 / 0.00 with replay" in drift
     code = main(
         [
             "demo",

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from strategies import serving_requests
 
 from moe_ops.cli import main
-from moe_ops.demo import expert_load, plot_expert_load, reference_routing, serve, synthetic_requests, verify
+from moe_ops.demo import reference_routing, serve, synthetic_requests, verify
 from moe_ops.demo.inspect import read_routing_file
 from moe_ops.graphs import RunnerMode
 from moe_ops.models import ReferenceMoEModel, reference_config
@@ -218,37 +218,45 @@ def test_inspect_rejects_what_is_not_routing(tmp_path, capsys):
 
 
 def test_demo_hf_uses_the_transformers_integration(tmp_path, capsys):
-    """With moe_ops.integrations.hf: serves a tiny model and verifies it; without it: exit 2 and why."""
+    """With moe_ops.integrations.hf: serves a tiny model and verifies it; without it, or for an
+    architecture it does not support: argparse's usage error (exit 2) saying why."""
     try:
         from moe_ops.integrations import hf
     except ImportError as exc:
-        code = main(["demo", "--hf", "mixtral", "--device", "cpu", "--out", str(tmp_path)])
-        assert code == 2 and "moe_ops.integrations.hf" in capsys.readouterr().err, exc
+        with pytest.raises(SystemExit) as code:
+            main(["demo", "--hf", "mixtral", "--device", "cpu", "--out", str(tmp_path)])
+        assert code.value.code == 2 and "moe_ops.integrations.hf" in capsys.readouterr().err, exc
         return
     arch = sorted(hf.SUPPORTED_ARCHITECTURES)[0]
     code = main(["demo", "--hf", arch, "--requests", "3", "--device", "cpu", "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr().out
     assert len(list(tmp_path.glob("request_*/routing.npz"))) == 3
-    assert main(["demo", "--hf", "no-such-arch", "--device", "cpu", "--out", str(tmp_path)]) == 2
-    assert arch in capsys.readouterr().err
+    with pytest.raises(SystemExit) as code:
+        main(["demo", "--hf", "no-such-arch", "--device", "cpu", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code.value.code == 2 and arch in err and "moe-ops demo: error: --hf 'no-such-arch'" in err
 
 
-def test_expert_load_picture_or_a_note(tmp_path):
-    """matplotlib is the optional `plot` extra: the picture when it imports, a note otherwise."""
-    routing = [np.random.default_rng(0).integers(0, 16, size=(7, SHAPE.num_layers, SHAPE.top_k))]
-    load = expert_load(routing, SHAPE)
-    assert (
-        load.shape == (SHAPE.num_layers, SHAPE.num_experts)
-        and load.sum() == 7 * SHAPE.num_layers * SHAPE.top_k
-    )
-    path = tmp_path / "expert_load.png"
-    note = plot_expert_load(load, SHAPE, str(path), "test")
-    try:
-        import matplotlib  # noqa: F401 - only whether it imports matters here
-    except ImportError:
-        assert note is not None and "matplotlib is not installed" in note and not path.exists()
-    else:
-        assert note is None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_the_demo_compiles_without_simd_on_the_cpu_unless_the_environment_says(monkeypatch):
+    """A cold first run: inductor's vectorised C++ took the demo from 27 to 42 s of CPU (docs/demo.md);
+    the tiny model gains nothing from it. Only the CPU's compiled modes, and never over the user's
+    TORCHINDUCTOR_VEC_ISA_OK."""
+    import torch._inductor.config as inductor_config
+
+    from moe_ops.demo import _inductor_settings
+
+    monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
+    before = inductor_config.cpp.vec_isa_ok
+    cpu = torch.device("cpu")
+    with _inductor_settings(cpu, ["eager", "compiled"]):
+        assert inductor_config.cpp.vec_isa_ok is False
+    assert inductor_config.cpp.vec_isa_ok == before
+    for device, modes in ((cpu, ["eager"]), (torch.device("cuda"), ["compiled", "cuda-graph"])):
+        with _inductor_settings(device, modes):
+            assert inductor_config.cpp.vec_isa_ok == before
+    monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "1")
+    with _inductor_settings(cpu, ["compiled"]):
+        assert inductor_config.cpp.vec_isa_ok == before
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
 """``moe-ops demo``: routing capture end to end, verified row by row.
 
 The package: :mod:`.serve` (requests and the serving loop), :mod:`.verify` (the reference run and
-the row-by-row check), :mod:`.files` (``routing.npz`` and the heatmap), :mod:`.train` (the training
-half), :mod:`.hf` (``--hf ARCH``) and :mod:`.inspect` (``moe-ops inspect``, which says which values
-it read from a file and which it guessed). This module runs the command.
+the row-by-row check), :mod:`.files` (``routing.npz``), :mod:`.train` (the training half and the
+pictures), :mod:`.progress` (the status line), :mod:`.hf` (``--hf ARCH``) and :mod:`.inspect`
+(``moe-ops inspect``, which says which values it read from a file and which it guessed). This module
+runs the command.
 
 The demo serves synthetic requests with the reference MoE model (``moe_ops.models``) the way a
 serving engine does: continuous batching of prefill and decode rows in one step, requests joining
@@ -23,7 +24,9 @@ shape or capture fault makes the demo exit non-zero.
 Then, per mode, the training half (:mod:`moe_ops.demo.train`; ``--no-train`` skips it): each
 request's routing through the wire format and back, replayed in one float32 training step of the
 same model with perturbed router weights (mismatch without and with replay, logprobs against the
-rollout's), plotted to ``replay_mismatch.png``.
+rollout's), plotted to ``replay_mismatch.png``; and once, the same batch trained for a few steps with
+replay, the trainer's own routing drifting from the rollout's step by step while the replayed one
+stays on it: ``routing_drift.png``.
 
 Per-request shape: ``(num_tokens - 1, num_moe_layers, top_k)`` with ``num_tokens`` = prompt +
 generated tokens, as vLLM (``request.num_tokens - 1``) and SGLang (``req.seqlen - 1``) return
@@ -33,8 +36,8 @@ no routing.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -42,24 +45,25 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cli import UsageError, check_demo_args
 from ..graphs import RunnerMode
 from ..models.reference import ReferenceMoEModel, reference_config
-from .files import expert_load, plot_expert_load, write_routing
+from .files import write_routing
 from .hf import main_demo_hf
 from .inspect import inspect_file, main_inspect, read_routing_file
+from .progress import StatusLine
 from .serve import DemoRequest, ServeResult, greedy_step, serve, step_inputs, synthetic_requests
 from .verify import Verification, reference_routing, verify
 
 __all__ = [
     "DemoRequest",
     "ServeResult",
+    "StatusLine",
     "Verification",
-    "expert_load",
     "greedy_step",
     "inspect_file",
     "main_demo",
     "main_inspect",
-    "plot_expert_load",
     "read_routing_file",
     "reference_routing",
     "serve",
@@ -78,21 +82,14 @@ def _default_modes(device: torch.device) -> list[str]:
 
 
 def main_demo(args: Any) -> int:
-    """``moe-ops demo``: see the module docstring. Returns the exit code."""
+    """``moe-ops demo``: see the module docstring. Returns the exit code; a value this run cannot
+    use raises :class:`moe_ops.cli.UsageError` before any work (the command prints it as argparse's
+    usage error, exit 2)."""
+    check_demo_args(args)  # the command checked already; a direct call gets the same checks
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     modes = args.modes.split(",") if args.modes else _default_modes(device)
-    valid = {m.value for m in RunnerMode}
-    bad = [m for m in modes if m not in valid]
-    if bad:
-        print(f"error: --modes: unknown {bad}; choose from {sorted(valid)}", file=sys.stderr)
-        return 2
     if device.type != "cuda" and any(RunnerMode(m).needs_cuda for m in modes):
-        print(f"error: --modes {modes} include CUDA-graph modes, but the device is {device}", file=sys.stderr)
-        return 2
-    problem = _output_folder_problem(args.out)
-    if problem:  # before any work: a run that cannot write its files is not started
-        print(f"error: --out {args.out!r}: {problem}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--modes {','.join(modes)} include CUDA-graph modes, but the device is {device}")
     threads = torch.get_num_threads()
     if device.type == "cpu":
         # The tiny model's ops are too small to split across threads, and OpenMP workers spin-wait
@@ -101,25 +98,30 @@ def main_demo(args: Any) -> int:
         torch.set_num_threads(1)
     try:
         if args.hf:
+            StatusLine(enabled=not args.no_progress).close()  # clears the command's "importing torch"
             return main_demo_hf(args, device)
-        return _run_demo(args, device, modes)
+        with StatusLine(enabled=not args.no_progress) as status, _inductor_settings(device, modes):
+            return _run_demo(args, device, modes, status)
     finally:
         torch.set_num_threads(threads)
 
 
-def _output_folder_problem(path: str) -> str | None:
-    """Why the demo cannot write into ``path`` (created here if missing), or None."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        return f"cannot create the output folder ({e.strerror or e})"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return "the output folder is not writable"
-    return None
+def _inductor_settings(device: torch.device, modes: Sequence[str]) -> contextlib.AbstractContextManager:
+    """On the CPU, inductor without SIMD code (``cpp.vec_isa_ok=False``; unless the environment sets
+    ``TORCHINDUCTOR_VEC_ISA_OK``): the tiny model's rows of 64 float64 values gain nothing from it,
+    and the vectorised kernels cost inductor most of a cold run (measured on 2 busy cores, fresh
+    caches: the whole demo took 42 s of CPU with them, 27 s without; 96 s and 61 s of wall time at
+    load 6-9). What the compiled mode checks, the capture inside a compiled step, is unchanged."""
+    compiles = any(RunnerMode(m).compiles for m in modes)
+    if device.type != "cpu" or not compiles or "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch({"cpp.vec_isa_ok": False})
 
 
-def _run_demo(args: Any, device: torch.device, modes: list[str]) -> int:
-
+def _run_demo(args: Any, device: torch.device, modes: list[str], status: StatusLine) -> int:
+    status.phase("building the reference model")
     overrides = {"seed": args.seed}
     if device.type == "cuda":
         # One router kernel on both sides (with "auto", DeepSeek-V3 without capture may use FlashInfer).
@@ -131,18 +133,24 @@ def _run_demo(args: Any, device: torch.device, modes: list[str]) -> int:
         args.requests, vocab_size=config.vocab_size, max_seq_len=config.max_seq_len, seed=args.seed
     )
     capture_sizes = [int(s) for s in args.capture_sizes.split(",")] if args.capture_sizes else None
-    print(
-        f"moe-ops demo: reference model '{args.preset}' ({config.num_layers} layers, "
-        f"{config.num_moe_layers} MoE, {config.num_experts} experts, top-{config.top_k}, "
-        f"{config.routing_method.name}, {config.dtype}) on {device}; "
-        f"{len(requests)} requests of {min(len(r.prompt) for r in requests)}-"
-        f"{max(len(r.prompt) for r in requests)} prompt + {min(r.max_new_tokens for r in requests)}-"
-        f"{max(r.max_new_tokens for r in requests)} new tokens; torch {torch.__version__}"
-    )
+    with status.paused():
+        print(
+            f"moe-ops demo: reference model '{args.preset}' ({config.num_layers} layers, "
+            f"{config.num_moe_layers} MoE, {config.num_experts} experts, top-{config.top_k}, "
+            f"{config.routing_method.name}, {config.dtype}) on {device}; "
+            f"{len(requests)} requests of {min(len(r.prompt) for r in requests)}-"
+            f"{max(len(r.prompt) for r in requests)} prompt + {min(r.max_new_tokens for r in requests)}-"
+            f"{max(r.max_new_tokens for r in requests)} new tokens; torch {torch.__version__}",
+            flush=True,
+        )
     t_start = time.perf_counter()
     references: dict[tuple[int, ...], np.ndarray] = {}
 
+    progress = {"done": 0, "total": 0}
+
     def reference(tokens: Sequence[int]) -> np.ndarray:
+        progress["done"] += 1
+        status.update(f"request {progress['done']}/{progress['total']}")
         key = tuple(tokens)
         if key not in references:
             references[key] = reference_routing(model, tokens)
@@ -150,14 +158,13 @@ def _run_demo(args: Any, device: torch.device, modes: list[str]) -> int:
 
     rows = []
     last = None
-    progress = not args.no_progress
     for mode in modes:
         sizes = capture_sizes or _demo_capture_sizes(RunnerMode(mode))
-        kwargs = dict(
-            mode=mode, capture_sizes=sizes, max_batch_tokens=args.max_batch_tokens, progress=progress
-        )
+        kwargs = dict(mode=mode, capture_sizes=sizes, max_batch_tokens=args.max_batch_tokens, progress=status)
         captured = serve(model, requests, capture=True, **kwargs)
         plain = serve(model, requests, capture=False, **kwargs)
+        status.phase(f"{mode}: reference run (eager, uncaptured, one prefill per request)")
+        progress.update(done=0, total=len(captured.sequences))
         check = verify(captured, reference, shape)
         rows.append((mode, captured, plain, check))
         last = captured
@@ -166,8 +173,8 @@ def _run_demo(args: Any, device: torch.device, modes: list[str]) -> int:
         f"{'mode':<20} {'steps':>5} {'tokens':>6} {'padded':>6} {'eager':>5} {'graphs':>6} "
         f"{'mismatched rows':>15} {'ms/step capture':>15} {'ms/step plain':>13}  result"
     )
-    print(header)
     failed = 0
+    lines = [header]
     for mode, captured, plain, check in rows:
         problems = []
         if not check.ok:
@@ -179,56 +186,71 @@ def _run_demo(args: Any, device: torch.device, modes: list[str]) -> int:
         if captured.capture_faults:
             problems.append(f"{captured.capture_faults} capture faults")
         failed += bool(problems)
-        print(
+        lines.append(
             f"{mode:<20} {captured.steps:>5} {captured.tokens:>6} {captured.padded_rows:>6} "
             f"{captured.eager_fallbacks:>5} {captured.graphs_compiled:>6} {check.mismatched_rows:>15} "
             f"{captured.mean_step_ms:>15.2f} {plain.mean_step_ms:>13.2f}  "
             + ("PASS" if not problems else "FAIL: " + "; ".join(problems))
         )
-    print(
+    lines.append(
         "(padded: padding rows added to reach a capture size, never returned or captured; eager: steps "
         "above the largest capture size; graphs: graphs dynamo compiled; mismatched rows: captured "
         "routing vs an eager uncaptured reference run, per request (num_tokens - 1) rows)"
     )
+    with status.paused():
+        print("\n".join(lines), flush=True)
 
-    checks = []
+    checks, drift = [], None
     if not getattr(args, "no_train", False):
-        from .train import format_checks, train_check
+        from .train import DRIFT_STEPS, format_checks, routing_drift, train_check
 
         prompt_lens = {r.req_id: len(r.prompt) for r in requests}
         for mode, captured, _, _ in rows:
+            status.phase(
+                f"training half, {mode}: the routing through the wire, replayed in a float32 step "
+                "(forwards with and without replay, one backward)"
+            )
             checks.append(
                 train_check(model, mode, captured.sequences, captured.routing, prompt_lens, seed=args.seed)
             )
-        failed_train = sum(bool(c.problems) for c in checks)
-        print(format_checks(checks, shape))
-        failed += failed_train
+        failed += sum(bool(c.problems) for c in checks)
+        with status.paused():
+            print(format_checks(checks, shape), flush=True)
+        status.phase(f"training half: {DRIFT_STEPS} Adam steps with replay, for routing_drift.png")
+        drift = routing_drift(model, last.mode, last.sequences, last.routing, prompt_lens)
 
+    status.phase("writing the files")
     os.makedirs(args.out, exist_ok=True)
     written = write_routing(args.out, last, shape, requests)
-    load = expert_load(list(last.routing.values()), shape)
-    note = plot_expert_load(
-        load,
-        shape,
-        os.path.join(args.out, "expert_load.png"),
-        f"tokens per expert ({args.preset}, {last.mode})",
-    )
-    print(
-        f"wrote {written} x request_<id>/routing.npz ({last.mode} run) to {args.out}"
-        + ("" if note else " and expert_load.png")
-    )
-    if note:
-        print(note)
-    if checks:
-        from .train import plot_replay_mismatch
+    out = [f"wrote {written} x request_<id>/routing.npz ({last.mode} run) to {args.out}"]
+    if drift is not None:
+        from .train import plot_replay_mismatch, plot_routing_drift
 
+        status.phase("drawing the pictures (matplotlib)")
         note = plot_replay_mismatch(checks, shape, os.path.join(args.out, "replay_mismatch.png"))
-        print(note or f"wrote replay_mismatch.png (mismatch per layer with and without replay) to {args.out}")
-    print(
+        out.append(
+            note
+            or f"wrote replay_mismatch.png (per MoE layer, the tokens whose experts changed after a router "
+            f"update, without and with replay; {checks[-1].mode} rollout)"
+        )
+        note = plot_routing_drift(drift, shape, os.path.join(args.out, "routing_drift.png"))
+        out.append(
+            note
+            or f"wrote routing_drift.png (per MoE layer, the tokens whose experts differ from the "
+            f"rollout's over {drift.steps} training steps: {_fractions(drift.changed[-1])} without replay "
+            f"after the last, {_fractions(drift.replay_changed.max(0))} with replay)"
+        )
+    out.append(
         f"total {time.perf_counter() - t_start:.1f} s: "
         + ("all verified" if not failed else f"{failed} mode(s) FAILED")
     )
+    status.close()
+    print("\n".join(out), flush=True)
     return 1 if failed else 0
+
+
+def _fractions(values: np.ndarray) -> str:
+    return " / ".join(f"{float(v):.2f}" for v in values)
 
 
 def _demo_capture_sizes(mode: RunnerMode) -> list[int]:

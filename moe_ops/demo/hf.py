@@ -8,7 +8,6 @@ imported by :func:`main_demo_hf` only, when ``--hf`` is given.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 from ..capture.capturer import RoutingCapturer
+from ..cli import UsageError
 from ..shapes import resolve_routing_shape
 from ..store import RoutingLedger, SlotStore
 from .files import write_routing
@@ -25,24 +25,21 @@ __all__ = ["kv_cache_argument", "main_demo_hf", "serve_hf"]
 
 
 def main_demo_hf(args: Any, device: torch.device) -> int:
-    """``moe-ops demo --hf ARCH``: a tiny transformers model, eager, captured with attach_capture."""
+    """``moe-ops demo --hf ARCH``: a tiny transformers model, eager, captured with attach_capture.
+    Without the integration, or for an ARCH it does not support: :class:`moe_ops.cli.UsageError`
+    (the command's usage error, exit 2)."""
     try:
         from ..integrations import hf
     except ImportError as exc:
-        print(
-            f"error: --hf needs the transformers integration (moe_ops.integrations.hf) and transformers "
-            f"(pip install 'moe-ops[hf]'): {exc}",
-            file=sys.stderr,
-        )
-        return 2
+        raise UsageError(
+            f"--hf needs the transformers integration (moe_ops.integrations.hf) and transformers "
+            f"(pip install 'moe-ops[hf]'): {exc}"
+        ) from None
     arch = args.hf.strip().lower().replace("-", "_")  # transformers' model_type: "Qwen3-MoE" -> qwen3_moe
     if arch not in hf.SUPPORTED_ARCHITECTURES:
-        print(
-            f"error: --hf {args.hf!r} is not supported; supported: "
-            + ", ".join(sorted(hf.SUPPORTED_ARCHITECTURES)),
-            file=sys.stderr,
+        raise UsageError(
+            f"--hf {args.hf!r} is not supported; supported: " + ", ".join(sorted(hf.SUPPORTED_ARCHITECTURES))
         )
-        return 2
     return serve_hf(hf, arch, args, device)
 
 

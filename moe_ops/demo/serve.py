@@ -9,7 +9,6 @@ ledger and the slot store (see :mod:`moe_ops.demo`).
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -19,9 +18,11 @@ import numpy as np
 import torch
 
 from ..capture.capturer import RoutingCapturer
+from ..cli import MAX_PROMPT_TOKENS as _MAX_PROMPT_TOKENS
 from ..graphs import CompileCounters, RunnerMode, StepInput, StepRunner
 from ..models.reference import ReferenceMoEModel
 from ..store import RoutingLedger, SlotStore
+from .progress import StatusLine
 
 __all__ = [
     "MAX_PROMPT_TOKENS",
@@ -51,8 +52,9 @@ class DemoRequest:
         return len(self.prompt) + self.max_new_tokens
 
 
-# the longest prompt synthetic_requests makes by default: a step of the demo must hold one
-MAX_PROMPT_TOKENS = 20
+# the longest prompt synthetic_requests makes by default: a step of the demo must hold one (written
+# in the command-line module, which imports no torch, so that --max-batch-tokens is checked there)
+MAX_PROMPT_TOKENS = _MAX_PROMPT_TOKENS
 
 
 def synthetic_requests(
@@ -162,29 +164,44 @@ class _Live:
         return len(self.tokens) - len(self.request.prompt)
 
 
-class _Progress:
-    """A plain progress bar on stderr, drawn only once a run has taken ``min_seconds``."""
+# what warm-up does in each mode that has one, for the status line (eager has none): a short phase,
+# then per size the size and what runs (a narrow terminal cuts the end of the line)
+_WARM_UP = {
+    RunnerMode.COMPILED: (
+        "torch.compile of the step",
+        "TorchDynamo traces it, inductor writes and builds {kernels} (one graph for every padded size; "
+        "cached on disk after the first run)",
+    ),
+    RunnerMode.CUDA_GRAPH: ("CUDA-graph capture of the eager step", "one graph per size"),
+    RunnerMode.COMPILED_CUDA_GRAPH: (
+        "torch.compile of the step, then a CUDA graph per size",
+        "inductor builds {kernels} once (cached on disk after the first run), then captures",
+    ),
+    RunnerMode.REDUCE_OVERHEAD: (
+        "torch.compile(mode='reduce-overhead') of the step",
+        "inductor builds {kernels} and records its CUDA-graph trees",
+    ),
+}
 
-    def __init__(self, label: str, total: int, enabled: bool, min_seconds: float = 1.0, width: int = 30):
-        # a bar redrawn with carriage returns only makes sense on a terminal
-        self.label, self.total, self.enabled = label, max(total, 1), enabled and sys.stderr.isatty()
-        self.min_seconds, self.width = min_seconds, width
-        self.start = time.perf_counter()
-        self.drawn = False
 
-    def update(self, done: int) -> None:
-        if not self.enabled or time.perf_counter() - self.start < self.min_seconds:
-            return
-        filled = int(self.width * min(done, self.total) / self.total)
-        bar = "#" * filled + "." * (self.width - filled)
-        sys.stderr.write(f"\r  {self.label:<22} [{bar}] {done}/{self.total} tokens")
-        sys.stderr.flush()
-        self.drawn = True
+def _warm_up(
+    runner: StepRunner, mode: RunnerMode, device: torch.device, status: StatusLine, label: str
+) -> None:
+    """``runner.warm_up()`` one size at a time (the same order: largest first), saying which."""
+    if mode not in _WARM_UP:
+        return
+    what, how = _WARM_UP[mode]
+    how = how.format(kernels="Triton kernels" if device.type == "cuda" else "C++ kernels")
+    status.phase(f"{label}: {what}")
+    sizes = sorted(runner.capture_sizes, reverse=True)
+    for i, size in enumerate(sizes):
+        status.update(f"size {size} ({i + 1}/{len(sizes)}): {how}")
+        runner.warm_up([size])
 
-    def close(self) -> None:
-        if self.drawn:
-            sys.stderr.write("\r" + " " * (self.width + 50) + "\r")
-            sys.stderr.flush()
+
+def _bar(done: int, total: int, width: int = 30) -> str:
+    filled = int(width * min(done, total) / max(total, 1))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} tokens"
 
 
 def serve(
@@ -198,7 +215,7 @@ def serve(
     max_running: int | None = None,
     block_size: int = 4,
     ring_depth: int = 3,
-    progress: bool = False,
+    progress: bool | StatusLine = False,
 ) -> ServeResult:
     """Serves ``requests`` to completion with continuous batching; captures routing when asked.
 
@@ -209,6 +226,10 @@ def serve(
     snapshots in flight) into a :class:`SlotStore` of KV-slot-like slots (``block_size`` tokens per
     block; blocks are freed when a request finishes and reused by later ones), bookkept by a
     :class:`RoutingLedger`.
+
+    ``progress``: a :class:`~moe_ops.demo.progress.StatusLine` to report on (the warm-up: what
+    compiles or is captured, size by size; then the served tokens), or True for one of its own
+    (stderr, a terminal only).
 
     Host syncs: reading the sampled tokens after each step (an engine's sampling sync) and the
     landed snapshots (``handle.result()``); none inside the step.
@@ -250,9 +271,9 @@ def serve(
     running: list[_Live] = []
     in_flight: deque = deque()
     batch_sizes = set()
-    bar = _Progress(
-        f"{mode.value}{' +capture' if capture else ''}", sum(r.num_tokens - 1 for r in requests), progress
-    )
+    label = f"{mode.value}{' +capture' if capture else ''}"
+    status = progress if isinstance(progress, StatusLine) else StatusLine(enabled=bool(progress))
+    total_tokens = sum(r.num_tokens - 1 for r in requests)
 
     def land_oldest() -> None:
         seq, handle = in_flight.popleft()
@@ -261,8 +282,9 @@ def serve(
 
     with CompileCounters() as counters:
         t0 = time.perf_counter()
-        runner.warm_up()
+        _warm_up(runner, mode, device, status, label)
         result.warm_up_seconds = time.perf_counter() - t0
+        status.phase(f"{label}: serving {len(requests)} requests", _bar(0, total_tokens))
         while waiting or running:
             batch: list[tuple[_Live, int]] = [(live, 1) for live in running]
             budget = max_batch_tokens - len(running)
@@ -316,10 +338,11 @@ def serve(
                     result.sequences[live.request.req_id] = live.tokens
                     if ledger is not None:
                         ledger.finish(live.request.req_id)
-            bar.update(result.tokens)
+            status.update(_bar(result.tokens, total_tokens))
         while in_flight:
             land_oldest()
-    bar.close()
+    if status is not progress:
+        status.close()
     if ledger is not None:
         for done in ledger.collect():
             result.routing[done.req_id] = done.routing
