@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import moe_ops
-from moe_ops import cli, encode_routing
+from moe_ops import cli_args, encode_routing
 from moe_ops.cli import MAX_DEMO_REQUESTS, MAX_STEP_ROWS, _build_parser, main
 from moe_ops.wire import FORMATS
 
@@ -151,12 +151,12 @@ def test_the_command_line_constants_are_the_packages():
     from moe_ops.graphs import RunnerMode
     from moe_ops.models.reference import PRESETS
 
-    assert tuple(m.value for m in RunnerMode) == cli._MODES
-    assert tuple(m.value for m in RunnerMode if m.needs_cuda) == cli._CUDA_MODES
-    assert tuple(sorted(PRESETS)) == cli._PRESETS
-    assert MAX_PROMPT_TOKENS == cli.MAX_PROMPT_TOKENS
+    assert tuple(m.value for m in RunnerMode) == cli_args._MODES
+    assert tuple(m.value for m in RunnerMode if m.needs_cuda) == cli_args._CUDA_MODES
+    assert tuple(sorted(PRESETS)) == cli_args._PRESETS
+    assert MAX_PROMPT_TOKENS == cli_args.MAX_PROMPT_TOKENS
     requests = synthetic_requests(200, vocab_size=64, max_seq_len=64, seed=3)
-    assert max(len(r.prompt) for r in requests) == cli.MAX_PROMPT_TOKENS
+    assert max(len(r.prompt) for r in requests) == cli_args.MAX_PROMPT_TOKENS
 
 
 # Runs the command line on each argv in one fresh interpreter and prints, per argv, its exit code

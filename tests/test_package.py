@@ -91,7 +91,8 @@ def _imports(path: Path, module: str, modules) -> list[_Import]:
     """Every import statement of ``module``: at module level, in class bodies and inside functions
     and methods (those run later, on first use, but still make an arrow between the modules).
     ``import a.b`` imports ``a.b``; ``from pkg import name`` and ``from . import name`` import the
-    submodule ``pkg.name`` when there is one, else ``pkg`` itself."""
+    submodule ``pkg.name`` when there is one, else ``pkg`` itself. An ``if TYPE_CHECKING:`` block
+    never runs (annotations only), so its imports make no arrow."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     where = str(path.relative_to(ROOT))
@@ -99,6 +100,10 @@ def _imports(path: Path, module: str, modules) -> list[_Import]:
 
     def visit(node: ast.AST, scope: str, function: str) -> None:
         for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                for rest in child.orelse:  # the else branch runs
+                    visit(ast.Module(body=[rest], type_ignores=[]), scope, function)
+                continue
             if isinstance(child, ast.Import):
                 found.extend(_Import(a.name, f"{where}:{child.lineno}", function) for a in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -120,6 +125,13 @@ def _imports(path: Path, module: str, modules) -> list[_Import]:
 
     visit(tree, "", "")
     return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING``."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _package_modules() -> dict[str, Path]:
@@ -177,9 +189,12 @@ def test_the_import_walk_reads_imports_inside_functions_and_submodules_of_from_i
     """The walk the cycle test relies on, on a module of the package with all four forms."""
     modules = _package_modules()
     found = {(i.target, i.function) for i in _imports(ROOT / "moe_ops/cli.py", "moe_ops.cli", modules)}
-    # `from . import __version__` inside _version: the package itself; `from .demo import
-    # main_demo` inside main: the package moe_ops.demo; `from .selftest import run_selftest`: a module
-    assert {("moe_ops", "_version"), ("moe_ops.demo", "main"), ("moe_ops.selftest", "main")} <= found
+    # `from .demo import main_demo` inside _run: the package moe_ops.demo; `from .selftest import
+    # run_selftest`: a module; `from .cli_args import (...)` at module level: a module
+    assert {("moe_ops.demo", "_run"), ("moe_ops.selftest", "_run"), ("moe_ops.cli_args", "")} <= found
+    # `from . import __version__` inside _version: the package itself
+    args = _imports(ROOT / "moe_ops/cli_args.py", "moe_ops.cli_args", modules)
+    assert ("moe_ops", "_version") in {(i.target, i.function) for i in args}
     found = {
         (i.target, i.function)
         for i in _imports(ROOT / "moe_ops/flashinfer/routing.py", "moe_ops.flashinfer.routing", modules)

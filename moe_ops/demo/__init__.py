@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cli import UsageError, check_demo_args
+from ..cli_args import UsageError, check_demo_args
 from ..graphs import RunnerMode
 from ..models.reference import ReferenceMoEModel, reference_config
 from .files import write_routing
@@ -83,7 +83,7 @@ def _default_modes(device: torch.device) -> list[str]:
 
 def main_demo(args: Any) -> int:
     """``moe-ops demo``: see the module docstring. Returns the exit code; a value this run cannot
-    use raises :class:`moe_ops.cli.UsageError` before any work (the command prints it as argparse's
+    use raises :class:`moe_ops.cli_args.UsageError` before any work (the command prints it as argparse's
     usage error, exit 2)."""
     check_demo_args(args)  # the command checked already; a direct call gets the same checks
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..capture.capturer import RoutingCapturer
-from ..cli import UsageError
+from ..cli_args import UsageError
 from ..shapes import resolve_routing_shape
 from ..store import RoutingLedger, SlotStore
 from .files import write_routing
@@ -26,7 +26,7 @@ __all__ = ["kv_cache_argument", "main_demo_hf", "serve_hf"]
 
 def main_demo_hf(args: Any, device: torch.device) -> int:
     """``moe-ops demo --hf ARCH``: a tiny transformers model, eager, captured with attach_capture.
-    Without the integration, or for an ARCH it does not support: :class:`moe_ops.cli.UsageError`
+    Without the integration, or for an ARCH it does not support: :class:`moe_ops.cli_args.UsageError`
     (the command's usage error, exit 2)."""
     try:
         from ..integrations import hf

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..capture.capturer import RoutingCapturer
-from ..cli import MAX_PROMPT_TOKENS as _MAX_PROMPT_TOKENS
+from ..cli_args import MAX_PROMPT_TOKENS as _MAX_PROMPT_TOKENS
 from ..graphs import CompileCounters, RunnerMode, StepInput, StepRunner
 from ..models.reference import ReferenceMoEModel
 from ..store import RoutingLedger, SlotStore
