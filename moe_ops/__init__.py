@@ -76,18 +76,18 @@ if TYPE_CHECKING:  # what static tools read; at run time __getattr__ resolves th
 
 # the modules an eager `import moe_ops` used to import: the first public name used loads them all, so
 # that from then on the package is what it always was (every core op registered, every subpackage bound)
-_CORE = tuple(m for m in _EXPORTS if m not in ("moe_ops.integrations.hf", "moe_ops.flashinfer.backends"))
+_CORE = tuple(m for m in _EXPORTS if m not in ("moe_ops.integrations.hf", "moe_ops.backend_report"))
 
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
     if module is None and (name.startswith("__") or importlib.util.find_spec(f"{__name__}.{name}") is None):
         raise AttributeError(f"module 'moe_ops' has no attribute {name!r}")
-    for core in _CORE:
-        importlib.import_module(core)
     if module is not None:
+        for core in _CORE:  # a public name loads the core, as the eager root did (its ops registered)
+            importlib.import_module(core)
         value = getattr(importlib.import_module(module), name)
-    else:  # a subpackage (moe_ops.replay, moe_ops.distributed, ...): imported on first use
+    else:  # a submodule (moe_ops.replay, moe_ops.cli, ...): that module alone, on first use
         value = importlib.import_module(f"{__name__}.{name}")
     globals()[name] = value
     return value

@@ -11,6 +11,7 @@ subcommand's usage line, ``moe-ops SUBCOMMAND: error: ...`` and exit 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .cli_args import (
@@ -33,6 +34,31 @@ def main(argv: list[str] | None = None) -> int:
         args.command_parser.error(str(exc))  # argparse's format: usage line, error line, exit 2
 
 
+def scalar_cpu_kernels(args: argparse.Namespace) -> bool:
+    """For a demo on the CPU run as the program (torch not imported yet, the environment silent),
+    sets ``TORCHINDUCTOR_VEC_ISA_OK=0`` for this process: inductor then writes scalar C++ kernels.
+    The tiny model gains nothing from vector code, and building it cost most of a cold run
+    (measured on 2 busy cores, fresh caches: the whole demo took 42 s of CPU with it, 27 s without;
+    96 s and 61 s of wall time at load 6-9). Process-wide, read once when torch's inductor config
+    loads: switching it inside a running process (a ``config.patch``) left inductor's cached ISA
+    choice and its precompiled headers disagreeing, and later compiles in that process failed to
+    build (``at::vec`` undeclared). In-process callers (torch already imported) keep their setting.
+    Returns whether it set it."""
+    device = getattr(args, "device", None)
+    if "torch" in sys.modules or "TORCHINDUCTOR_VEC_ISA_OK" in os.environ or (device or "cpu") != "cpu":
+        return False
+    if device is None and _cuda_available_without_torch():
+        return False
+    os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "0"
+    return True
+
+
+def _cuda_available_without_torch() -> bool:
+    """Whether this machine may have a CUDA device, asked without importing torch: the driver's
+    device files (a guess that errs towards CUDA: then the environment is left alone)."""
+    return os.path.exists("/dev/nvidiactl") or bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "selftest":
         from .selftest import run_selftest
@@ -45,6 +71,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "demo":
         check_demo_args(args)
+        scalar_cpu_kernels(args)
         if not args.no_progress and sys.stderr.isatty():
             # the first second: importing torch takes 3-7 s before the demo can say anything else
             sys.stderr.write("\r  moe-ops demo: importing torch and moe_ops ...")

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from strategies import serving_requests
 
+from moe_ops import cli, cli_args
 from moe_ops.cli import main
 from moe_ops.demo import reference_routing, serve, synthetic_requests, verify
 from moe_ops.demo.inspect import read_routing_file
@@ -237,26 +241,36 @@ def test_demo_hf_uses_the_transformers_integration(tmp_path, capsys):
     assert code.value.code == 2 and arch in err and "moe-ops demo: error: --hf 'no-such-arch'" in err
 
 
-def test_the_demo_compiles_without_simd_on_the_cpu_unless_the_environment_says(monkeypatch):
+def test_the_demo_program_asks_for_scalar_cpu_kernels_for_the_whole_process():
     """A cold first run: inductor's vectorised C++ took the demo from 27 to 42 s of CPU (docs/demo.md);
-    the tiny model gains nothing from it. Only the CPU's compiled modes, and never over the user's
-    TORCHINDUCTOR_VEC_ISA_OK."""
-    import torch._inductor.config as inductor_config
+    the tiny model gains nothing from it. The command sets TORCHINDUCTOR_VEC_ISA_OK=0 before torch
+    is imported (process-wide: a config.patch inside a running process broke later compiles), only
+    for a CPU demo, never over the user's setting, never once torch is imported."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from moe_ops import cli
+        args = cli._build_parser().parse_args(sys.argv[1:])
+        print(cli.scalar_cpu_kernels(args), os.environ.get("TORCHINDUCTOR_VEC_ISA_OK"))
+        import torch._inductor.config as c
+        print(c.cpp.vec_isa_ok)
+        """
+    )
 
-    from moe_ops.demo import _inductor_settings
+    def run(*argv: str, env: dict | None = None) -> list[str]:
+        environ = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_VEC_ISA_OK"}
+        environ.update(env or {})
+        out = subprocess.run(
+            [sys.executable, "-c", code, *argv], capture_output=True, text=True, env=environ, timeout=600
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()
 
-    monkeypatch.delenv("TORCHINDUCTOR_VEC_ISA_OK", raising=False)
-    before = inductor_config.cpp.vec_isa_ok
-    cpu = torch.device("cpu")
-    with _inductor_settings(cpu, ["eager", "compiled"]):
-        assert inductor_config.cpp.vec_isa_ok is False
-    assert inductor_config.cpp.vec_isa_ok == before
-    for device, modes in ((cpu, ["eager"]), (torch.device("cuda"), ["compiled", "cuda-graph"])):
-        with _inductor_settings(device, modes):
-            assert inductor_config.cpp.vec_isa_ok == before
-    monkeypatch.setenv("TORCHINDUCTOR_VEC_ISA_OK", "1")
-    with _inductor_settings(cpu, ["compiled"]):
-        assert inductor_config.cpp.vec_isa_ok == before
+    assert run("demo", "--device", "cpu") == ["True", "0", "False"]
+    assert run("demo", "--device", "cpu", env={"TORCHINDUCTOR_VEC_ISA_OK": "1"})[:2] == ["False", "1"]
+    # in-process callers, torch already imported: their inductor setting stays as it is
+    args = cli_args._build_parser().parse_args(["demo", "--device", "cpu"])
+    assert "torch" in sys.modules and cli.scalar_cpu_kernels(args) is False
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,6 @@ no routing.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -100,24 +99,10 @@ def main_demo(args: Any) -> int:
         if args.hf:
             StatusLine(enabled=not args.no_progress).close()  # clears the command's "importing torch"
             return main_demo_hf(args, device)
-        with StatusLine(enabled=not args.no_progress) as status, _inductor_settings(device, modes):
+        with StatusLine(enabled=not args.no_progress) as status:
             return _run_demo(args, device, modes, status)
     finally:
         torch.set_num_threads(threads)
-
-
-def _inductor_settings(device: torch.device, modes: Sequence[str]) -> contextlib.AbstractContextManager:
-    """On the CPU, inductor without SIMD code (``cpp.vec_isa_ok=False``; unless the environment sets
-    ``TORCHINDUCTOR_VEC_ISA_OK``): the tiny model's rows of 64 float64 values gain nothing from it,
-    and the vectorised kernels cost inductor most of a cold run (measured on 2 busy cores, fresh
-    caches: the whole demo took 42 s of CPU with them, 27 s without; 96 s and 61 s of wall time at
-    load 6-9). What the compiled mode checks, the capture inside a compiled step, is unchanged."""
-    compiles = any(RunnerMode(m).compiles for m in modes)
-    if device.type != "cpu" or not compiles or "TORCHINDUCTOR_VEC_ISA_OK" in os.environ:
-        return contextlib.nullcontext()
-    import torch._inductor.config as inductor_config
-
-    return inductor_config.patch({"cpp.vec_isa_ok": False})
 
 
 def _run_demo(args: Any, device: torch.device, modes: list[str], status: StatusLine) -> int:
