@@ -6,7 +6,9 @@
   ``@triton.jit`` kernel without ``JITFunction.run``'s per-call binding;
 - ``triton`` - whether Triton is installed and where its kernels run (``HAS_TRITON``,
   ``interpreting``, ``triton_runs_on``);
-- ``cudart`` - a few CUDA runtime calls through ctypes on the libcudart torch loaded.
+- ``cudart`` - a few CUDA runtime calls through ctypes on the libcudart torch loaded;
+- ``private_names`` - every private torch / Triton name the package uses, what for and the versions
+  it was checked on (``tests/test_private_names.py`` fails on one that is not listed).
 
 Private to the package: nothing here is public API, and this ``__init__`` imports none of them
 (importing one module loads only what it needs).
