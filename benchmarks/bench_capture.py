@@ -32,7 +32,7 @@ from benchmarks.harness import Table, do_bench_median_us, graph_calls_us, graph_
 from benchmarks.host import host_us_per_call, launch_floor_us
 from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, option, sizes_option, switch
 from moe_ops import BatchLayout, capture_routing
-from moe_ops._library import HAS_WRAP_TRITON, trace_triton_kernels
+from moe_ops._runtime.library import HAS_WRAP_TRITON, trace_triton_kernels
 from moe_ops.capture.kernels import checked_ids_torch, fault_delta, id_limit
 from moe_ops.capture.op import capture_into, target_tensors
 from moe_ops.capture.target import CaptureTarget
@@ -229,7 +229,7 @@ def host_table(n: int, dp: int = 4) -> Table:
             per_call = graph_calls_us({name: lambda buf=buf: compiled(buf, *xs)}, calls=1, replays=20)
             table.add(name, "in CUDA graph (device)", per_call[name] / COMPILED_LAYERS, "")
         if ours and dev.type == "cuda" and HAS_WRAP_TRITON:
-            # for comparison, the opaque op: inductor calls the op's Python kernel (moe_ops._library;
+            # for comparison, the opaque op: inductor calls the op's Python kernel (moe_ops._runtime.library;
             # the default above has inductor launch the Triton kernel itself)
             torch._dynamo.reset()
             xs = ids[:COMPILED_LAYERS]

@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
 from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, option, sizes_option, switch
 from moe_ops import RoutingMethod, RoutingReplayer, RoutingShape, replay_routing, route
-from moe_ops._triton import HAS_TRITON, next_power_of_2, triton_runs_on
+from moe_ops._runtime.triton import HAS_TRITON, next_power_of_2, triton_runs_on
 from moe_ops.models import ReferenceMoEModel, reference_config
 from moe_ops.replay.kernels import (
     backward_launch_config,

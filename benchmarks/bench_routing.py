@@ -54,7 +54,7 @@ from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, gr
 from benchmarks.host import host_us_per_call
 from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, sizes_option, strategies, switch
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
-from moe_ops._library import HAS_WRAP_TRITON, trace_triton_kernels
+from moe_ops._runtime.library import HAS_WRAP_TRITON, trace_triton_kernels
 from moe_ops.router.reference import route_reference
 
 LAYERS = 61  # DeepSeek-V3's MoE-bearing depth: the capture buffer's layer axis
@@ -380,7 +380,7 @@ def host_table(n: int = 64, num_experts: int = 256, top_k: int = 8) -> Table:
             per_call = graph_calls_us({name: lambda: compiled(*xs)}, calls=1, replays=20)
             table.add(name, "in CUDA graph (device)", per_call[name] / COMPILED_LAYERS, "")
         if ours and dev.type == "cuda" and HAS_WRAP_TRITON:
-            # for comparison, the opaque op: inductor calls the op's Python kernel (moe_ops._library;
+            # for comparison, the opaque op: inductor calls the op's Python kernel (moe_ops._runtime.library;
             # the default above has inductor launch the Triton kernel itself)
             torch._dynamo.reset()
             xs = logits[:COMPILED_LAYERS]

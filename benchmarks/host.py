@@ -49,7 +49,7 @@ def launch_floor_us(device: torch.device, layers: int, compiled_layers: int) -> 
     issues one kernel per layer call. CUDA only (empty dict elsewhere)."""
     if device.type != "cuda" or _floor_kernel is None:
         return {}
-    from moe_ops._launcher import KernelLauncher
+    from moe_ops._runtime.launcher import KernelLauncher
 
     tensors = tuple(torch.zeros(16, dtype=torch.int32, device=device) for _ in range(7))
     ints = (64, 256, 3, 3, 3, 488, 8, 1, 8, 1, 1, 1, 8)

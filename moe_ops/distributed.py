@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._library import destination_op
+from ._runtime.library import destination_op
 from .capture.errors import FAULT_SLOT, FAULT_SOURCE_SHORT, cpu_counter_lock
 from .capture.monolithic import MoEDispatchConfig
 from .capture.target import check_process_group

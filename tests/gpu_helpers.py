@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from moe_ops._triton import triton_runs_on
+from moe_ops._runtime.triton import triton_runs_on
 
 
 def skip_unless_triton_runs(device: str | torch.device) -> None:

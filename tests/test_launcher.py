@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from triton._C.libtriton import native_specialize_impl
-from moe_ops._launcher import KernelLauncher
+from moe_ops._runtime.launcher import KernelLauncher
 from moe_ops.capture.kernels import _capture_rows_kernel
 from moe_ops.router.kernels import _route_kernel
 from moe_ops.transfer.narrow import _narrow_kernel

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_ops import BatchLayout, RoutingMethod, _library, capture_routing, route
-from moe_ops._launcher import KernelLauncher
+from moe_ops import BatchLayout, RoutingMethod, capture_routing, route
+from moe_ops._runtime import library
+from moe_ops._runtime.launcher import KernelLauncher
 from moe_ops.capture import kernels as capture_kernels
 from moe_ops.capture.kernels import capture_rows_torch, capture_rows_triton
 from moe_ops.capture.op import target_tensors
@@ -111,14 +112,14 @@ class _Recorder(TorchDispatchMode):
 def counted(monkeypatch):
     """eager_caller over a counting wrapper of the capture op's registered CUDA kernel."""
     calls = []
-    kernel = _library._CUDA_KERNELS["capture_routing_"]
+    kernel = library._CUDA_KERNELS["capture_routing_"]
 
     def counting(*args):
         calls.append(1)
         return kernel(*args)
 
-    monkeypatch.setitem(_library._CUDA_KERNELS, "capture_routing_", counting)
-    return _library.eager_caller("capture_routing_"), calls
+    monkeypatch.setitem(library._CUDA_KERNELS, "capture_routing_", counting)
+    return library.eager_caller("capture_routing_"), calls
 
 
 def test_eager_calls_skip_the_dispatcher_and_write_what_the_op_writes(cuda_device, counted):

@@ -1,4 +1,4 @@
-"""moe_ops._library.destination_op: schema, generated fake, version counters, per-key kernels."""
+"""moe_ops._runtime.library.destination_op: schema, generated fake, version counters, per-key kernels."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from moe_ops._library import destination_op
+from moe_ops._runtime.library import destination_op
 
 
 def _fill(out: torch.Tensor, value: int) -> None:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from strategies import GPU_ROUTER_CASES, MODEL_ROUTERS, RecordedCase, RouterCase, recorded_cases
 
 from moe_ops import RoutingMethod, replay_routing, route
-from moe_ops._triton import triton_runs_on
+from moe_ops._runtime.triton import triton_runs_on
 from moe_ops.replay import ReplayFaultError, check_replay_errors, replay_fault_counter
 from moe_ops.replay import op as replay_op
 from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, replay_weights

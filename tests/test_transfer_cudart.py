@@ -1,4 +1,4 @@
-"""The snapshot's D2H copy and event records as CUDA runtime calls (moe_ops.transfer.cudart).
+"""The snapshot's D2H copy and event records as CUDA runtime calls (moe_ops._runtime.cudart).
 
 CPU tests: the ``/proc/self/maps`` scan (a fabricated maps text and this process's real one), the
 path decision of ``TransferPipeline(cudart=...)``, and, where a libcudart file exists on the
@@ -28,7 +28,7 @@ from strategies import bucket_row_counts
 from threads import run_threads
 
 from moe_ops import TransferPipeline
-from moe_ops.transfer.cudart import CudaRuntime, find_loaded_libraries, find_loaded_library, load_cudart
+from moe_ops._runtime.cudart import CudaRuntime, find_loaded_libraries, find_loaded_library, load_cudart
 from moe_ops.transfer.pipeline import COPY_PATHS, choose_copy_path
 
 POISON = 0x5A  # neither a source id below 200 nor the stale fill

@@ -15,7 +15,7 @@ from gpu_helpers import skip_unless_triton_runs
 from torch._dynamo.backends.common import aot_autograd
 
 from moe_ops import RoutingMethod
-from moe_ops._library import trace_triton_kernels
+from moe_ops._runtime.library import trace_triton_kernels
 from moe_ops.capture.errors import FAULT_SLOTS
 
 POISON = -7
@@ -188,15 +188,15 @@ def _opaque_capture_graphs() -> list[str]:
 
 def test_outside_the_block_cpu_calls_stay_opaque():
     # the autouse fixture's block is open; leave it for this test by restoring the flag's default
-    from moe_ops import _library
+    from moe_ops._runtime import library
 
-    saved = _library._TRACED_DEVICES[0]
-    _library._TRACED_DEVICES[0] = ("cuda",)
+    saved = library._TRACED_DEVICES[0]
+    library._TRACED_DEVICES[0] = ("cuda",)
     try:
         graphs = _opaque_capture_graphs()
         assert graphs and all("moe_ops.capture_routing_" in code and HOP not in code for code in graphs)
     finally:
-        _library._TRACED_DEVICES[0] = saved
+        library._TRACED_DEVICES[0] = saved
 
 
 def test_the_block_with_enabled_false_keeps_the_op_opaque():

@@ -15,7 +15,7 @@ from test_triton_traced import (
     _route_capture,
 )
 
-from moe_ops._library import HAS_WRAP_TRITON, trace_triton_kernels
+from moe_ops._runtime.library import HAS_WRAP_TRITON, trace_triton_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -68,10 +68,10 @@ def test_compiled_route_capture_equals_eager(cuda_device):
 def test_cuda_calls_are_traced_by_default_and_opaque_when_turned_off(cuda_device, devices, traced):
     """Outside any block (the default, ``("cuda",)``) CUDA calls become the Triton kernel;
     ``trace_triton_kernels(False)`` (``()``) keeps the op."""
-    from moe_ops import _library
+    from moe_ops._runtime import library
 
-    saved = _library._TRACED_DEVICES[0]
-    _library._TRACED_DEVICES[0] = devices
+    saved = library._TRACED_DEVICES[0]
+    library._TRACED_DEVICES[0] = devices
     try:
         backend, graphs = _recording_backend()
         torch._dynamo.reset()
@@ -84,7 +84,7 @@ def test_cuda_calls_are_traced_by_default_and_opaque_when_turned_off(cuda_device
         for code in graphs:
             assert (HOP in code) == traced and ("moe_ops.capture_routing_" in code) != traced, code
     finally:
-        _library._TRACED_DEVICES[0] = saved
+        library._TRACED_DEVICES[0] = saved
 
 
 @pytest.mark.parametrize("trace", [True, False])

@@ -24,9 +24,9 @@ import functools
 
 import torch
 
-from .._launcher import KernelLauncher
-from .._library import identity
-from .._triton import HAS_TRITON, next_power_of_2
+from .._runtime.launcher import KernelLauncher
+from .._runtime.library import identity
+from .._runtime.triton import HAS_TRITON, next_power_of_2
 from .errors import (
     FAULT_BAD_ID,
     FAULT_SLOT,
@@ -284,7 +284,7 @@ def capture_rows_triton(
     stamps: (num_layers,) int32 - per-layer step stamps, or empty (no stamp)
     step: (1,) int32 - the current step, read on the device (unused without stamps)
     wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
-        when torch.compile traces the op; see :mod:`moe_ops._library`)
+        when torch.compile traces the op; see :mod:`moe_ops._runtime.library`)
     """
     n_src, top_k = topk_ids.shape
     n_dst = buffer.shape[0]

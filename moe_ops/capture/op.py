@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .._library import destination_op, eager_caller
-from .._triton import HAS_TRITON
+from .._runtime.library import destination_op, eager_caller
+from .._runtime.triton import HAS_TRITON
 from ..layout import BatchLayout
 from .errors import FAULT_SLOTS, FaultCounter, capture_error_counter
 from .kernels import capture_rows_torch, capture_rows_triton
@@ -59,7 +59,7 @@ capture_routing_op = destination_op(
     kernels=(capture_kernel,) if HAS_TRITON else (),
     schema=_SCHEMA,
 )
-# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._library); the
+# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._runtime.library); the
 # buffer and the ids are checked, the target validated the rest on the buffer's device
 _capture_call = eager_caller("capture_routing_", checked=(0, 1))
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import HAS_TRITON
+from .._runtime.triton import HAS_TRITON
 from ..layout import BatchLayout
 from .errors import FAULT_BAD_OFFSET, FAULT_DEST_SHORT, FAULT_NEGATIVE_COUNT, FAULT_SOURCE_SHORT
 

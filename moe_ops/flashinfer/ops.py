@@ -3,9 +3,10 @@
 FlashInfer 0.7.2 registers none of these functions with PyTorch (its ``register_custom_op`` helper
 returns the function unchanged), so ``torch.compile`` cannot see that a call writes
 ``routing_replay_out`` (or ``output``): the write is either lost to a graph break or reordered
-against later reads. Each function below becomes a destination-passing op (``_library.destination_op``)
-that declares its output buffers as mutated and has a fake implementation, so an MoE layer that
-calls it traces with ``fullgraph=True`` and can be captured in a CUDA graph.
+against later reads. Each function below becomes a destination-passing op
+(``_runtime.library.destination_op``) that declares its output buffers as mutated and has a fake
+implementation, so an MoE layer that calls it traces with ``fullgraph=True`` and can be captured in
+a CUDA graph.
 
 Everything is generated from one table, :data:`SPECS` (one :class:`OpSpec` per FlashInfer function),
 which says, per function: its import path, the parameters the op exposes (FlashInfer's own names and
@@ -49,7 +50,7 @@ from typing import Any
 
 import torch
 
-from .._library import destination_op
+from .._runtime.library import destination_op
 from .backends import kernel_support
 
 __all__ = [

@@ -42,7 +42,7 @@ import threading
 
 import torch
 
-from .._triton import HAS_TRITON, interpreting, next_power_of_2
+from .._runtime.triton import HAS_TRITON, interpreting, next_power_of_2
 from ..router.kernels import launch_config, tile_shape
 from ..router.methods import BIAS_METHODS, RoutingMethod
 from ..router.reference import SUM_EPSILON, select_experts, selection_keys, weights_for_ids

@@ -20,8 +20,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import once_differentiable
 
-from .._library import destination_op, reference_op
-from .._triton import HAS_TRITON
+from .._runtime.library import destination_op, reference_op
+from .._runtime.triton import HAS_TRITON
 from ..router.methods import REPLAY_LOGIT_DTYPES, RoutingMethod, method_from_value, validate_route_args
 from ..router.op import choose_triton
 from .kernels import (
@@ -202,7 +202,7 @@ _BACKWARD_MUTATES = ("grad_logits",)
 _FORWARD_SCHEMA = torch.library.infer_schema(_forward_twin, mutates_args=_FORWARD_MUTATES)
 _BACKWARD_SCHEMA = torch.library.infer_schema(_backward_twin, mutates_args=_BACKWARD_MUTATES)
 # CUDA: the Triton kernels; CPU: the twins, or the kernels where Triton is interpreted on the CPU.
-# backend="torch" where a kernel would run takes the *_reference_ ops (moe_ops._library says why).
+# backend="torch" where a kernel would run takes the *_reference_ ops (moe_ops._runtime.library says why).
 # The launchers take no wrap= (replay/kernels.py keeps its signatures), so the ops stay opaque to
 # torch.compile.
 _FORWARD_TRITON = dict(cuda=replay_rows_triton, interpreted=replay_rows_triton) if HAS_TRITON else {}

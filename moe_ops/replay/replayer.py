@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._library import destination_op
+from .._runtime.library import destination_op
 from ..shapes import RoutingShape
 from ..wire import check_layer_axis
 from .kernels import REPLAY_FAULT_ROW_COUNT, counter_lock

@@ -14,7 +14,7 @@ kernels compile to what they did before (the same TTGIR).
 
 from __future__ import annotations
 
-from .._triton import HAS_TRITON
+from .._runtime.triton import HAS_TRITON
 from .methods import RoutingMethod
 
 __all__: list[str] = []

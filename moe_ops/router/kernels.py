@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._launcher import KernelLauncher
-from .._library import identity
-from .._triton import HAS_TRITON, interpreting, next_power_of_2
+from .._runtime.launcher import KernelLauncher
+from .._runtime.library import identity
+from .._runtime.triton import HAS_TRITON, interpreting, next_power_of_2
 from ..capture.errors import cpu_counter_lock
 from ..capture.kernels import capture_rows_torch, size_hint
 from .methods import RoutingMethod
@@ -309,7 +309,7 @@ def route_rows_triton(
     capture: where to record this rank's ids, or None
     block_m, num_warps: override :func:`launch_config` (tests and tuning)
     wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
-        when torch.compile traces the op; see :mod:`moe_ops._library`)
+        when torch.compile traces the op; see :mod:`moe_ops._runtime.library`)
 
     One launch, no host reads, no allocation: CUDA-graph capturable.
     """

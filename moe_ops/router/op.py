@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from .._library import destination_op, eager_caller, identity, reference_op
-from .._triton import HAS_TRITON, triton_runs_on
+from .._runtime.library import destination_op, eager_caller, identity, reference_op
+from .._runtime.triton import HAS_TRITON, triton_runs_on
 from ..capture.op import capture_into, target_tensors
 from ..capture.target import CaptureTarget
 from ..layout import BatchLayout
@@ -136,8 +136,8 @@ _ROUTE_SCHEMA = torch.library.infer_schema(_route_twin, mutates_args=_ROUTE_MUTA
 _CAPTURE_SCHEMA = torch.library.infer_schema(_route_capture_twin, mutates_args=_CAPTURE_MUTATES)
 # CUDA: the Triton router (inductor launches it from its own code under torch.compile); CPU: the
 # twin, or the kernel where Triton is interpreted on the CPU. backend="torch" where the kernel would
-# run takes the *_reference op (moe_ops._library says why it is an op).
-# the kernel the traced launchers launch (for the compile caches' keys; moe_ops._library)
+# run takes the *_reference op (moe_ops._runtime.library says why it is an op).
+# the kernel the traced launchers launch (for the compile caches' keys; moe_ops._runtime.library)
 _KERNELS = (_route_kernel,) if HAS_TRITON else ()
 _TRITON = dict(cuda=_route, interpreted=_route, traceable=_route, kernels=_KERNELS)
 route_op = destination_op(
@@ -161,7 +161,7 @@ route_capture_op = destination_op(
 route_capture_reference_op = reference_op(
     "route_capture_", _route_capture_twin, mutates=_CAPTURE_MUTATES, schema=_CAPTURE_SCHEMA
 )
-# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._library): the
+# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._runtime.library): the
 # logits, the bias and the capture buffer are checked; route made the outputs on their device, the
 # target validated the count tensors (int32: no gradient) on the buffer's device
 _route_call = eager_caller("route_", checked=(0, 1))

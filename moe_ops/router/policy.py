@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._triton import HAS_TRITON, triton_runs_on
+from .._runtime.triton import HAS_TRITON, triton_runs_on
 from .kernels import TRITON_MAX_TILE
 from .methods import RoutingMethod
 

@@ -26,8 +26,8 @@ import functools
 
 import torch
 
-from .._launcher import KernelLauncher
-from .._triton import HAS_TRITON, triton_runs_on
+from .._runtime.launcher import KernelLauncher
+from .._runtime.triton import HAS_TRITON, triton_runs_on
 
 __all__ = ["check_narrow", "launch_narrow", "narrow_rows", "narrow_rows_torch", "narrow_rows_triton"]
 

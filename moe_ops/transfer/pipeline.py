@@ -50,7 +50,7 @@ pinned copy. So:
   are recorded on explicit streams, and the copy stream is made current with
   ``torch._C._cuda_setStream`` and the previous stream restored in a ``finally``;
 - the D2H copy, the three event records and the copy stream's wait are CUDA runtime calls through
-  ctypes on the libcudart torch loaded (:mod:`moe_ops.transfer.cudart`; ``copy_`` alone cost 8.3
+  ctypes on the libcudart torch loaded (:mod:`moe_ops._runtime.cudart`; ``copy_`` alone cost 8.3
   us): one ``cudaMemcpyAsync`` of ``num_rows * row_bytes`` contiguous bytes from staging to the
   pinned slot. Where no libcudart is mapped (a statically linked runtime) torch's ``copy_`` and
   ``Event.record`` run instead; ``TransferPipeline.copy_path`` says which. The events stay torch
@@ -103,8 +103,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .._triton import next_power_of_2, triton_runs_on
-from .cudart import CudaRuntime, load_cudart
+from .._runtime.cudart import CudaRuntime, load_cudart
+from .._runtime.triton import next_power_of_2, triton_runs_on
 from .narrow import check_narrow as narrow_check
 from .narrow import launch_narrow, narrow_rows_torch
 
@@ -184,7 +184,7 @@ def choose_copy_path(cuda: bool, cudart: bool | None, runtime_loaded: bool) -> s
         cuda: the source is on a CUDA device.
         cudart: the pipeline's argument; None: the runtime wherever it is loaded, True: required
             (ValueError where it is not), False: torch's calls.
-        runtime_loaded: :func:`moe_ops.transfer.cudart.load_cudart` found a libcudart mapped into
+        runtime_loaded: :func:`moe_ops._runtime.cudart.load_cudart` found a libcudart mapped into
             the process (False e.g. for a torch that links the runtime statically).
     """
     if cudart is not None and not isinstance(cudart, bool):
@@ -462,7 +462,7 @@ class TransferPipeline:
             stream while it runs.
         cudart: enqueue the D2H copy and the event records with one CUDA runtime call each
             (``cudaMemcpyAsync``, ``cudaEventRecord`` through ctypes on the libcudart torch
-            loaded; :mod:`moe_ops.transfer.cudart`). None (default): wherever that library is
+            loaded; :mod:`moe_ops._runtime.cudart`). None (default): wherever that library is
             mapped into the process; True: required (ValueError where it is not, or on CPU);
             False: torch's ``copy_`` and ``Event.record``. ``copy_path`` says which
             (:func:`choose_copy_path`). The events stay torch ``Event`` objects either way.

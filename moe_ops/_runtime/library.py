@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ._triton import interpreting
+from .triton import interpreting
 
 __all__ = [
     "HAS_WRAP_TRITON",

@@ -1,0 +1,15 @@
+"""The house the kernels live in: what every op, kernel and copy of the package runs on.
+
+- ``library`` - :func:`~moe_ops._runtime.library.destination_op`, the one registration helper of the
+  ``torch.ops.moe_ops.*`` ops, ``reference_op``, ``eager_caller`` and ``trace_triton_kernels``;
+- ``launcher`` - :class:`~moe_ops._runtime.launcher.KernelLauncher`, eager CUDA launches of a
+  ``@triton.jit`` kernel without ``JITFunction.run``'s per-call binding;
+- ``triton`` - whether Triton is installed and where its kernels run (``HAS_TRITON``,
+  ``interpreting``, ``triton_runs_on``);
+- ``cudart`` - a few CUDA runtime calls through ctypes on the libcudart torch loaded;
+- ``private_names`` - every private torch / Triton name the package uses, what for and the versions
+  it was checked on (``tests/test_private_names.py`` fails on one that is not listed).
+
+Private to the package: nothing here is public API, and this ``__init__`` imports none of them
+(importing one module loads only what it needs).
+"""
