@@ -335,6 +335,12 @@ class RouterConfig:
             return 1, 1
         return self.n_group, self.topk_group
 
+    @classmethod
+    def of(cls, router) -> RouterConfig:
+        """The configuration of any object with these fields, e.g. a benchmark's router
+        (benchmarks/cases.py ``BenchRouter``: these fields and the test that checks it)."""
+        return cls(*(getattr(router, f) for f in cls.__dataclass_fields__))
+
 
 M = RoutingMethod
 # Routing of released models (config.json of each); methods no listed model uses get generic shapes.
@@ -1700,137 +1706,6 @@ def nonfinite_cases(
     return NonFiniteCase(
         config, draw(st.sampled_from(dtypes)), kinds, records, bias_kind, draw(st.integers(0, 2**32 - 1))
     )
-
-
-# Benchmark cases (benchmarks/): every shape a benchmark measures, defined once here with the test
-# that checks the library at that shape, so a benchmark never measures a shape no test covers
-# ---------------------------------------------------------------------------------------------------
-
-
-from moe_ops import RoutingShape  # noqa: E402 - this section is appended, as above
-
-
-@dataclass(frozen=True)
-class BenchRouter(RouterConfig):
-    """A router a benchmark measures: a RouterConfig (its fields, so a benchmark reads
-    ``case.method``, ``case.num_experts``, ...) plus the test that checks it."""
-
-    # tests/<file>.py::<function> that routes this configuration (at the benchmark's sizes on a GPU)
-    test: str = ""
-
-    @property
-    def config(self) -> RouterConfig:
-        """The plain RouterConfig (what the router tests draw and compare)."""
-        return RouterConfig(*(getattr(self, f) for f in RouterConfig.__dataclass_fields__))
-
-
-@dataclass(frozen=True)
-class BenchGrid:
-    """A process grid the distributed benchmark measures (DeepSeek-V3 routing, BENCH_DIST_SHAPE)."""
-
-    # row label
-    name: str
-    # the layout the MoE layer routes
-    layout: BatchLayout
-    # TP ranks per DP rank; dp_size = world // tp_size
-    tp_size: int
-    use_ep: bool
-    # the test that runs this grid at the benchmark's experts, top-k and process grid
-    test: str = "tests/test_distributed.py::test_benchmark_shapes_gloo"
-
-    def parallel(self, world: int) -> ParallelLayout | None:
-        """The grid on ``world`` ranks; None when ``tp_size`` does not divide ``world``."""
-        if world % self.tp_size:
-            return None
-        return ParallelLayout(world // self.tp_size, self.tp_size, use_ep=self.use_ep, layout=self.layout)
-
-
-@dataclass(frozen=True)
-class BenchModel:
-    """A reference-model preset (``moe_ops.models.PRESETS``) a benchmark steps."""
-
-    # the preset's name: the row label and reference_config's argument
-    name: str
-    # the test that checks this preset's routing shape and capture
-    test: str
-
-
-@dataclass(frozen=True)
-class BenchCapture:
-    """A capture-op shape: ``layers`` x ``top_k`` int32 ids captured in ``layout`` by the last of
-    ``dp_size`` ranks (GATHERED: its offset is the sum over every other rank)."""
-
-    # row label
-    name: str
-    layout: BatchLayout
-    # DP ranks of the batch: 1 for LOCAL
-    dp_size: int
-    layers: int
-    top_k: int
-    # the test that captures this layout from a CUDA graph
-    test: str
-
-
-@dataclass(frozen=True)
-class BenchShape:
-    """A routing shape the transfer benchmark moves (snapshot, store, wire)."""
-
-    # row label
-    name: str
-    shape: RoutingShape
-    # the test that snapshots and encodes rows of this shape
-    test: str
-
-
-_CAPTURE_TEST = "tests/test_benchmarks.py::test_bench_capture_cases_capture_exactly"
-_ROUTER_TEST = "tests/test_benchmarks.py::test_bench_routers_route_like_the_reference"
-# MODEL_ROUTERS[0] (DeepSeek-V3): 256 experts, top-8, 8 groups keep 4, routed scaling 2.5, bias
-BENCH_DEEPSEEK_V3 = BenchRouter(
-    "deepseek-v3", RoutingMethod.DEEPSEEK_V3, 256, 8, 8, 4, 2.5, True, _ROUTER_TEST
-)
-BENCH_RENORMALIZE_128 = BenchRouter("renormalize-128", RoutingMethod.RENORMALIZE, 128, 8, test=_ROUTER_TEST)
-BENCH_RENORMALIZE_512 = BenchRouter("renormalize-512", RoutingMethod.RENORMALIZE, 512, 8, test=_ROUTER_TEST)
-# DeepSeek-V3's capture shape: 61 layers, 58 of them MoE (the first 3 dense), top-8 of 256 experts
-BENCH_DIST_SHAPE = RoutingShape(num_layers=58, num_experts=256, top_k=8)
-
-# benchmark name -> the cases it measures, in table order
-BENCH_CASES: dict[str, tuple] = {
-    "capture": (
-        BenchCapture("LOCAL", BatchLayout.LOCAL, 1, 61, 8, _CAPTURE_TEST),
-        BenchCapture("GATHERED", BatchLayout.GATHERED, 4, 61, 8, _CAPTURE_TEST),
-    ),
-    "routing": (BENCH_DEEPSEEK_V3, BENCH_RENORMALIZE_128, BENCH_RENORMALIZE_512),
-    "transfer": (
-        BenchShape(
-            "deepseek-v3",
-            RoutingShape(num_layers=61, num_experts=256, top_k=8),
-            "tests/test_benchmarks.py::test_bench_transfer_shape_snapshots_and_encodes_exactly",
-        ),
-    ),
-    "replay": (
-        replace(BENCH_DEEPSEEK_V3, test="tests/test_replay.py::test_benchmark_shapes_gpu"),
-        replace(BENCH_RENORMALIZE_128, test="tests/test_replay.py::test_benchmark_shapes_gpu"),
-    ),
-    "e2e": (
-        BenchModel("deepseek_small", "tests/test_benchmarks.py::test_e2e_preset_is_the_benchmarked_shape"),
-    ),
-    "distributed": (
-        BenchGrid("dp", BatchLayout.LOCAL, 1, False),
-        BenchGrid("dp+ep gathered", BatchLayout.GATHERED, 1, True),
-        BenchGrid("dp+ep sharded", BatchLayout.SHARDED, 2, True),
-        BenchGrid("tp+sp", BatchLayout.SEQUENCE_PARALLEL, 2, False),
-    ),
-}
-
-# benchmark name -> the sizes it measures by default (tokens per step; decode batch for e2e)
-BENCH_SIZES: dict[str, tuple[int, ...]] = {
-    "capture": (1, 64, 512, 8192),
-    "routing": (1, 128, 4096),
-    "replay": (1, 128, 4096, 16384),
-    "e2e": (1, 16, 128),
-    "distributed": (8192,),
-    "transfer": (1024, 8192, 32768),
-}
 
 
 # ---------------------------------------------------------------------------------------------------
