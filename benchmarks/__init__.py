@@ -14,7 +14,8 @@ that exists. A flag applies to every chosen benchmark that declares it.
 
 Adding a benchmark: a table function decorated with its name and cases, in a ``bench_*.py``::
 
-    from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, sizes_option
+    from benchmarks.cases import BENCH_CASES, BENCH_SIZES
+    from benchmarks.registry import benchmark, sizes_option
 
     @benchmark("routing", cases=BENCH_CASES["routing"],
                options=[sizes_option("--sizes", BENCH_SIZES["routing"])])
@@ -24,8 +25,10 @@ Adding a benchmark: a table function decorated with its name and cases, in a ``b
     if __name__ == "__main__":
         sys.exit(main(["routing", *sys.argv[1:]]))  # from benchmarks.registry import main
 
-Cases are defined once, in ``tests/strategies.py`` (``BENCH_CASES``, ``BENCH_SIZES``: the router
+Cases are defined once, in ``benchmarks/cases.py`` (``BENCH_CASES``, ``BENCH_SIZES``: the router
 configurations, process grids, presets, capture layouts and sizes the benchmarks measure), each
-naming the test that checks the library at that shape; ``tests/test_benchmarks.py`` checks that every
-registered benchmark measures exactly those cases, that the named tests exist, and dry-runs them all.
+naming the test that checks the library at that shape by path (``tests/<file>.py::<function>``).
+The benchmarks import nothing of ``tests/``; the tests that check these shapes import them from
+``benchmarks.cases``. ``tests/test_benchmarks.py`` checks that every registered benchmark measures
+exactly those cases, that the named tests exist, and dry-runs them all.
 """

@@ -12,7 +12,7 @@ into a 32768-row buffer: inductor's fused copy rewrites the whole buffer), and t
 PyTorch ops for inductor (compiled only) - with the targets: compiled <= 5 us, eager <= 25 us per
 capture call.
 
-Cases and default sizes: ``BENCH_CASES["capture"]`` and ``BENCH_SIZES["capture"]`` (tests/strategies.py).
+Cases and default sizes: ``BENCH_CASES["capture"]`` and ``BENCH_SIZES["capture"]`` (benchmarks/cases.py).
 
     python benchmarks/bench_capture.py [--csv out.csv] [--sizes 1,64,512,8192] [--sweep]
     python benchmarks/bench_capture.py --host [--tokens 64] [--csv out.csv]
@@ -28,9 +28,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cases import BENCH_CASES, BENCH_SIZES
 from benchmarks.harness import Table, do_bench_median_us, graph_calls_us, graph_replay_us
 from benchmarks.host import host_us_per_call, launch_floor_us
-from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, option, sizes_option, switch
+from benchmarks.registry import benchmark, main, option, sizes_option, switch
 from moe_ops import BatchLayout, capture_routing
 from moe_ops._runtime.library import HAS_WRAP_TRITON, trace_triton_kernels
 from moe_ops.capture.kernels import checked_ids_torch, fault_delta, id_limit

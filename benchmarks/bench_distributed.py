@@ -3,7 +3,7 @@
 Spawns ``world`` ranks (gloo on CPU, for the record; NCCL with one GPU per rank) and measures, for
 DeepSeek-V3 routing (58 MoE layers, top-8 of 256 experts) at ``--tokens`` rows per DP rank (every
 rank padded to that one size, real counts uneven: ``tokens - 3 * dp_rank``), in each case of
-``CASES`` (``BENCH_CASES["distributed"]`` of tests/strategies.py; each names the test that checks the
+``CASES`` (``BENCH_CASES["distributed"]`` of benchmarks/cases.py; each names the test that checks the
 same shapes):
 
 * ``begin``: ``DistributedStep.begin`` - the device all-gather of (count, rows) over the DP group and
@@ -46,15 +46,19 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cases import BENCH_CASES, BENCH_DIST_SHAPE, BENCH_SIZES
 from benchmarks.harness import Table
-from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, int_list, option, strategies
+from benchmarks.registry import benchmark, int_list, option
 from moe_ops import BatchLayout, RoutingCapturer, RoutingShape
 from moe_ops.capture.op import capture_into
 from moe_ops.distributed import DistributedStep, ParallelLayout, ProcessGroups
 
 # DeepSeek-V3: 58 MoE layers (61 layers, the first 3 dense), top-8 of 256 experts
-_SHAPE = strategies.BENCH_DIST_SHAPE
-NUM_LAYERS, NUM_EXPERTS, TOP_K = _SHAPE.num_layers, _SHAPE.num_experts, _SHAPE.top_k
+NUM_LAYERS, NUM_EXPERTS, TOP_K = (
+    BENCH_DIST_SHAPE.num_layers,
+    BENCH_DIST_SHAPE.num_experts,
+    BENCH_DIST_SHAPE.top_k,
+)
 TOKENS = BENCH_SIZES["distributed"][0]
 TARGET_CAPTURE = 1.5
 TRIALS = 15

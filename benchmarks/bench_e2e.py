@@ -47,7 +47,7 @@ Compiled peers: each compiled step is its own dynamo cache entry of one code obj
 closure), so a step also evaluates the guards of the peers compiled before it (about a microsecond
 each); the cache is reset between sizes.
 
-Cases: ``BENCH_CASES["e2e"]`` (the preset; tests/strategies.py), decode batch sizes
+Cases: ``BENCH_CASES["e2e"]`` (the preset; benchmarks/cases.py), decode batch sizes
 ``BENCH_SIZES["e2e"]``, prefill sizes ``PREFILL``.
 
     python -m benchmarks e2e [--csv out.csv] [--mode cuda-graph|compiled+cuda-graph|eager|compiled]
@@ -76,8 +76,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cases import BENCH_CASES, BENCH_SIZES
 from benchmarks.harness import Table
-from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, option, sizes_option, table
+from benchmarks.registry import benchmark, option, sizes_option, table
 from moe_ops import RoutingCapturer
 from moe_ops.demo import greedy_step, step_inputs
 from moe_ops.graphs import CompileCounters, RunnerMode, StepRunner

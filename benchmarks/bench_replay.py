@@ -1,7 +1,7 @@
 """Replay cost: ``replay_routing`` forward and backward against the router and the PyTorch reference,
 and a compiled MoE layer of the reference model with replay on against live routing.
 
-Cases (``CASES`` = ``BENCH_CASES["replay"]``, tests/strategies.py; each names the test that checks
+Cases (``CASES`` = ``BENCH_CASES["replay"]``, benchmarks/cases.py; each names the test that checks
 the same shapes): DeepSeek-V3 routing (256 experts, top-8, 8 groups keep 4, routed scaling 2.5,
 bias) and RENORMALIZE 128/8, bf16 logits, at n in ``BENCH_SIZES["replay"]`` = {1, 128, 4096, 16384}.
 The record is the router's choice for slightly different logits (the rollout's: logits + N(0,
@@ -54,8 +54,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cases import BENCH_CASES, BENCH_SIZES
 from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
-from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, option, sizes_option, switch
+from benchmarks.registry import benchmark, main, option, sizes_option, switch
 from moe_ops import RoutingMethod, RoutingReplayer, RoutingShape, replay_routing, route
 from moe_ops._runtime.triton import HAS_TRITON, next_power_of_2, triton_runs_on
 from moe_ops.models import ReferenceMoEModel, reference_config
@@ -80,7 +81,7 @@ TARGET_LAYER = 1.02
 TARGET_SLOT = 1.02  # reading the record through a replayer's selected slot against a plain tensor
 
 
-# the routers measured (tests/strategies.py BenchRouter: a RouterConfig and the test that checks it)
+# the routers measured (benchmarks/cases.py BenchRouter: a router configuration and the test that checks it)
 CASES = BENCH_CASES["replay"]
 
 

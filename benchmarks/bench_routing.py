@@ -1,6 +1,6 @@
 """Router cost: the Triton router with and without its fused capture, against PyTorch peers.
 
-Cases (``CASES``: ``BENCH_CASES["routing"]`` of tests/strategies.py, at ``BENCH_SIZES["routing"]``):
+Cases (``CASES``: ``BENCH_CASES["routing"]`` of benchmarks/cases.py, at ``BENCH_SIZES["routing"]``):
 DeepSeek-V3 routing (256 experts, top_k 8, 8 groups, topk_group 4, routed scaling 2.5, bias) and
 RENORMALIZE with 128 and 512 experts (top_k 8), at n in {1, 128, 4096}.
 Peers (``PEERS``, one function each, building a zero-argument callable for a case or returning
@@ -50,9 +50,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cases import BENCH_CASES, BENCH_SIZES, BenchRouter
 from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
 from benchmarks.host import host_us_per_call
-from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, sizes_option, strategies, switch
+from benchmarks.registry import benchmark, main, sizes_option, switch
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
 from moe_ops._runtime.library import HAS_WRAP_TRITON, trace_triton_kernels
 from moe_ops.router.reference import route_reference
@@ -63,8 +64,8 @@ MAX_TOKENS = 4096  # capture buffer rows (more when a benchmarked batch is large
 FLASHINFER_QUOTED_US = {1: 5.5, 128: 5.5, 4096: 16.6}
 
 
-# the routers measured, in table order: tests/strategies.py's, each naming the test that routes it
-Case = strategies.BenchRouter
+# the routers measured, in table order, each naming the test that routes it
+Case = BenchRouter
 CASES = BENCH_CASES["routing"]
 
 

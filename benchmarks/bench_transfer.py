@@ -63,8 +63,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cases import BENCH_CASES, BENCH_SIZES
 from benchmarks.harness import Table, device_us_per_call
-from benchmarks.registry import BENCH_CASES, BENCH_SIZES, benchmark, main, sizes_option
+from benchmarks.registry import benchmark, main, sizes_option
 from moe_ops import (
     RoutingCapturer,
     RoutingLedger,

@@ -6,12 +6,9 @@ A benchmark is a table function registered by name with the cases it measures::
     @benchmark("e2e", cases=BENCH_CASES["e2e"], options=[sizes_option("--batches", BENCH_SIZES["e2e"])])
     def e2e(cases, run: Run) -> list[Table]: ...
 
-Its cases come from ``tests/strategies.py`` (``BENCH_CASES``, ``BENCH_SIZES``, re-exported here), and
-each names the test that checks the library at that shape, so a benchmark never measures a shape no
-test covers. ``tests/`` is not a package: pytest imports the file as the module ``strategies`` with
-``tests/`` on ``sys.path``, and this module imports it the same way, so a test and a benchmark in one
-process see the same case objects (``tests.strategies`` would be a second copy, whose dataclasses
-compare unequal to the first's).
+Its cases come from ``benchmarks/cases.py`` (``BENCH_CASES``, ``BENCH_SIZES``), and each names the
+test that checks the library at that shape, so a benchmark never measures a shape no test covers.
+The benchmarks import nothing of ``tests/``; the tests import their shapes from ``benchmarks.cases``.
 
 Tables: a benchmark may declare the tables it prints (:func:`table`: what it measures, whether it
 needs a CUDA GPU, the flags that select it), so that ``--list`` says which run on this machine and a
@@ -41,18 +38,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-# appended, not inserted: an installed package never loses its name to a file in tests/
-if str(ROOT / "tests") not in sys.path:
-    sys.path.append(str(ROOT / "tests"))
-
-import strategies  # noqa: E402 - needs tests/ on sys.path
-from strategies import BENCH_CASES, BENCH_SIZES  # noqa: E402 - needs tests/ on sys.path
 
 from benchmarks.harness import Table, environment  # noqa: E402 - needs ROOT on sys.path
 
 __all__ = [
-    "BENCH_CASES",
-    "BENCH_SIZES",
     "Benchmark",
     "Option",
     "Run",
@@ -65,7 +54,6 @@ __all__ = [
     "option",
     "registry",
     "sizes_option",
-    "strategies",
     "switch",
     "table",
     "tables_here",
@@ -200,7 +188,7 @@ class Benchmark:
     name: str
     # the table function: fn(cases, run) -> Table or list of Tables
     fn: TableFn
-    # the cases it measures, in table order; each has .name and .test (tests/strategies.py)
+    # the cases it measures, in table order; each has .name and .test (benchmarks/cases.py)
     cases: tuple
     # "cuda": measures on a GPU (skipped with a note without one); "cpu": runs anywhere
     needs: str

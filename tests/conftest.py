@@ -1,10 +1,13 @@
-"""Test setup: Triton interpretation on CPU-only machines, the `gpu` marker, hypothesis profiles.
+"""Test setup: Triton interpretation on CPU-only machines, the `gpu` marker, hypothesis profiles, the
+repository root on ``sys.path``.
 
 TRITON_INTERPRET must be set before any kernel module is imported (Triton decides at decoration
 time), so it is set here, before the test modules import moe_ops.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -13,6 +16,13 @@ if not torch.cuda.is_available():
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# the tests that check the benchmarks' shapes import them from benchmarks/cases.py; `python -m pytest`
+# has the working directory on sys.path, `pytest` does not. Appended: an installed package keeps its
+# name. Spawned ranks inherit sys.path.
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
 
 HAS_CUDA = torch.cuda.is_available()
 

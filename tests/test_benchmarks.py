@@ -1,9 +1,10 @@
 """The benchmark registry and runner (benchmarks/registry.py, ``python -m benchmarks``) on the CPU:
-every registered benchmark dry-runs, its cases are the strategy cases (tests/strategies.py) and name
-tests that exist, and the shapes those cases name are checked here where no other test covers them."""
+every registered benchmark dry-runs, its cases are those of benchmarks/cases.py and name tests that
+exist, and the shapes those cases name are checked here where no other test covers them."""
 
 from __future__ import annotations
 
+import ast
 import csv
 import subprocess
 import sys
@@ -15,15 +16,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from routing_checks import check_routing
-from strategies import BENCH_CASES, BENCH_DEEPSEEK_V3, BENCH_SIZES, MODEL_ROUTERS, POISON, RouterCase
+from strategies import MODEL_ROUTERS, POISON, RouterCase, RouterConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import registry  # noqa: E402 - needs the repository root on sys.path
-from benchmarks.harness import Table  # noqa: E402
-from moe_ops import (  # noqa: E402
+from benchmarks import registry
+from benchmarks.cases import BENCH_CASES, BENCH_DEEPSEEK_V3, BENCH_SIZES
+from benchmarks.harness import Table
+from moe_ops import (
     BatchLayout,
     CaptureTarget,
     TransferPipeline,
@@ -32,7 +30,9 @@ from moe_ops import (  # noqa: E402
     encode_routing,
     route,
 )
-from moe_ops.models import reference_config  # noqa: E402
+from moe_ops.models import reference_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # benchmarks converted to the registry; the others keep their own main() until converted
 CONVERTED = ("e2e", "distributed", "transfer", "replay", "capture", "routing")
@@ -110,8 +110,8 @@ def test_list_shows_every_case_and_option(benches, capsys):
     ids=["module", "script"],
 )
 def test_runs_from_the_repository_root_without_an_install(script):
-    """``python -m benchmarks`` and a bench file run as a script find the package, the benchmarks and
-    tests/strategies.py from the repository root (PYTHONPATH empty, as on the device)."""
+    """``python -m benchmarks`` and a bench file run as a script find the package and the benchmarks
+    with their cases from the repository root (PYTHONPATH empty, as on the device)."""
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ""}
     # a hang guard: 2.8 s measured (importing torch); a loaded machine has made 3 s take over 60
     out = subprocess.run(
@@ -355,11 +355,31 @@ def test_one_csv_holds_tables_of_different_columns(tmp_path):
 # ---------------------------------------------------------------------- cases are test cases
 
 
-def test_registered_cases_are_the_strategy_cases(benches):
+def test_benchmarks_import_nothing_of_tests():
+    """The dependency runs from the tests to the benchmarks' cases, never back: no benchmark module
+    imports a module of tests/ or names the tests/ directory (to put it on sys.path)."""
+    test_modules = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"strategies", "tests"}
+    files = sorted((ROOT / "benchmarks").glob("*.py"))
+    assert len(files) >= 8, "benchmarks/ not found"
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    assert node.value.strip("/") != "tests", f"{path.name}:{node.lineno} names tests/"
+                continue
+            for name in names:
+                assert name.split(".")[0] not in test_modules, f"{path.name}:{node.lineno} imports {name}"
+
+
+def test_registered_cases_are_the_cases_of_benchmarks_cases(benches):
     """A registered benchmark measures exactly BENCH_CASES[name] (the same objects), and every case
     names a test that exists."""
     for name, bench in benches.items():
-        assert name in BENCH_CASES, f"{name}: no BENCH_CASES entry in tests/strategies.py"
+        assert name in BENCH_CASES, f"{name}: no BENCH_CASES entry in benchmarks/cases.py"
         assert len(bench.cases) == len(BENCH_CASES[name])
         assert all(a is b for a, b in zip(bench.cases, BENCH_CASES[name])), name
         assert registry.missing_tests(bench) == []
@@ -380,7 +400,7 @@ def test_missing_tests_finds_a_case_naming_no_test(scratch_registry, benches):
 
 def test_bench_deepseek_v3_is_the_model_router():
     """The benchmarks' DeepSeek-V3 is MODEL_ROUTERS' (what the router tests draw), renamed."""
-    assert replace(BENCH_DEEPSEEK_V3.config, name=MODEL_ROUTERS[0].name) == MODEL_ROUTERS[0]
+    assert replace(RouterConfig.of(BENCH_DEEPSEEK_V3), name=MODEL_ROUTERS[0].name) == MODEL_ROUTERS[0]
 
 
 def test_e2e_preset_is_the_benchmarked_shape():
@@ -462,13 +482,14 @@ LAYERS = 61  # the routing benchmark's capture buffer depth (DeepSeek-V3's MoE-b
 def _route_and_capture(case, n: int, device) -> None:
     """Triton routing of bf16 logits, with the fused capture into the last of 61 layers, against
     the float64 reference; the buffer holds the routed ids and nothing else."""
-    logits, bias = RouterCase(case.config, n, torch.bfloat16, n, "normal", 1.0).tensors(device)
+    config = RouterConfig.of(case)
+    logits, bias = RouterCase(config, n, torch.bfloat16, n, "normal", 1.0).tensors(device)
     buffer = torch.full((n, LAYERS, case.top_k), POISON, dtype=torch.int32, device=device)
     counts = torch.tensor([n], dtype=torch.int32, device=device)
     target = CaptureTarget(buffer, LAYERS - 1, token_counts=counts)
-    kw = case.route_kwargs(bias)
+    kw = config.route_kwargs(bias)
     weights, ids = route(logits, case.top_k, case.method, capture=target, backend="triton", **kw)
-    check_routing(case.config, logits, bias, weights, ids)
+    check_routing(config, logits, bias, weights, ids)
     assert torch.equal(buffer[:, LAYERS - 1], ids)
     assert (buffer[:, : LAYERS - 1] == POISON).all(), "the capture wrote another layer"
 

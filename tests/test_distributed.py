@@ -35,6 +35,7 @@ from strategies import (
     dist_logits,
 )
 
+from benchmarks.cases import BENCH_CASES, BENCH_DIST_SHAPE
 from moe_ops import (
     BatchLayout,
     RoutingCapturer,
@@ -1179,29 +1180,24 @@ def check_replay(case: DistCase, results: list[dict]) -> None:
 
 # ------------------------------------------------------------------ the benchmark's shapes
 
-# (layout, tp_size, use_ep) of every case of benchmarks/bench_distributed.py
-BENCH_GRIDS = [
-    (BatchLayout.LOCAL, 1, False),
-    (BatchLayout.GATHERED, 1, True),
-    (BatchLayout.SHARDED, 2, True),
-    (BatchLayout.SEQUENCE_PARALLEL, 2, False),
-]
 BENCH_ROUTER = {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5}
 
 
 def _benchmark_shapes(tokens: int, layers: int) -> list[str]:
-    """DeepSeek-V3 routing (256 experts, top-8, 8 groups keep 4, bias) in every benchmark layout:
-    each rank checks its own capture buffer against its own real tokens routed alone, here."""
+    """DeepSeek-V3 routing (256 experts, top-8, 8 groups keep 4, bias) in every process grid the
+    benchmark measures (benchmarks/cases.py: BENCH_CASES["distributed"], BENCH_DIST_SHAPE): each
+    rank checks its own capture buffer against its own real tokens routed alone, here."""
     from moe_ops import RoutingMethod
 
     world, device = dist.get_world_size(), _device()
-    shape = RoutingShape(layers, 256, 8)
-    bias = (torch.randn(256, generator=torch.Generator().manual_seed(0)) * 0.1).to(device)
+    e, k = BENCH_DIST_SHAPE.num_experts, BENCH_DIST_SHAPE.top_k
+    shape = RoutingShape(layers, e, k)
+    bias = (torch.randn(e, generator=torch.Generator().manual_seed(0)) * 0.1).to(device)
     failures = []
-    for layout, tp, use_ep in BENCH_GRIDS:
-        if world % tp:
+    for case in BENCH_CASES["distributed"]:
+        parallel = case.parallel(world)
+        if parallel is None:
             continue  # a TP group larger than the world (one NCCL rank on a one-GPU machine)
-        parallel = ParallelLayout(world // tp, tp, use_ep=use_ep, layout=layout)
         groups = _groups(parallel)
         d = groups.dp_rank
         capturer = RoutingCapturer(
@@ -1218,12 +1214,12 @@ def _benchmark_shapes(tokens: int, layers: int) -> list[str]:
         step.begin(plan, torch.tensor([count], dtype=torch.int32, device=device))
         for layer in range(layers):
             g = torch.Generator().manual_seed(1000 * d + layer)
-            logits = torch.randn(tokens, 256, generator=g).to(device)
-            logits[count:] = torch.arange(256, dtype=torch.float32, device=device)  # poisoned padding
+            logits = torch.randn(tokens, e, generator=g).to(device)
+            logits[count:] = torch.arange(e, dtype=torch.float32, device=device)  # poisoned padding
             step.route(
-                plan, layer, step.shard(plan, logits), 8, RoutingMethod.DEEPSEEK_V3, bias=bias, **BENCH_ROUTER
+                plan, layer, step.shard(plan, logits), k, RoutingMethod.DEEPSEEK_V3, bias=bias, **BENCH_ROUTER
             )
-            want = route(logits[:count], 8, RoutingMethod.DEEPSEEK_V3, bias=bias, **BENCH_ROUTER)[1]
+            want = route(logits[:count], k, RoutingMethod.DEEPSEEK_V3, bias=bias, **BENCH_ROUTER)[1]
             if not torch.equal(capturer.buffer[:count, layer], want):
                 failures.append(f"{_parallel_id(parallel)} rank {groups.rank} layer {layer}")
         if capturer.check_errors(raise_error=False):
@@ -1248,23 +1244,20 @@ def test_benchmark_shapes_nccl(world):
 
 def _load_bench():
     """benchmarks/bench_distributed.py as ``benchmarks.bench_distributed``: an importable name, which
-    the ranks it spawns need to unpickle its worker (sys.path travels to them)."""
+    the ranks it spawns need to unpickle its worker (the repository root is on sys.path:
+    tests/conftest.py, and sys.path travels to them)."""
     import importlib
-    import sys
-    from pathlib import Path
 
-    root = str(Path(__file__).resolve().parents[1])
-    if root not in sys.path:
-        sys.path.insert(0, root)
     return importlib.import_module("benchmarks.bench_distributed")
 
 
 def test_every_bench_case_is_a_tested_grid():
+    """The benchmark measures the grids, experts and top-k that _benchmark_shapes checks."""
     bench = _load_bench()
+    assert bench.CASES is BENCH_CASES["distributed"]
     for case in bench.CASES:
-        assert (case.layout, case.tp_size, case.use_ep) in BENCH_GRIDS, case
         assert case.test.endswith("::test_benchmark_shapes_gloo")
-    assert (bench.NUM_EXPERTS, bench.TOP_K) == (256, 8)
+    assert (BENCH_DIST_SHAPE.num_experts, BENCH_DIST_SHAPE.top_k) == (bench.NUM_EXPERTS, bench.TOP_K)
 
 
 @needs_gloo

@@ -15,8 +15,9 @@ import pytest
 import torch
 from gpu_helpers import skip_unless_triton_runs
 from hypothesis import given, settings
-from strategies import GPU_ROUTER_CASES, MODEL_ROUTERS, RecordedCase, RouterCase, recorded_cases
+from strategies import GPU_ROUTER_CASES, MODEL_ROUTERS, RecordedCase, RouterCase, RouterConfig, recorded_cases
 
+from benchmarks.cases import BENCH_CASES, BENCH_SIZES
 from moe_ops import RoutingMethod, replay_routing, route
 from moe_ops._runtime.triton import triton_runs_on
 from moe_ops.replay import ReplayFaultError, check_replay_errors, replay_fault_counter
@@ -571,18 +572,17 @@ def test_triton_backend_too_wide_a_row():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The shapes the benchmark measures (benchmarks/bench_replay.py CASES name this test)
+# The shapes the benchmark measures (benchmarks/cases.py BENCH_CASES["replay"] name this test)
 # ---------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 128, 4096, 16384])
-@pytest.mark.parametrize("config", [MODEL_ROUTERS[0], MODEL_ROUTERS[6]], ids=lambda c: c.name)
-def test_benchmark_shapes_gpu(cuda_device, config, n):
-    """DeepSeek-V3 256/8 and a 128-expert RENORMALIZE router at the benchmark's sizes, bf16 logits:
+@pytest.mark.parametrize("n", BENCH_SIZES["replay"])
+@pytest.mark.parametrize("case", BENCH_CASES["replay"], ids=lambda c: c.name)
+def test_benchmark_shapes_gpu(cuda_device, case, n):
+    """The benchmark's routers (DeepSeek-V3 256/8, RENORMALIZE 128/8) at its sizes, bf16 logits:
     the Triton kernels against the twins, forward and backward, recorded and live rows."""
-    if config.name == "GPT-OSS":
-        config = type(config)("renormalize-128", RoutingMethod.RENORMALIZE, 128, 8)
+    config = RouterConfig.of(case)
     logits, bias = RouterCase(config, n, torch.bfloat16, n, "normal", 1.0).tensors(cuda_device)
     kw = config.route_kwargs(bias)
     recorded = route(logits, config.top_k, config.method, backend="torch", **kw)[1]

@@ -1,7 +1,7 @@
 """RoutingReplayer (the persistent replay buffer), replay_batch (the batch builder) and
 replay_router_output (what every wrapped router computes), without a model.
 
-Expected buffers and batches are built from the definitions in tests/strategies.py (a request's
+Expected buffers and batches are built from the definitions in tests/strategies/replayer.py (a request's
 T - 1 rows, a -1 row for its last token, -1 padding), not from the library's code.
 """
 

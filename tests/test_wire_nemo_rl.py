@@ -1,5 +1,5 @@
 """format="nemo_rl": NeMo-RL's ``nrlre1:<dtype>:<S>x<L>x<K>:<base64>`` envelope, checked against
-texts built by NeMo-RL's rules (tests/strategies.py: nemo_rl_envelope) and its own reader (below),
+texts built by NeMo-RL's rules (tests/strategies/wire.py: nemo_rl_envelope) and its own reader (below),
 hostile envelopes (ValueError only, sizes checked before anything is allocated) and the layout."""
 
 from __future__ import annotations

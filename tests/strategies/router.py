@@ -1,0 +1,215 @@
+"""Routers (moe_ops.route, moe_ops.router): routing configurations of real models, random shapes,
+logits with and without ties, and capture targets around them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+
+from moe_ops import BatchLayout, RoutingMethod
+
+from .capture import capture_cases
+
+__all__ = [
+    "GPU_CAPTURE_ROUTERS",
+    "GPU_ROUTER_CASES",
+    "LOGIT_DTYPES",
+    "MODEL_ROUTERS",
+    "REPLAY_LOGIT_DTYPES",
+    "RouterCase",
+    "RouterConfig",
+    "routed_capture_cases",
+    "router_cases",
+    "router_configs",
+]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    name: str
+    method: RoutingMethod
+    # experts of the router
+    num_experts: int
+    # experts per token
+    top_k: int
+    # DEEPSEEK_V3 groups (None: no grouping) and groups kept per token
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float | None = None
+    # whether the model has a selection bias (e_score_correction_bias)
+    has_bias: bool = False
+
+    def route_kwargs(self, bias) -> dict:
+        """Keyword arguments of moe_ops.route for this configuration."""
+        return dict(
+            bias=bias,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+    @property
+    def groups(self) -> tuple[int, int]:
+        """(n_group, topk_group) as the kernels see them: (1, 1) without grouping."""
+        if self.n_group is None or self.n_group <= 1:
+            return 1, 1
+        return self.n_group, self.topk_group
+
+    @classmethod
+    def of(cls, router) -> RouterConfig:
+        """The configuration of any object with these fields, e.g. a benchmark's router
+        (benchmarks/cases.py ``BenchRouter``: these fields and the test that checks it)."""
+        return cls(*(getattr(router, f) for f in cls.__dataclass_fields__))
+
+
+M = RoutingMethod
+# Routing of released models (config.json of each); methods no listed model uses get generic shapes.
+MODEL_ROUTERS = (
+    RouterConfig("DeepSeek-V3", M.DEEPSEEK_V3, 256, 8, 8, 4, 2.5, True),
+    RouterConfig("Kimi-K2", M.DEEPSEEK_V3, 384, 8, 1, 1, 2.827, True),
+    RouterConfig("Qwen3-MoE", M.RENORMALIZE_NAIVE, 128, 8),
+    RouterConfig("Qwen3-Next", M.RENORMALIZE_NAIVE, 512, 10),
+    RouterConfig("Mixtral", M.RENORMALIZE, 8, 2),
+    RouterConfig("Llama-4", M.LLAMA4, 16, 1),
+    RouterConfig("GPT-OSS", M.RENORMALIZE, 128, 4),
+    RouterConfig("MiniMax-M2", M.MINIMAX2, 256, 8, routed_scaling_factor=1.0, has_bias=True),
+    RouterConfig("Qwen1.5-MoE", M.DEFAULT, 60, 4),
+    RouterConfig("sigmoid-renorm", M.SIGMOID_RENORM, 128, 8),
+    RouterConfig("topk", M.TOPK, 64, 6),
+    RouterConfig("sigmoid", M.SIGMOID, 160, 6),
+    RouterConfig("topk-sigmoid", M.TOPK_SIGMOID, 32, 4),
+)
+del M
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# replay_routing also takes float64 logits (computed in float64)
+REPLAY_LOGIT_DTYPES = (*LOGIT_DTYPES, torch.float64)
+
+
+@st.composite
+def router_configs(draw, methods=tuple(RoutingMethod), max_experts: int = 520, max_top_k: int = 32):
+    """A configuration: a real model's (half the time) or a random one of ``methods``."""
+    models = [c for c in MODEL_ROUTERS if c.method in methods and c.num_experts <= max_experts]
+    if models and draw(st.booleans()):
+        return draw(st.sampled_from(models))
+    method = draw(st.sampled_from(methods))
+    if method == RoutingMethod.DEEPSEEK_V3 and draw(st.booleans()):
+        n_group = draw(st.integers(2, 8))
+        size = draw(st.integers(1, max(1, max_experts // n_group)))
+        num_experts = n_group * size
+        topk_group = draw(st.integers(1, n_group))
+        top_k = draw(st.integers(1, min(max_top_k, topk_group * size)))
+    else:
+        num_experts = draw(st.integers(1, max_experts))
+        top_k = 1 if method == RoutingMethod.LLAMA4 else draw(st.integers(1, min(max_top_k, num_experts)))
+        n_group = topk_group = None
+    scaled = method in (RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2)
+    scale = draw(st.sampled_from([None, 1.0, 2.5, 0.3])) if scaled else None
+    return RouterConfig(
+        f"random-{method.name}",
+        method,
+        num_experts,
+        top_k,
+        n_group,
+        topk_group,
+        scale,
+        has_bias=scaled and draw(st.booleans()),
+    )
+
+
+@dataclass
+class RouterCase:
+    config: RouterConfig
+    # tokens (rows of the logits)
+    n: int
+    dtype: torch.dtype
+    seed: int
+    # "normal": N(0, scale^2); "ties": small integers (many exact ties); "special": normal plus
+    # +-inf, NaN and -0.0 entries
+    kind: str
+    scale: float
+
+    def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(router_logits (n, E) dtype, bias (E,) float32 or None) on ``device``."""
+        rng = np.random.default_rng(self.seed)
+        e = self.config.num_experts
+        if self.kind == "ties":
+            x = rng.integers(-3, 4, size=(self.n, e)).astype(np.float32)
+            bias = rng.choice([0.0, 0.5], size=e).astype(np.float32)
+        else:
+            x = (rng.standard_normal((self.n, e)) * self.scale).astype(np.float32)
+            bias = (rng.standard_normal(e) * 0.1).astype(np.float32)
+            if self.kind == "special" and x.size:
+                cells = rng.integers(0, x.size, size=max(1, x.size // 20))
+                x.flat[cells] = rng.choice([np.inf, -np.inf, np.nan, -0.0, 0.0], size=cells.size)
+        logits = torch.from_numpy(x).to(device=device, dtype=self.dtype)
+        b = torch.from_numpy(bias).to(device) if self.config.has_bias else None
+        return logits, b
+
+
+@st.composite
+def router_cases(
+    draw,
+    configs=None,
+    max_tokens: int = 40,
+    dtypes=LOGIT_DTYPES,
+    kinds=("normal", "normal", "ties", "special"),
+):
+    """A batch of router logits for a configuration drawn from ``configs`` (default: any)."""
+    config = draw(configs if configs is not None else router_configs())
+    return RouterCase(
+        config=config,
+        n=draw(st.integers(0, max_tokens)),
+        dtype=draw(st.sampled_from(dtypes)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        kind=draw(st.sampled_from(kinds)),
+        scale=draw(st.sampled_from([0.5, 1.0, 4.0])),
+    )
+
+
+# What the GPU router tests draw from: the model configurations in two dtypes, and token counts
+# below 512 (one launch configuration per expert width), i.e. about 26 kernel variants.
+GPU_ROUTER_CASES = dict(
+    configs=st.sampled_from(MODEL_ROUTERS),
+    max_tokens=300,
+    dtypes=(torch.float32, torch.bfloat16),
+)
+
+
+@st.composite
+def routed_capture_cases(draw, configs=None, capture_kw=None, dtypes=LOGIT_DTYPES):
+    """(CaptureCase, RouterCase) with matching rows and top_k: a batch to route and record.
+
+    The CaptureCase supplies the layout, counts, padding, buffer and layer; its ``rows`` are
+    replaced by the router's ids at test time (the router decides them).
+    """
+    config = draw(configs if configs is not None else router_configs(max_top_k=16))
+    case = draw(
+        capture_cases(
+            layouts=tuple(BatchLayout),
+            top_ks=(config.top_k,),
+            **(capture_kw or {}),
+        )
+    )
+    router = RouterCase(
+        config=config,
+        n=case.rows.shape[0],
+        dtype=draw(st.sampled_from(dtypes)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        kind="normal",
+        scale=1.0,
+    )
+    return case, router
+
+
+# What the GPU fused-capture tests draw from: DeepSeek-V3 routing of bf16 logits into int32/int16
+# buffers; the shard-size count (dp_size * shards_per_rank, rounded up to a power of two) adds
+# variants: <= 12.
+GPU_CAPTURE_ROUTERS = dict(
+    configs=st.just(MODEL_ROUTERS[0]),
+    capture_kw=dict(buffer_dtypes=(torch.int32, torch.int16)),
+    dtypes=(torch.bfloat16,),
+)

@@ -1,0 +1,84 @@
+"""The device-to-host transfer (moe_ops.transfer): the snapshot's narrowing cast, and snapshot row
+counts around the narrowing graphs' buckets (TransferPipeline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+__all__ = [
+    "NARROW_SOURCES",
+    "NARROW_TARGETS",
+    "NarrowCase",
+    "bucket_row_counts",
+    "narrow_cases",
+]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The snapshot's narrowing cast
+# ---------------------------------------------------------------------------------------------------
+
+
+NARROW_SOURCES = (torch.int16, torch.int32, torch.int64)
+NARROW_TARGETS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class NarrowCase:
+    # (max_rows, L, K) source rows and the number of leading rows to cast
+    max_rows: int
+    num_layers: int
+    top_k: int
+    num_rows: int
+    src_dtype: torch.dtype
+    dst_dtype: torch.dtype
+    # ids drawn from [low, high]: past the target's range too, so truncation is exercised
+    low: int
+    high: int
+    seed: int
+
+    def source(self, device) -> torch.Tensor:
+        info = torch.iinfo(self.src_dtype)
+        low, high = max(self.low, info.min), min(self.high, info.max)
+        g = torch.Generator().manual_seed(self.seed)
+        shape = (self.max_rows, self.num_layers, self.top_k)
+        return torch.randint(low, high + 1, shape, generator=g, dtype=torch.int64).to(device, self.src_dtype)
+
+
+@st.composite
+def narrow_cases(draw, max_rows: int = 40):
+    rows = draw(st.integers(1, max_rows))
+    ranges = [(0, 255), (-1, 300), (0, 65535), (-70000, 70000), (-(2**31), 2**31 - 1)]
+    low, high = draw(st.sampled_from(ranges))
+    return NarrowCase(
+        max_rows=rows,
+        num_layers=draw(st.integers(1, 7)),
+        top_k=draw(st.sampled_from([1, 2, 6, 8, 9])),
+        num_rows=draw(st.integers(0, rows)),
+        src_dtype=draw(st.sampled_from(NARROW_SOURCES)),
+        dst_dtype=draw(st.sampled_from(NARROW_TARGETS)),
+        low=low,
+        high=high,
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Snapshot row counts around the narrowing graphs' buckets (TransferPipeline)
+# ---------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def bucket_row_counts(draw, max_rows: int):
+    """A row count in ``[0, max_rows]``, half the time at a bucket edge (0, 1, a power of two or
+    one off it, ``max_rows`` or one below)."""
+    edges = {0, 1, max_rows - 1, max_rows}
+    for k in range(max_rows.bit_length()):
+        edges |= {2**k - 1, 2**k, 2**k + 1}
+    edges = sorted(e for e in edges if 0 <= e <= max_rows)
+    if draw(st.booleans()):
+        return draw(st.sampled_from(edges))
+    return draw(st.integers(0, max_rows))
