@@ -35,6 +35,12 @@ __all__ = ["INTERNAL_ATTRIBUTES", "INTERNAL_NAMESPACES", "PRIVATE", "PRIVATE_ATT
 INTERNAL_NAMESPACES = ("triton.runtime", "triton.compiler", "triton.knobs", "triton.backends")
 
 # where each name was checked (the module docstring says what "checked" means)
+# the group timeouts: read by the gloo tests (CPU processes), which the GPU suite does not run; their
+# NCCL twin needs two GPUs
+GLOO_TIMEOUT = (
+    "torch 2.13 here (tests/test_distributed.py, gloo); torch 2.11 by the same gloo tests in a CPU "
+    "venv at commit c3c23c2; the NCCL groups' options not run (two GPUs)"
+)
 BOTH = "torch 2.13 + Triton 3.9 here; torch 2.11 + Triton 3.6 on the H200 by the GPU suite of c28b133"
 CUDA_PATH = (
     "torch 2.11 + Triton 3.6 on the H200 by the GPU suite of c28b133 (a CUDA path); present in "
@@ -105,12 +111,6 @@ PRIVATE: dict[str, Private] = {
         "trace_triton_kernels turns inductor's FX-graph caches off inside its block "
         "(fx_graph_cache, fx_graph_remote_cache; each only where the installed torch has it); the "
         "demo imports it for the patch below",
-        BOTH,
-    ),
-    "torch._inductor.config.patch": Private(
-        "the config switches as context managers: the caches above; on the CPU the demo's compiled "
-        "mode without SIMD code (cpp.vec_isa_ok=False: 27 s instead of 42 s of CPU for a cold demo; "
-        "the demo's use is newer than c28b133 and CPU-only, so checked here only)",
         BOTH,
     ),
     "torch._functorch.config": Private(
@@ -270,10 +270,11 @@ PRIVATE_ATTRIBUTES: dict[str, Private] = {
     "torch.distributed.ProcessGroup._get_backend": Private(
         "the backend of one device type, whose options hold the group's timeout (AttributeError / "
         "RuntimeError: no timeout read)",
-        BOTH,
+        GLOO_TIMEOUT,
     ),
     "torch.distributed.ProcessGroupGloo.Options._timeout": Private(
-        "the timeout the group was created with (gloo's options; NCCL's have the same field)", BOTH
+        "the timeout the group was created with (gloo's options; NCCL's have the same field)",
+        GLOO_TIMEOUT,
     ),
     "ctypes.CDLL._handle": Private(
         "the standard library's, not torch's: the loader handle that tells torch's libcudart from "
