@@ -9,7 +9,17 @@ import os
 import sys
 from pathlib import Path
 
-import torch
+# Scalar C++ from inductor, in this process and in every process a test starts (they inherit it);
+# set before torch loads its inductor config, which reads it once. A CI run (torch 2.13, CPU only)
+# failed 29 compile tests with `at::vec has not been declared`: inductor generated vector code and
+# then built it without the ISA flags, its ISA choice differing between code generation and build
+# (not reproduced on the 2-core development machine; the choice rests on a compile-and-dlopen probe
+# per process). The tests check moe-ops' ops under torch.compile, not inductor's CPU vectoriser;
+# scalar code needs no probe and builds faster (the demo: 27 s of CPU instead of 42). A value the
+# caller set is kept.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

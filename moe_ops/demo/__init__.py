@@ -219,12 +219,13 @@ def _run_demo(args: Any, device: torch.device, modes: list[str], status: StatusL
             f"update, without and with replay; {checks[-1].mode} rollout)"
         )
         note = plot_routing_drift(drift, shape, os.path.join(args.out, "routing_drift.png"))
-        out.append(
-            note
-            or f"wrote routing_drift.png (per MoE layer, the tokens whose experts differ from the "
-            f"rollout's over {drift.steps} training steps: {_fractions(drift.changed[-1])} without replay "
-            f"after the last, {_fractions(drift.replay_changed.max(0))} with replay)"
+        # the numbers are printed with or without the picture (matplotlib is an optional extra)
+        numbers = (
+            f"per MoE layer, the tokens whose experts differ from the rollout's over {drift.steps} "
+            f"training steps: {_fractions(drift.changed[-1])} without replay after the last, "
+            f"{_fractions(drift.replay_changed.max(0))} with replay"
         )
+        out.append(f"{note} ({numbers})" if note else f"wrote routing_drift.png ({numbers})")
     out.append(
         f"total {time.perf_counter() - t_start:.1f} s: "
         + ("all verified" if not failed else f"{failed} mode(s) FAILED")
