@@ -19,7 +19,7 @@ from pathlib import Path
 # caller set is kept.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
