@@ -23,6 +23,10 @@ that request's tokens were routed to, row for row, and marks the rows that never
 - Speculative decoding: ``reject`` takes back the last positions of a request; their rows never
   reach it, and the step that computes them again writes them.
 
+Every channel of the store (:mod:`moe_ops.channels`: the ids, and e.g. weights beside them) takes
+the same path: ``land`` takes one mapping of every channel's rows, private rows hold every channel,
+and a collected request hands each back.
+
 Everything here is host-side numpy; nothing touches a device.
 """
 
@@ -30,8 +34,9 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import numpy as np
 
@@ -75,6 +80,9 @@ class FinishedRouting:
     missing: np.ndarray
     # token position of routing[0]: the start given to add_request
     start: int = 0
+    # channel name -> (num_tokens, *row_shape) rows of each channel of the store beside the ids,
+    # same tokens and missing rows (which hold the channel's fill); empty for an ids-only store
+    channels: Mapping[str, np.ndarray] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(eq=False)
@@ -86,6 +94,8 @@ class _Rows:
     missing: np.ndarray
     # redirects of steps in flight that still deliver into these rows; ready at 0
     pending: int = 0
+    # channel name -> (n, *row_shape) private rows of each channel beside the ids, same tokens
+    more: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -375,33 +385,43 @@ class RoutingLedger:
         return ScheduledStep(seq, slots.view())
 
     @_locked
-    def land(self, seq: int, rows: np.ndarray) -> None:
-        """Delivers step ``seq``'s rows (any order of steps): (num_tokens, num_layers, top_k).
+    def land(self, seq: int, rows: np.ndarray | Mapping[str, np.ndarray]) -> None:
+        """Delivers step ``seq``'s rows (any order of steps): (num_tokens, num_layers, top_k) ids,
+        or, for a store with channels beside the ids, a mapping of every channel's name to its
+        rows (``SnapshotHandle.results()``).
 
         Every row is checked like :meth:`SlotStore.write` checks them (integer dtype, values the
-        store's dtype holds), also rows that only go to private copies; nothing changes when it
-        raises. Rows go into the store at slots whose block was not freshly reallocated after the
-        step was scheduled and that no later step rewrites (nor :meth:`reject` took back), and
-        into the private rows that were waiting for them (requests freed while the step was in
-        flight).
+        store's dtype holds, every channel present and of its dtype), also rows that only go to
+        private copies; nothing changes when it raises. Rows go into the store at slots whose
+        block was not freshly reallocated after the step was scheduled and that no later step
+        rewrites (nor :meth:`reject` took back), and into the private rows that were waiting for
+        them (requests freed while the step was in flight).
         """
         step = self._steps.get(seq)
         if step is None:
             raise KeyError(f"step {seq} is not in flight (landed already, dropped, or never scheduled)")
-        rows = self.store._check_rows(rows, step.slots.size, name=f"rows of step {seq}")
+        checked = self.store._check_channel_rows(rows, step.slots.size, name=f"rows of step {seq}")
+        rows = checked.pop("ids")  # checked: the other channels' rows
+        arrays = self.store.arrays
         slots = step.slots
         current = self._pending_seq[slots] == seq
         keep = current & (self._epoch[slots // self.block_size] <= seq)
         if keep.all():  # the usual case: no boolean gather of the rows
             self.store.data[slots] = rows
+            for name, values in checked.items():
+                arrays[name][slots] = values
             self._no_row[slots] = False
         else:
             kept = slots[keep]
             self.store.data[kept] = rows[keep]
+            for name, values in checked.items():
+                arrays[name][kept] = values[keep]
             self._no_row[kept] = False
         self._pending_seq[slots[current]] = -1
         for row_idx, req, dst, positions in step.redirects:
             dst.rows[positions] = rows[row_idx]
+            for name, values in checked.items():
+                dst.more[name][positions] = values[row_idx]
             self._delivered(req, dst)
         del self._steps[seq]
 
@@ -421,9 +441,14 @@ class RoutingLedger:
         current = self._pending_seq[slots] == seq
         kept = slots[current & (self._epoch[slots // self.block_size] <= seq)]
         self.store.data[kept] = self.store.fill  # no_row[kept] stays True: set by schedule
+        extra = self.store.channels[1:]
+        for channel in extra:
+            self.store.arrays[channel.name][kept] = channel.fill
         self._pending_seq[slots[current]] = -1
         for _, req, dst, positions in step.redirects:
             dst.rows[positions] = self.store.fill
+            for channel in extra:
+                dst.more[channel.name][positions] = channel.fill
             dst.missing[positions] = True
             self._delivered(req, dst)
         del self._steps[seq]
@@ -493,12 +518,13 @@ class RoutingLedger:
         """
         out = []
         for req in self._ready.values():
-            if req.result is None:
-                routing = np.full((0, *self.store.row_shape), self.store.fill, dtype=self.store.dtype)
-                missing = np.zeros(0, dtype=bool)
-            else:
-                routing, missing = req.result.rows, req.result.missing
-            out.append(FinishedRouting(req.req_id, routing, req.state == "aborted", missing, req.start))
+            result = req.result if req.result is not None else self._rows(0)
+            channels = MappingProxyType(result.more)
+            out.append(
+                FinishedRouting(
+                    req.req_id, result.rows, req.state == "aborted", result.missing, req.start, channels
+                )
+            )
             del self._requests[req.req_id]
         self._ready.clear()
         return out
@@ -556,8 +582,12 @@ class RoutingLedger:
             self._ready[req.req_id] = req
 
     def _rows(self, n: int) -> _Rows:
+        """Private rows of ``n`` tokens, every channel (written by _capture before they are read)."""
         row_shape = self.store.row_shape
-        return _Rows(np.empty((n, *row_shape), dtype=self.store.dtype), np.zeros(n, dtype=bool))
+        rows = _Rows(np.empty((n, *row_shape), dtype=self.store.dtype), np.zeros(n, dtype=bool))
+        for channel in self.store.channels[1:]:
+            rows.more[channel.name] = np.empty((n, *channel.row_shape), dtype=channel.dtype)
+        return rows
 
     def _detach(self, req: _Request) -> None:
         """Pre-free capture: copies the attempt's rows that the policy keeps, then frees its blocks."""
@@ -581,7 +611,9 @@ class RoutingLedger:
                         new = self._rows(n)
                         new.rows[: old.rows.shape[0]] = old.rows
                         new.missing[: old.missing.shape[0]] = old.missing
-                        old.rows, old.missing = new.rows, new.missing
+                        for name, values in old.more.items():
+                            new.more[name][: values.shape[0]] = values
+                        old.rows, old.missing, old.more = new.rows, new.missing, new.more
                     self._capture(req, req.result, lo, end)
                 req.covered = max(req.covered, end)
         elif req.result is None or end >= req.covered:
@@ -603,6 +635,15 @@ class RoutingLedger:
         # mode="clip" writes straight into out (mode="raise" buffers a second copy); slots_for only
         # yields slots of valid blocks
         np.take(self.store.data, slots, axis=0, out=out, mode="clip")
+        extra = self.store.channels[1:]
+        for channel in extra:
+            np.take(
+                self.store.arrays[channel.name],
+                slots,
+                axis=0,
+                out=dst.more[channel.name][first : first + slots.size],
+                mode="clip",
+            )
         pending = self._pending_seq[slots]
         waiting = pending >= 0
         no_row = self._no_row[slots] & ~waiting
@@ -610,6 +651,8 @@ class RoutingLedger:
         blank = no_row | waiting
         if blank.any():
             out[blank] = self.store.fill
+            for channel in extra:
+                dst.more[channel.name][first : first + slots.size][blank] = channel.fill
         if waiting.any():
             for seq in np.unique(pending[waiting]).tolist():
                 idx = np.flatnonzero(pending == seq)

@@ -3,10 +3,12 @@
 Two implementations of one destination-passing contract, ``dst.view(-1)[:n] = src.view(-1)[:n]``
 cast to ``dst.dtype`` with two's-complement truncation (what ``torch.Tensor.copy_`` does for
 integer narrowing: ids that do not fit wrap), both tensors contiguous, same element count per row.
-With stamps, ``(num_layers,) int32 stamps`` and ``(1,) int32 step``, the ids of layer ``l`` are
-taken only where ``stamps[l] == step[0]``; the other layers' rows read -1 cast to ``dst.dtype``
-(the fill value: the maximum of an unsigned dtype), so a layer that was not captured in the
-current step never delivers an earlier step's ids:
+A float channel (routing weights beside the ids) takes the same contract with float tensors on
+both sides, cast as ``copy_`` casts (round to nearest even); an integer and a float side are
+refused. With stamps, ``(num_layers,) int32 stamps`` and ``(1,) int32 step``, the ids of layer
+``l`` are taken only where ``stamps[l] == step[0]``; the other layers' rows read -1 cast to
+``dst.dtype`` (the fill value: the maximum of an unsigned dtype; NaN for a float ``dst``), so a
+layer that was not captured in the current step never delivers an earlier step's ids:
 
 * :func:`narrow_rows_triton` - one flat Triton kernel (CUDA; CPU tensors under ``TRITON_INTERPRET=1``);
 * :func:`narrow_rows_torch` - its PyTorch twin, ``copy_`` of the leading rows: the CPU path and the
@@ -31,6 +33,10 @@ from .._runtime.triton import HAS_TRITON, triton_runs_on
 
 __all__ = ["check_narrow", "launch_narrow", "narrow_rows", "narrow_rows_torch", "narrow_rows_triton"]
 
+# The stale-layer fill of a float dst. One object: the launcher keys constexpr values in a tuple,
+# whose comparison takes `is` before `==` (NaN != NaN), so every launch finds the same entry.
+_NAN = float("nan")
+
 # ids per program and warps (H200 sweep above)
 _BLOCK = 2048
 _WARPS = 8
@@ -51,6 +57,10 @@ def check_narrow(dst: torch.Tensor, src: torch.Tensor, num_rows: int, stamps=Non
         raise ValueError("src and dst must be contiguous")
     if src.device != dst.device:
         raise ValueError(f"src and dst must be on one device, got {src.device} and {dst.device}")
+    if src.dtype.is_floating_point != dst.dtype.is_floating_point or torch.bool in (src.dtype, dst.dtype):
+        raise ValueError(
+            f"src and dst must both be integer or both be floating point, got {src.dtype} and {dst.dtype}"
+        )
     if src.dim() < 1 or src.shape[1:] != dst.shape[1:]:
         raise ValueError(
             f"src and dst must have the same row shape, got {tuple(src.shape)} and {tuple(dst.shape)}"
@@ -81,6 +91,7 @@ if HAS_TRITON:
         TOP_K: tl.constexpr,
         BLOCK: tl.constexpr,
         STAMPED: tl.constexpr,
+        FILL: tl.constexpr,
     ):
         n = n_rows.to(tl.int64) * ROW
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -91,7 +102,7 @@ if HAS_TRITON:
             # few hundred bytes that stay in L1
             layer = (offs % ROW) // TOP_K
             fresh = tl.load(stamps_ptr + layer, mask=mask, other=0) == tl.load(step_ptr)
-            x = tl.where(fresh, x, -1)
+            x = tl.where(fresh, x, FILL)
         tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
@@ -119,7 +130,10 @@ def launch_narrow(dst, src, num_rows: int, stamps=None, step=None) -> None:
     stamped = stamps is not None
     grid = (triton.cdiv(n, _BLOCK),)
     args = (src, dst, stamps if stamped else src, step if stamped else src, num_rows)
-    constexprs = dict(ROW=row, TOP_K=src.shape[-1] if stamped else 1, BLOCK=_BLOCK, STAMPED=stamped)
+    fill = _NAN if dst.dtype.is_floating_point else -1
+    constexprs = dict(
+        ROW=row, TOP_K=src.shape[-1] if stamped else 1, BLOCK=_BLOCK, STAMPED=stamped, FILL=fill
+    )
     if src.device.type == "cuda":
         _narrow_launcher()(grid, args, constexprs, _WARPS)
     else:  # interpreted
@@ -140,14 +154,15 @@ def narrow_rows_torch(
     step: torch.Tensor | None = None,
 ) -> None:
     """PyTorch twin of :func:`narrow_rows_triton`: ``dst[:num_rows].copy_(src[:num_rows])``, stale
-    layers masked to -1 on the device (no host reads)."""
+    layers masked to -1 (NaN for floats) on the device (no host reads)."""
     check_narrow(dst, src, num_rows, stamps, step)
     if not num_rows:
         return
     rows = src[:num_rows]
     if stamps is not None:
         fresh = (stamps == step)[None, :, None]
-        rows = torch.where(fresh, rows, torch.full((), -1, dtype=rows.dtype, device=rows.device))
+        fill = _NAN if rows.dtype.is_floating_point else -1
+        rows = torch.where(fresh, rows, torch.full((), fill, dtype=rows.dtype, device=rows.device))
     dst[:num_rows].copy_(rows)
 
 

@@ -28,6 +28,12 @@ One snapshot of the leading ``num_rows`` rows of a persistent ``(max_rows, L, K)
   memory to another stream early.
 - On a CPU source there is no stream: ``snapshot`` copies synchronously into the slot's host
   buffer. Slots, handles, release and ring exhaustion behave exactly as on CUDA.
+- A slot holds one staging and one host buffer per channel (:mod:`moe_ops.channels`): the ids,
+  and the ``extra_channels`` given (e.g. float16 routing weights beside them), each with its own
+  source, dtype and row shape. One snapshot moves every channel's leading ``num_rows`` rows under
+  the same events: the narrowing graph (or launch) narrows every channel before ``read_done``, one
+  D2H copy per channel follows, then ``copy_done``. With the ids alone, a slot's channel list is
+  empty and each step runs exactly the ids' calls.
 
 Host cost of one ``snapshot`` (the engine's scheduler thread pays it every step). Measured on the
 H200 machine (torch 2.11, triton 3.6, 1,024 tokens, source (8192, 61, 8) int32, us per call): the
@@ -98,6 +104,7 @@ import time
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,6 +112,7 @@ import torch
 
 from .._runtime.cudart import CudaRuntime, load_cudart
 from .._runtime.triton import next_power_of_2, triton_runs_on
+from ..channels import IDS, Channel, check_channels, pick_channel
 from .narrow import check_narrow as narrow_check
 from .narrow import launch_narrow, narrow_rows_torch
 
@@ -137,6 +145,16 @@ _STAGING = {
     np.dtype(np.int16): torch.int16,
     np.dtype(np.int32): torch.int32,
     np.dtype(np.int64): torch.int64,
+}
+
+
+# Host dtype -> staging dtype of a channel: the ids' table and the floats of routing weights (a float
+# cast on the device rounds as copy_ does; the host reads the same bits back).
+_CHANNEL_STAGING = {
+    **_STAGING,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
 }
 
 
@@ -255,6 +273,68 @@ def _wait_for_copies(slots: list) -> None:
         slot.copy_done.synchronize()
 
 
+def _check_extra_channels(
+    ids: Channel, source: torch.Tensor, extra_channels, layer_stamps: torch.Tensor | None
+) -> tuple[tuple[Channel, ...], tuple[torch.Tensor, ...]]:
+    """``(ids, *extra)`` with row shapes resolved, and the extra channels' sources, after every
+    check: ValueError (TypeError for a wrong type) naming ``extra_channels``, the channel and what
+    was expected."""
+    pairs = list(extra_channels.items()) if isinstance(extra_channels, Mapping) else extra_channels
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, (Sequence, list)):
+        raise TypeError(
+            "extra_channels must be (Channel, source tensor) pairs or a mapping, got "
+            f"{type(extra_channels).__name__}"
+        )
+    channels, sources = [], []
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise TypeError(f"extra_channels must hold (Channel, source tensor) pairs, got {pair!r}")
+        channel, src = pair
+        check_channels(ids, [*channels, channel], "extra_channels")  # type and unique name
+        name = f"extra_channels[{channel.name!r}]"
+        if not isinstance(src, torch.Tensor):
+            raise TypeError(f"{name}: the source must be a torch.Tensor, got {type(src).__name__}")
+        if src.device != source.device:
+            raise ValueError(
+                f"{name}: the source must be on the ids source's device {source.device}, got {src.device}"
+            )
+        if src.dim() < 2 or src.shape[0] != source.shape[0]:
+            raise ValueError(
+                f"{name}: the source must be (max_rows={source.shape[0]}, *row_shape), got shape "
+                f"{tuple(src.shape)}"
+            )
+        row_shape = tuple(src.shape[1:])
+        if channel.row_shape is not None and channel.row_shape != row_shape:
+            raise ValueError(
+                f"{name}: the source's row shape must be the channel's row_shape {channel.row_shape}, "
+                f"got {row_shape}"
+            )
+        if not src.is_contiguous():
+            raise ValueError(
+                f"{name}: the source must be contiguous (its leading rows are copied as one block)"
+            )
+        if channel.dtype not in _CHANNEL_STAGING:
+            raise ValueError(
+                f"{name}: dtype must be one of {', '.join(str(d) for d in _CHANNEL_STAGING)}, "
+                f"got {channel.dtype}"
+            )
+        is_float = channel.dtype.kind == "f"
+        if src.dtype in (torch.bool,) or src.dtype.is_complex or src.dtype.is_floating_point != is_float:
+            kind = "floating point" if is_float else "integer"
+            raise ValueError(
+                f"{name}: the source must have a {kind} dtype for a {channel.dtype} channel, got {src.dtype}"
+            )
+        if layer_stamps is not None and (src.dim() != 3 or src.shape[1] != layer_stamps.shape[0]):
+            raise ValueError(
+                f"{name}: with layer_stamps the source must be (max_rows, "
+                f"num_layers={layer_stamps.shape[0]}, k) so that stale layers are masked, "
+                f"got shape {tuple(src.shape)}"
+            )
+        channels.append(channel.resolved(row_shape))
+        sources.append(src)
+    return (ids, *channels), tuple(sources)
+
+
 class RingFullError(RuntimeError):
     """Every ring slot holds an unreleased snapshot: release handles (or deepen the ring)."""
 
@@ -285,6 +365,26 @@ def _check_num_rows_type(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"num_rows must be an int, got {type(value).__name__}")
     return int(value)
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One extra channel's buffers in one ring slot (the ids' live on the :class:`_Slot` itself)."""
+
+    # the channel (row_shape resolved) and its persistent (max_rows, *row_shape) device source
+    channel: Channel
+    source: torch.Tensor
+    # (max_rows, *row_shape) host buffer in the staging dtype: pinned on CUDA
+    host: torch.Tensor
+    # host viewed as numpy in the channel's dtype
+    host_np: np.ndarray
+    # (max_rows, *row_shape) device buffer the narrowing writes into (None on CPU)
+    staging: torch.Tensor | None
+    # bytes of one row: rows [0, n) of staging and host are n * row_bytes contiguous bytes
+    row_bytes: int
+    # host.data_ptr() and staging.data_ptr() (0 on CPU): the buffers never move
+    host_ptr: int = 0
+    staging_ptr: int = 0
 
 
 @dataclass(eq=False)
@@ -323,6 +423,8 @@ class _Slot:
     ready_handle: int = 0
     read_done_handle: int = 0
     copy_done_handle: int = 0
+    # the buffers of the extra channels, in the pipeline's channel order after the ids (empty: ids only)
+    lanes: tuple[_Lane, ...] = ()
 
 
 class _ViewOwner:
@@ -355,7 +457,7 @@ class SnapshotHandle:
     _slot: _Slot = field(repr=False)
     # position of this snapshot in the pipeline's sequence (0, 1, 2, ...)
     seq: int
-    # rows copied: the array has shape (num_rows, L, K)
+    # rows copied: each channel's array has shape (num_rows, *row_shape), (num_rows, L, K) for the ids
     num_rows: int
     # True once release() returned the slot; the handle's rows are gone from then on
     released: bool = False
@@ -393,15 +495,32 @@ class SnapshotHandle:
                 )
             time.sleep(min(remaining, _EVENT_POLL_S))
 
-    def result(self, *, copy: bool = True, timeout: float | None = None) -> np.ndarray:
-        """The (num_rows, L, K) rows in the pipeline's output dtype, after :meth:`wait` (``timeout``
-        as there).
+    def result(self, *, copy: bool = True, timeout: float | None = None, channel: str = IDS) -> np.ndarray:
+        """The (num_rows, L, K) ids in the pipeline's output dtype, after :meth:`wait` (``timeout``
+        as there); with ``channel``, that channel's ``(num_rows, *row_shape)`` rows in its dtype.
 
         ``copy=True`` returns an owned array. ``copy=False`` returns a read-only view into the pinned
         slot, valid until :meth:`release` (cheaper: no host copy); the view keeps this handle alive.
+        ValueError for a channel the pipeline does not carry (before any wait).
         """
+        if channel is IDS or channel == IDS:
+            host_np = self._slot.host_np
+        else:
+            host_np = self._slot.lanes[pick_channel(self.pipeline.channels, channel) - 1].host_np
         self.wait(timeout)
-        view = self._slot.host_np[: self.num_rows]
+        return self._rows(host_np, copy)
+
+    def results(self, *, copy: bool = True, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Every channel's rows, ids first: ``{name: result(channel=name)}`` after one
+        :meth:`wait` - what :meth:`SlotStore.write` and :meth:`RoutingLedger.land` take."""
+        self.wait(timeout)
+        out = {IDS: self._rows(self._slot.host_np, copy)}
+        for lane in self._slot.lanes:
+            out[lane.channel.name] = self._rows(lane.host_np, copy)
+        return out
+
+    def _rows(self, host_np: np.ndarray, copy: bool) -> np.ndarray:
+        view = host_np[: self.num_rows]
         if copy:
             return view.copy()
         view = view.view()
@@ -466,6 +585,15 @@ class TransferPipeline:
             mapped into the process; True: required (ValueError where it is not, or on CPU);
             False: torch's ``copy_`` and ``Event.record``. ``copy_path`` says which
             (:func:`choose_copy_path`). The events stay torch ``Event`` objects either way.
+        extra_channels: the channels each snapshot carries beside the ids, as ``(Channel,
+            source)`` pairs (or a ``{Channel: source}`` mapping): ``source`` is a persistent
+            contiguous ``(max_rows, *row_shape)`` tensor on the ids source's device, integer for
+            an integer channel and floating point (float16, bfloat16, float32, float64) for a float
+            one (float16, float32 or float64 on the host); its rows are cast to the channel's dtype
+            as ``copy_`` casts, stale layers (with ``layer_stamps``: a 3-D source of
+            ``num_layers`` layers) read the channel's fill (NaN for floats). Empty (default): the
+            ids alone. ``channels`` is ``(ids, *extra)``, each with its row shape; every snapshot
+            moves all of them under the same events and ``handle.results()`` returns them.
 
     ``narrow_path`` says how the rows are narrowed on the device (:func:`choose_narrow_path`):
     ``"graph_launch"`` (the default on CUDA with the runtime and a torch whose ``CUDAGraph`` has
@@ -491,6 +619,7 @@ class TransferPipeline:
         step_tensor: torch.Tensor | None = None,
         graphs: bool | None = None,
         cudart: bool | None = None,
+        extra_channels: Sequence[tuple[Channel, torch.Tensor]] | Mapping[Channel, torch.Tensor] = (),
     ):
         if not isinstance(source, torch.Tensor):
             raise TypeError(f"source must be a torch.Tensor, got {type(source).__name__}")
@@ -528,10 +657,18 @@ class TransferPipeline:
                 f"{source.device.type} source (Triton runs on it: {triton_narrow}); pass graphs=None "
                 "to use them where they apply"
             )
+        out_dtype = np.dtype(out_dtype)
+        staging = staging_dtype(out_dtype)  # ValueError naming out_dtype for a dtype ids cannot travel as
+        # (ids, *extra) with row shapes resolved, and the extra channels' sources: all checked here,
+        # before anything is allocated
+        self.channels, extra_sources = _check_extra_channels(
+            Channel(IDS, out_dtype, tuple(source.shape[1:])), source, extra_channels, layer_stamps
+        )
+        self._extra_sources = extra_sources
         self.layer_stamps = layer_stamps
         self.step_tensor = step_tensor
-        self.out_dtype = np.dtype(out_dtype)
-        self._staging_dtype = staging_dtype(self.out_dtype)
+        self.out_dtype = out_dtype
+        self._staging_dtype = staging
         self.source = source
         self.device = source.device
         self.depth = depth
@@ -584,6 +721,8 @@ class TransferPipeline:
             self._multi_device = torch.cuda.device_count() > 1
             # The copy stream reads source and staging: freeing them must wait for its work.
             source.record_stream(self.copy_stream)
+            for extra in extra_sources:
+                extra.record_stream(self.copy_stream)
         self._slots = [self._make_slot(i) for i in range(depth)]
         if self._cudart is not None:
             self._copy_stream_handle = self.copy_stream.cuda_stream
@@ -623,7 +762,27 @@ class TransferPipeline:
             slot.ready = torch.cuda.Event()
             slot.read_done = torch.cuda.Event()
             slot.copy_done = torch.cuda.Event()
+        slot.lanes = tuple(
+            self._make_lane(channel, src) for channel, src in zip(self.channels[1:], self._extra_sources)
+        )
         return slot
+
+    def _make_lane(self, channel: Channel, source: torch.Tensor) -> _Lane:
+        """One extra channel's host (and device staging) buffer of one slot."""
+        shape = tuple(source.shape)
+        dtype = _CHANNEL_STAGING[channel.dtype]
+        host = torch.empty(shape, dtype=dtype, pin_memory=self._cuda)
+        host_np = host.numpy()
+        if host_np.dtype != channel.dtype:
+            host_np = host_np.view(channel.dtype)
+        row_bytes = math.prod(shape[1:]) * channel.dtype.itemsize
+        lane = _Lane(channel, source, host, host_np, None, row_bytes)
+        if self._cuda:
+            lane.staging = torch.empty(shape, dtype=dtype, device=self.device)
+            lane.staging.record_stream(self.copy_stream)
+            lane.host_ptr, lane.staging_ptr = host.data_ptr(), lane.staging.data_ptr()
+            narrow_check(lane.staging, source, 0, self.layer_stamps, self.step_tensor)
+        return lane
 
     def _capture_graphs(self) -> None:
         """One graph per (slot, bucket), each narrowing ``bucket`` rows into the slot's staging.
@@ -646,6 +805,8 @@ class TransferPipeline:
             # capture allows; later launches of any row count reuse that variant (n_rows is not
             # specialised). It narrows one row into staging only.
             launch_narrow(self._slots[0].staging, self.source, 1, stamps, step)
+            for lane in self._slots[0].lanes:  # each channel's dtypes are one more variant
+                launch_narrow(lane.staging, lane.source, 1, stamps, step)
             for slot in self._slots:
                 for rows in buckets:
                     graph = torch.cuda.CUDAGraph()
@@ -654,6 +815,9 @@ class TransferPipeline:
                     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                     try:
                         launch_narrow(slot.staging, self.source, rows, stamps, step)
+                        # every channel's narrowing in the one graph: one launch per snapshot
+                        for lane in slot.lanes:
+                            launch_narrow(lane.staging, lane.source, rows, stamps, step)
                     finally:
                         graph.capture_end()
                     slot.graphs[rows] = graph
@@ -755,11 +919,20 @@ class TransferPipeline:
         """The CPU source's snapshot: a synchronous host copy (the cast narrows)."""
         src = self.source[:num_rows].numpy()
         np.copyto(slot.host_np[:num_rows], src, casting="unsafe")
+        stale = None
         if self.layer_stamps is not None and num_rows:
             # CPU tensors: reading the stamps is a host read of host memory
             stale = (self.layer_stamps != self.step_tensor).numpy()
             if stale.any():
                 slot.host_np[:num_rows, stale] = np.array(-1).astype(self.out_dtype)
+            else:
+                stale = None
+        for lane in slot.lanes:
+            if num_rows:
+                # torch's cast: the one the device paths make (and it reads bfloat16, numpy cannot)
+                lane.host[:num_rows].copy_(lane.source[:num_rows])
+                if stale is not None:
+                    lane.host_np[:num_rows, stale] = lane.channel.fill
 
     def _compute_stream_handle(self, stream: torch.cuda.Stream | None) -> int:
         """cudaStream_t of ``stream``, or of the current stream (one call where torch has it)."""
@@ -792,6 +965,8 @@ class TransferPipeline:
             runtime.event_record(slot.read_done_handle, copy)
             if num_rows:
                 runtime.memcpy_d2h_async(slot.host_ptr, slot.staging_ptr, num_rows * self._row_bytes, copy)
+                for lane in slot.lanes:
+                    runtime.memcpy_d2h_async(lane.host_ptr, lane.staging_ptr, num_rows * lane.row_bytes, copy)
             runtime.event_record(slot.copy_done_handle, copy)
             self._last_read_done = slot.read_done
 
@@ -820,6 +995,8 @@ class TransferPipeline:
                 slot.read_done.record(copy)
                 if num_rows:
                     slot.host[:num_rows].copy_(slot.staging[:num_rows], non_blocking=True)
+                    for lane in slot.lanes:
+                        lane.host[:num_rows].copy_(lane.staging[:num_rows], non_blocking=True)
                 slot.copy_done.record(copy)
             finally:
                 self._exit_copy_stream(saved)
@@ -843,21 +1020,27 @@ class TransferPipeline:
             runtime.event_record(slot.read_done_handle, copy)
             if num_rows:
                 runtime.memcpy_d2h_async(slot.host_ptr, slot.staging_ptr, num_rows * self._row_bytes, copy)
+                for lane in slot.lanes:
+                    runtime.memcpy_d2h_async(lane.host_ptr, lane.staging_ptr, num_rows * lane.row_bytes, copy)
             runtime.event_record(slot.copy_done_handle, copy)
             self._last_read_done = slot.read_done
 
     def _narrow(self, slot: _Slot, num_rows: int) -> None:
-        """Narrowing on the device, on the current (copy) stream: one cast kernel, no allocation
-        (moe_ops.transfer.narrow). ``num_rows >= 1``."""
+        """Narrowing on the device, on the current (copy) stream: one cast kernel per channel, no
+        allocation (moe_ops.transfer.narrow). ``num_rows >= 1``."""
         path = self.narrow_path
-        if path == "graph_replay":
+        if path == "graph_replay":  # the graph narrows every channel
             slot.graph_table[(num_rows - 1).bit_length()].replay()
             return
         stamps, step = self.layer_stamps, self.step_tensor
-        if path == "kernel":  # staging and source were checked once, in _make_slot
+        if path == "kernel":  # staging and source were checked once, in _make_slot / _make_lane
             launch_narrow(slot.staging, self.source, num_rows, stamps, step)
+            for lane in slot.lanes:
+                launch_narrow(lane.staging, lane.source, num_rows, stamps, step)
         else:  # "torch": Triton does not run on this device, the PyTorch twin
             narrow_rows_torch(slot.staging, self.source, num_rows, stamps, step)
+            for lane in slot.lanes:
+                narrow_rows_torch(lane.staging, lane.source, num_rows, stamps, step)
 
     def guard_source(self, stream: torch.cuda.Stream | None = None) -> None:
         """Makes ``stream`` (default: current) wait until every snapshot taken so far has read the
