@@ -185,6 +185,8 @@ class SlotStore:
     ) -> dict[str, np.ndarray]:
         """Every channel's rows after the checks of :meth:`write`, ids first: a bare array is the
         ids (only where the store has no other channel), a mapping must name each channel once."""
+        if rows.__class__ is np.ndarray and len(self.channels) == 1:  # the ids alone: no ABC check
+            return {IDS: self._check_rows(rows, num_rows, name)}
         if not isinstance(rows, Mapping):
             if len(self.channels) > 1:
                 raise ValueError(
