@@ -19,9 +19,9 @@ from strategies import GPU_ROUTER_CASES, MODEL_ROUTERS, RecordedCase, RouterCase
 
 from benchmarks.cases import BENCH_CASES, BENCH_SIZES
 from moe_ops import RoutingMethod, replay_routing, route
+from moe_ops._runtime import faults
 from moe_ops._runtime.triton import triton_runs_on
 from moe_ops.replay import ReplayFaultError, check_replay_errors, replay_fault_counter
-from moe_ops._runtime import faults
 from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, replay_weights
 from moe_ops.router.methods import BIAS_METHODS
 from moe_ops.router.reference import route_reference

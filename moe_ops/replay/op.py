@@ -2,14 +2,22 @@
 ``moe_ops::replay_routing_backward_``.
 
 Destination-passing, like the router: the forward op writes preallocated ``weights``, ``ids`` and
-the device fault counter; the backward op writes a preallocated ``grad_logits``. Both declare what
-they mutate and have fake implementations. A ``torch.autograd.Function`` sits on top (QuACK's
-layering: op, thin allocating wrapper, autograd function, public function), because
-``torch.library.register_autograd`` accepts only functional schemas and rejects ops that mutate
-their arguments ("Cannot register autograd formula for non-functional operator"). Dynamo traces the
-autograd function, so ``torch.compile(fullgraph=True)`` compiles the forward and the backward
-without a graph break, and CUDA graphs capture both after one warm-up call (which compiles the
-Triton kernels and allocates the fault counter).
+the device fault counter; the backward op writes a preallocated ``grad_logits``. Both are
+registered as every Triton op of the package is (:func:`moe_ops._runtime.library.destination_op`):
+the Triton kernel on CUDA, the PyTorch twin on the CPU (the kernel where Triton is interpreted), a
+``*_reference_`` op for ``backend="torch"``, traceable (under ``torch.compile`` inductor sees and
+launches the Triton kernels themselves, ``wrap_triton``), and an eager CUDA call skips the
+dispatcher where it would do nothing else (``eager_caller``).
+
+A ``torch.autograd.Function`` sits on top (QuACK's layering: op, thin allocating wrapper, autograd
+function, public function), because ``torch.library.register_autograd`` accepts only functional
+schemas and rejects ops that mutate their arguments ("Cannot register autograd formula for
+non-functional operator"). Dynamo traces the autograd function, so ``torch.compile(fullgraph=True)``
+compiles the forward and the backward without a graph break, and CUDA graphs capture both after one
+warm-up call (which compiles the Triton kernels and allocates the fault counter).
+
+Faults go to the device-wide replay counter, one of the package's fault counters
+(:mod:`moe_ops._runtime.faults`: one registry, one CPU lock, read-and-subtract checks).
 """
 
 from __future__ import annotations
