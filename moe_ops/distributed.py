@@ -58,8 +58,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._runtime.faults import cpu_counter_lock
 from ._runtime.library import destination_op
-from .capture.errors import FAULT_SLOT, FAULT_SOURCE_SHORT, cpu_counter_lock
+from .capture.errors import FAULT_SLOT, FAULT_SOURCE_SHORT
 from .capture.monolithic import MoEDispatchConfig
 from .capture.target import check_process_group
 from .layout import BatchLayout, layout_from_value

@@ -182,3 +182,66 @@ def test_jit_trace_records_the_op(cuda_device, counted):
     traced = torch.jit.trace(step, (buffer, ids), check_trace=False)
     assert calls == []
     assert "capture_routing_" in str(traced.graph)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_replay_eager_calls_take_the_registered_kernels_and_equal_the_twin(cuda_device, monkeypatch, grad):
+    """replay_routing on plain CUDA tensors: the forward (and, with grad, the backward) run the ops'
+    registered CUDA kernels through eager_caller, once each, and equal the twin's outputs."""
+    from moe_ops import replay_routing
+    from moe_ops.replay import check_replay_errors
+    from moe_ops.replay import op as replay_op
+
+    calls = {"replay_routing_": 0, "replay_routing_backward_": 0}
+    for name, attr, checked in (
+        ("replay_routing_", "_forward_call", (0, 1, 2, 10)),
+        ("replay_routing_backward_", "_backward_call", (0, 1)),
+    ):
+        kernel = library._CUDA_KERNELS[name]
+
+        def counting(*args, _kernel=kernel, _name=name):
+            calls[_name] += 1
+            return _kernel(*args)
+
+        monkeypatch.setitem(library._CUDA_KERNELS, name, counting)
+        monkeypatch.setattr(replay_op, attr, library.eager_caller(name, checked=checked))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(33, 64, generator=g).to(cuda_device)
+    recorded = torch.stack([torch.randperm(64, generator=g)[:4] for _ in range(33)]).to(cuda_device)
+    recorded[3] = -1
+    recorded[5, 0] = 64  # faulty: routed live, counted
+    check_replay_errors(cuda_device, raise_error=False)
+    x = logits.clone().requires_grad_(grad)
+    w, i = replay_routing(x, recorded, RoutingMethod.RENORMALIZE)
+    ref = logits.clone().requires_grad_(grad)
+    w_ref, i_ref = replay_routing(ref, recorded, RoutingMethod.RENORMALIZE, backend="torch")
+    assert torch.equal(i, i_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-6)
+    if grad:
+        upstream = torch.randn(w.shape, generator=g).to(cuda_device)
+        (w * upstream).sum().backward()
+        (w_ref * upstream).sum().backward()
+        torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-6)
+    assert calls == {"replay_routing_": 1, "replay_routing_backward_": int(grad)}
+    assert check_replay_errors(cuda_device, raise_error=False) == 2  # the faulty row, both calls
+
+
+def test_replay_checks_lose_no_fault_counted_on_another_stream(cuda_device):
+    """Replays on a side stream add to the counter while the host checks on the main stream: the
+    checks' read-and-subtract (an atomic index_add_) loses no faulty row."""
+    from moe_ops import replay_routing
+    from moe_ops.replay import check_replay_errors
+
+    logits = torch.randn(64, 32, device=cuda_device)
+    recorded = torch.full((64, 4), 40, dtype=torch.int32, device=cuda_device)  # 64 faulty rows a call
+    check_replay_errors(cuda_device, raise_error=False)
+    side = torch.cuda.Stream()
+    calls, seen = 200, 0
+    with torch.cuda.stream(side):
+        for c in range(calls):
+            replay_routing(logits, recorded, RoutingMethod.RENORMALIZE)
+            if c % 10 == 0:
+                with torch.cuda.stream(torch.cuda.default_stream()):
+                    seen += check_replay_errors(cuda_device, raise_error=False)
+    torch.cuda.synchronize()
+    assert seen + check_replay_errors(cuda_device, raise_error=False) == 64 * calls

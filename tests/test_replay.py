@@ -19,9 +19,9 @@ from strategies import GPU_ROUTER_CASES, MODEL_ROUTERS, RecordedCase, RouterCase
 
 from benchmarks.cases import BENCH_CASES, BENCH_SIZES
 from moe_ops import RoutingMethod, replay_routing, route
+from moe_ops._runtime import faults
 from moe_ops._runtime.triton import triton_runs_on
 from moe_ops.replay import ReplayFaultError, check_replay_errors, replay_fault_counter
-from moe_ops.replay import op as replay_op
 from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, replay_weights
 from moe_ops.router.methods import BIAS_METHODS
 from moe_ops.router.reference import route_reference
@@ -223,7 +223,8 @@ def test_check_replay_errors_of_an_unused_device_is_zero():
 
 def test_fault_counter_and_twin_are_thread_safe(monkeypatch):
     """Real threads: concurrent first calls share one counter, and concurrent replays lose no count."""
-    monkeypatch.setattr(replay_op, "_counters", {})
+    # a fresh first use: the registry without its CPU replay counter (restored after the test)
+    monkeypatch.delitem(faults._registry, (torch.device("cpu"), "replay"), raising=False)
     barrier = threading.Barrier(8)
     seen = []
 

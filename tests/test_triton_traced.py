@@ -209,3 +209,92 @@ def test_the_block_with_enabled_false_keeps_the_op_opaque():
 def test_the_block_takes_a_bool_only(bad):
     with pytest.raises(TypeError, match="enabled must be True or False"), trace_triton_kernels(bad):
         pass
+
+
+def _replay_args(n: int, seed: int, row_count: bool):
+    g = torch.Generator().manual_seed(seed)
+    recorded = torch.stack([torch.randperm(32, generator=g)[:4] for _ in range(n)]).to(torch.int32)
+    recorded[1] = -1  # routed live
+    recorded[2, 1] = 40  # out of range: faulty, routed live and counted
+    return dict(
+        logits=torch.randn(n, 32, generator=g),
+        recorded=recorded,
+        bias=torch.randn(32, generator=g) * 0.1,
+        weights=torch.full((n, 4), float(POISON)),
+        ids=torch.full((n, 4), POISON, dtype=torch.int32),
+        errors=torch.zeros(2, dtype=torch.int32),
+        # a row count that differs from n: one faulty call more
+        row_count=torch.tensor([n + 1], dtype=torch.int32) if row_count else None,
+        grad_weights=torch.randn(n, 4, generator=g),
+        grad_logits=torch.full((n, 32), float(POISON)),
+    )
+
+
+def _replay(t):
+    torch.ops.moe_ops.replay_routing_(
+        t["logits"], t["recorded"], t["bias"], t["weights"], t["ids"], t["errors"], *_ROUTE_ARGS,
+        t["row_count"],
+    )  # fmt: skip
+    torch.ops.moe_ops.replay_routing_backward_(
+        t["grad_weights"],
+        t["logits"],
+        t["weights"],
+        t["ids"],
+        t["grad_logits"],
+        _ROUTE_ARGS[0],
+        _ROUTE_ARGS[3],
+    )
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("row_count", [False, True], ids=["batch", "row_count"])
+def test_replay_traces_the_kernels_and_equals_eager(row_count, dynamic):
+    """Both replay ops become their kernels; the outputs, the gradient and the fault counter equal
+    eager's (the same interpreted kernels), with no alias between a written and a placeholder
+    argument (a never-read bias or row count)."""
+    backend, graphs = _recording_backend()
+    compiled = torch.compile(_replay, backend=backend, fullgraph=True, dynamic=dynamic)
+    for n, seed in ((10, 0), (13, 1)):
+        got, want = _replay_args(n, seed, row_count), _replay_args(n, seed, row_count)
+        compiled(got)
+        _replay(want)
+        for name, value in want.items():
+            if value is not None:
+                assert torch.equal(got[name], value), f"{name} differs from eager at n={n}"
+        assert got["errors"].tolist()[0] == 1 + row_count, got["errors"]
+    assert graphs
+    for code in graphs:
+        assert code.count(HOP) >= 2, f"the compiled graph does not launch both kernels:\n{code}"
+        assert "moe_ops.replay_routing" not in code, f"an opaque replay op is still in the graph:\n{code}"
+    if dynamic:
+        assert len(graphs) == 1, f"recompiled for a new token count: {len(graphs)} graphs"
+
+
+@pytest.mark.parametrize("row_count", [False, True], ids=["batch", "row_count"])
+def test_opcheck_replay_interpreted(row_count):
+    t = _replay_args(10, 0, row_count)
+    torch.library.opcheck(
+        torch.ops.moe_ops.replay_routing_.default,
+        (
+            t["logits"],
+            t["recorded"],
+            t["bias"],
+            t["weights"],
+            t["ids"],
+            t["errors"],
+            *_ROUTE_ARGS,
+            t["row_count"],
+        ),
+    )
+    torch.library.opcheck(
+        torch.ops.moe_ops.replay_routing_backward_.default,
+        (
+            t["grad_weights"],
+            t["logits"],
+            t["weights"],
+            t["ids"],
+            t["grad_logits"],
+            _ROUTE_ARGS[0],
+            _ROUTE_ARGS[3],
+        ),
+    )

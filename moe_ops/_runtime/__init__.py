@@ -2,6 +2,9 @@
 
 - ``library`` - :func:`~moe_ops._runtime.library.destination_op`, the one registration helper of the
   ``torch.ops.moe_ops.*`` ops, ``reference_op``, ``eager_caller`` and ``trace_triton_kernels``;
+- ``faults`` - :class:`~moe_ops._runtime.faults.DeviceCounter`, the one device-side fault counter
+  (read-and-subtract checks, the device-wide registry, ``cpu_counter_lock``) that capture, replay
+  and distributed record into;
 - ``launcher`` - :class:`~moe_ops._runtime.launcher.KernelLauncher`, eager CUDA launches of a
   ``@triton.jit`` kernel without ``JITFunction.run``'s per-call binding;
 - ``triton`` - whether Triton is installed and where its kernels run (``HAS_TRITON``,

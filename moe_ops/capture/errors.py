@@ -18,9 +18,12 @@ Layout of a counter, (FAULT_SLOTS,) int32 on the device, only ever incremented b
                         that were negative or did not fit the buffer (each stored as -1)
 
 Reading is lossless under concurrency: :meth:`FaultCounter.read_and_reset` copies the slots to the
-host and then SUBTRACTS what it read (an atomic ``index_add_`` on CUDA; under the counter's lock on
-the CPU, where the kernels' increments take the same lock), so increments that land between the
-read and the reset stay in the counter for the next check instead of being zeroed.
+host and then SUBTRACTS what it read (an atomic ``index_add_`` on CUDA; under the CPU counters' lock
+on the CPU, where the kernels' increments take the same lock), so increments that land between the
+read and the reset stay in the counter for the next check instead of being zeroed. The machinery
+(the tensor, the read-and-subtract, the lock, the device-wide registry) is the package's one fault
+counter, :mod:`moe_ops._runtime.faults`, which replay's counter shares; this module gives the
+capture's slots their meaning.
 
 Thread safety: :meth:`FaultCounter.read_and_reset`, :meth:`FaultCounter.check`,
 :func:`check_capture_errors` and the capture calls themselves may run on any threads at once; every
@@ -32,11 +35,12 @@ eager capture call (a warm-up) before capturing a graph with the device-wide cou
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from dataclasses import dataclass
 
 import torch
+
+# cpu_counter_lock: re-exported for the capture and router kernels, which import it from here
+from .._runtime.faults import DeviceCounter, cpu_counter_lock, device_counter, existing_counter
 
 __all__ = [
     "FAULT_BAD_ID",
@@ -75,16 +79,6 @@ _FAULT_NAMES = {
     FAULT_BAD_OFFSET: "negative shard size or rank offset past the end of topk_ids",
     FAULT_BAD_ID: "expert id negative or too large for the buffer dtype (stored as -1)",
 }
-
-# CPU counters are updated by Python code (the PyTorch twins, or the Triton interpreter): one lock
-# makes each update and each read-and-subtract atomic with respect to the others.
-_cpu_lock = threading.RLock()
-
-
-def cpu_counter_lock(device: torch.device) -> contextlib.AbstractContextManager:
-    """The lock a kernel launch that updates a counter on ``device`` holds (a no-op off the CPU,
-    where the kernels update counters with atomics)."""
-    return _cpu_lock if device.type == "cpu" else contextlib.nullcontext()
 
 
 def describe_faults(flags: int) -> str:
@@ -131,7 +125,7 @@ class CaptureFaultError(RuntimeError):
         )
 
 
-class FaultCounter:
+class FaultCounter(DeviceCounter):
     """A persistent (FAULT_SLOTS,) int32 fault counter on one device (see the module docstring).
 
     Args:
@@ -145,10 +139,7 @@ class FaultCounter:
     """
 
     def __init__(self, device: torch.device | str | int | None = None):
-        self.device = _normalise(device)
-        self.tensor = torch.zeros(FAULT_SLOTS, dtype=torch.int32, device=self.device)
-        torch._dynamo.mark_static_address(self.tensor)
-        self._slots = torch.arange(FAULT_SLOTS, device=self.device)
+        super().__init__(FAULT_SLOTS, device)
 
     def read_and_reset(self) -> FaultReport:
         """Reads the counter and subtracts what it read, losing no concurrent increment.
@@ -157,18 +148,11 @@ class FaultCounter:
         the current stream. Call it where the host already synchronises, never inside a captured or
         compiled step.
         """
-        with cpu_counter_lock(self.device):
-            values = self.tensor.tolist()
-            if any(values):
-                delta = torch.tensor([-v for v in values], dtype=torch.int32, device=self.device)
-                # atomic on CUDA, so kernels on other streams that add meanwhile are not lost
-                self.tensor.index_add_(0, self._slots, delta)
-        return _report(values)
+        return _report(self.read(reset=True))
 
     def peek(self) -> FaultReport:
         """Reads the counter without resetting it (HOST SYNC, as :meth:`read_and_reset`)."""
-        with cpu_counter_lock(self.device):
-            return _report(self.tensor.tolist())
+        return _report(self.read(reset=False))
 
     def check(self, *, reset: bool = True, raise_error: bool = True) -> int:
         """Reads (and by default resets) the counter; returns the number of faults
@@ -191,34 +175,12 @@ def _report(values: list[int]) -> FaultReport:
     return FaultReport(calls=values[0], flags=flags, bad_ids=values[FAULT_SLOT[FAULT_BAD_ID]])
 
 
-def _normalise(device: torch.device | str | int | None) -> torch.device:
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-_lock = threading.Lock()
-# device -> the device-wide counter of bare capture calls
-_counters: dict[torch.device, FaultCounter] = {}
-
-
 def device_fault_counter(device: torch.device | str | int | None = None) -> FaultCounter:
     """The device-wide :class:`FaultCounter` of ``device``, for capture calls that bring none.
 
     Allocated on first use and then fixed for the process.
     """
-    device = _normalise(device)
-    counter = _counters.get(device)
-    if counter is None:
-        with _lock:
-            counter = _counters.get(device)
-            if counter is None:
-                counter = FaultCounter(device)
-                _counters[device] = counter
-    return counter
+    return device_counter("capture", device, FaultCounter)
 
 
 # Under torch.compile this runs at trace time, as plain Python, and the graph holds the counter as a
@@ -246,8 +208,7 @@ def check_capture_errors(
         reset: subtract what was read from the counter.
         raise_error: raise :class:`CaptureFaultError` when there were faults.
     """
-    device = _normalise(device)
-    counter = _counters.get(device)
+    counter = existing_counter("capture", device)
     if counter is None:
         return 0
     return counter.check(reset=reset, raise_error=raise_error)

@@ -38,11 +38,12 @@ and ``dot = sum(g * w)``; the gradient w.r.t. ``x[ids]`` (DEFAULT: w.r.t. every 
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from .._runtime.faults import cpu_counter_lock
+from .._runtime.library import identity
 from .._runtime.triton import HAS_TRITON, interpreting, next_power_of_2
+from ..capture.kernels import size_hint
 from ..router.kernels import launch_config, tile_shape
 from ..router.methods import BIAS_METHODS, RoutingMethod
 from ..router.reference import SUM_EPSILON, select_experts, selection_keys, weights_for_ids
@@ -65,10 +66,6 @@ REPLAY_FAULT_REPEATED = 2  # an id twice in one row
 # a router read a different number of rows than the replayer's batch holds (RoutingReplayer's
 # device-side check, in compiled and CUDA-graphed steps); counted per router call, not per row
 REPLAY_FAULT_ROW_COUNT = 4
-
-# Serialises the twins' read-modify-write of a fault counter (CPU threads would race on it; on a
-# GPU the writes are ordered by the stream). The Triton kernels use atomics instead.
-counter_lock = threading.Lock()
 
 # Backward tile: 1024 logits per program, 4 warps. The output tile's layout gives each thread 8
 # contiguous experts of one row (one 16-byte bf16 store), so 1024 logits are one row per thread:
@@ -185,7 +182,9 @@ def replay_rows_torch(
         wrong_rows = (row_count[0] != router_logits.shape[0]).to(count.dtype)
         count = count + wrong_rows
         flags = flags | wrong_rows * REPLAY_FAULT_ROW_COUNT
-    with counter_lock:
+    # the CPU counters' lock: the twin's read-modify-write is atomic with respect to every other
+    # update and to a check's read-and-subtract (moe_ops._runtime.faults); the kernels use atomics
+    with cpu_counter_lock(errors.device):
         errors[0] += count.to(errors.dtype)
         errors[1] |= flags.to(errors.dtype)
 
@@ -655,6 +654,7 @@ def replay_rows_triton(
     *,
     block_m: int | None = None,
     num_warps: int | None = None,
+    wrap=identity,
 ) -> None:
     """Launches the forward kernel (arguments as :func:`replay_rows_torch`; ``weights`` float32,
     or float64 for float64 logits: the kernel computes in the weights' dtype).
@@ -662,28 +662,37 @@ def replay_rows_triton(
     block_m, num_warps: override the launch configuration (tests and tuning); the default is
     :func:`forward_launch_config`. A block that needs live routing holds a (block_m, NG_PAD, G_PAD)
     register tile of logits, as the router does.
+    wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
+        when torch.compile traces the op; see :mod:`moe_ops._runtime.library`)
 
     One launch, no host reads, no allocation: CUDA-graph capturable.
     """
     n_tokens, num_experts = router_logits.shape
     top_k = recorded_ids.shape[1]
     ng_pad, g_pad = tile_shape(num_experts, n_group)
-    default_m, default_warps = forward_launch_config(n_tokens, ng_pad, g_pad)
+    # n_tokens may be a SymInt (traced with dynamic shapes): the tile only tunes speed
+    default_m, default_warps = forward_launch_config(size_hint(n_tokens), ng_pad, g_pad)
     block_m = block_m or default_m
     num_warps = num_warps or default_warps
     programs = triton.cdiv(n_tokens, block_m)
     if row_count is not None:
-        programs = max(programs, 1)  # a call of 0 rows still checks the count
-    if programs == 0:
+        programs = torch.sym_max(programs, 1)  # a call of 0 rows still checks the count
+    elif programs == 0:
         return
-    _replay_kernel[(programs,)](
+    # never read (HAS_BIAS / CHECK_ROWS off): eagerly any tensor does; traced, each pointer gets a
+    # tensor of its own, because the functional kernel node clones every argument it may write and
+    # copies the clones back (an alias of ``errors`` would copy an unwritten clone over it)
+    traced = wrap is not identity
+    bias_arg = bias if bias is not None else (router_logits.new_empty(0) if traced else router_logits)
+    rows_arg = row_count if row_count is not None else (errors.new_empty(0) if traced else errors)
+    wrap(_replay_kernel)[(programs,)](
         router_logits,
         recorded_ids,
-        router_logits if bias is None else bias,
+        bias_arg,
         weights,
         ids,
         errors,
-        errors if row_count is None else row_count,
+        rows_arg,
         n_tokens,
         num_experts // n_group,
         n_group,
@@ -721,20 +730,21 @@ def replay_backward_triton(
     *,
     block_m: int | None = None,
     num_warps: int | None = None,
+    wrap=identity,
 ) -> None:
     """Launches the backward kernel (arguments as :func:`replay_backward_torch`; ``weights``
-    float32, or float64: the kernel computes in the weights' dtype). One launch, no host reads, no
-    allocation."""
+    float32, or float64: the kernel computes in the weights' dtype; ``wrap`` as
+    :func:`replay_rows_triton`). One launch, no host reads, no allocation."""
     n_tokens, num_experts = router_logits.shape
     top_k = ids.shape[1]
     e_pad = next_power_of_2(num_experts)
-    default_m, default_warps = backward_launch_config(n_tokens, e_pad)
+    default_m, default_warps = backward_launch_config(size_hint(n_tokens), e_pad)
     block_m = block_m or default_m
     num_warps = num_warps or default_warps
     programs = triton.cdiv(n_tokens, block_m)
     if programs == 0:
         return
-    _replay_backward_kernel[(programs,)](
+    wrap(_replay_backward_kernel)[(programs,)](
         grad_weights,
         router_logits,
         weights,

@@ -2,14 +2,22 @@
 ``moe_ops::replay_routing_backward_``.
 
 Destination-passing, like the router: the forward op writes preallocated ``weights``, ``ids`` and
-the device fault counter; the backward op writes a preallocated ``grad_logits``. Both declare what
-they mutate and have fake implementations. A ``torch.autograd.Function`` sits on top (QuACK's
-layering: op, thin allocating wrapper, autograd function, public function), because
-``torch.library.register_autograd`` accepts only functional schemas and rejects ops that mutate
-their arguments ("Cannot register autograd formula for non-functional operator"). Dynamo traces the
-autograd function, so ``torch.compile(fullgraph=True)`` compiles the forward and the backward
-without a graph break, and CUDA graphs capture both after one warm-up call (which compiles the
-Triton kernels and allocates the fault counter).
+the device fault counter; the backward op writes a preallocated ``grad_logits``. Both are
+registered as every Triton op of the package is (:func:`moe_ops._runtime.library.destination_op`):
+the Triton kernel on CUDA, the PyTorch twin on the CPU (the kernel where Triton is interpreted), a
+``*_reference_`` op for ``backend="torch"``, traceable (under ``torch.compile`` inductor sees and
+launches the Triton kernels themselves, ``wrap_triton``), and an eager CUDA call skips the
+dispatcher where it would do nothing else (``eager_caller``).
+
+A ``torch.autograd.Function`` sits on top (QuACK's layering: op, thin allocating wrapper, autograd
+function, public function), because ``torch.library.register_autograd`` accepts only functional
+schemas and rejects ops that mutate their arguments ("Cannot register autograd formula for
+non-functional operator"). Dynamo traces the autograd function, so ``torch.compile(fullgraph=True)``
+compiles the forward and the backward without a graph break, and CUDA graphs capture both after one
+warm-up call (which compiles the Triton kernels and allocates the fault counter).
+
+Faults go to the device-wide replay counter, one of the package's fault counters
+(:mod:`moe_ops._runtime.faults`: one registry, one CPU lock, read-and-subtract checks).
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import once_differentiable
 
-from .._runtime.library import destination_op, reference_op
+from .._runtime.faults import DeviceCounter, cpu_counter_lock, device_counter, existing_counter
+from .._runtime.library import destination_op, eager_caller, identity, reference_op
 from .._runtime.triton import HAS_TRITON
 from ..router.methods import REPLAY_LOGIT_DTYPES, RoutingMethod, method_from_value, validate_route_args
 from ..router.op import choose_triton
@@ -28,12 +37,14 @@ from .kernels import (
     REPLAY_FAULT_OUT_OF_RANGE,
     REPLAY_FAULT_REPEATED,
     REPLAY_FAULT_ROW_COUNT,
-    counter_lock,
     replay_backward_torch,
     replay_backward_triton,
     replay_rows_torch,
     replay_rows_triton,
 )
+
+if HAS_TRITON:
+    from .kernels import _replay_backward_kernel, _replay_kernel
 
 __all__ = [
     "BACKENDS",
@@ -50,11 +61,12 @@ RECORDED_ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.i
 
 
 # ---------------------------------------------------------------------------------------------------
-# The fault counter (kept small and self-contained: it is to merge with the capture counters)
+# The fault counter: the package's one device-side counter (moe_ops._runtime.faults), two slots
 # ---------------------------------------------------------------------------------------------------
 
-# device -> (2,) int32 tensor: [faulty rows, OR of REPLAY_FAULT_* bits]
-_counters: dict[torch.device, torch.Tensor] = {}
+# the registry's kind of the device-wide replay counter: (2,) int32 [faulty rows, OR of REPLAY_FAULT_*]
+_KIND = "replay"
+_SLOTS = 2
 
 _FAULT_NAMES = {
     REPLAY_FAULT_OUT_OF_RANGE: "an id outside [0, num_experts) in a row that is not all -1",
@@ -64,13 +76,8 @@ _FAULT_NAMES = {
 }
 
 
-def _normalise(device: torch.device | str | int | None) -> torch.device:
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+def _make_counter(device: torch.device) -> DeviceCounter:
+    return DeviceCounter(_SLOTS, device)
 
 
 class ReplayFaultError(RuntimeError):
@@ -108,41 +115,31 @@ def replay_fault_counter(device: torch.device | str | int | None = None) -> torc
     op's mutation of it. Thread-safe: concurrent first calls get the same tensor. The count is int32:
     it wraps after 2**31 faulty rows without a check.
     """
-    device = _normalise(device)
-    counter = _counters.get(device)
-    if counter is None:
-        with counter_lock:
-            counter = _counters.get(device)
-            if counter is None:
-                counter = torch.zeros(2, dtype=torch.int32, device=device)
-                torch._dynamo.mark_static_address(counter)
-                _counters[device] = counter
-    return counter
+    return device_counter(_KIND, device, _make_counter).tensor
 
 
 def check_replay_errors(device: torch.device | str | int | None = None, *, raise_error: bool = True) -> int:
-    """Reads and zeroes the fault counter of ``device``; returns the faulty rows counted since the
+    """Reads and resets the fault counter of ``device``; returns the faulty rows counted since the
     last check (0 where the counter was never allocated).
 
     HOST SYNC: copies 8 bytes from the device, which waits for the work queued before it on the
     current stream. Call it where the trainer already synchronises (e.g. after reading the loss),
-    never inside a captured or compiled step. The read and the reset hold the lock the CPU twin
-    updates under, so no CPU update is lost between them; on a GPU the update kernels are ordered by
-    their stream, so check after the streams that replay have been joined.
+    never inside a captured or compiled step. Thread-safe and lossless, as every fault counter of
+    the package (:mod:`moe_ops._runtime.faults`): the check SUBTRACTS what it read (an atomic
+    ``index_add_`` on CUDA, under the CPU counters' lock on the CPU), so a faulty row counted while
+    it runs is reported by the next check. The fault bits are a summary: a bit set again while a
+    check reads is reported by that check.
 
     Args:
         device: the device whose counter to read (default: the current CUDA device, else CPU).
         raise_error: raise :class:`ReplayFaultError` when any row was faulty (after the reset).
     """
-    device = _normalise(device)
-    counter = _counters.get(device)
+    counter = existing_counter(_KIND, device)
     if counter is None:
         return 0
-    with counter_lock:
-        rows, flags = (int(v) for v in counter.tolist())
-        counter.zero_()
+    rows, flags = counter.read(reset=True)
     if raise_error and rows:
-        raise ReplayFaultError(device, rows, flags)
+        raise ReplayFaultError(counter.device, rows, flags)
     return rows
 
 
@@ -197,18 +194,58 @@ def _backward_twin(
     )
 
 
+def _forward_triton(
+    router_logits: torch.Tensor,
+    recorded_ids: torch.Tensor,
+    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    errors: torch.Tensor,
+    method: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    row_count: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
+    *,
+    wrap=identity,
+) -> None:
+    """The forward kernel's launcher as the op calls it (``wrap``: see moe_ops._runtime.library)."""
+    args = (router_logits, recorded_ids, bias, weights, ids, errors, method, n_group, topk_group)
+    if errors.device.type == "cpu":
+        # interpreted Triton updates the fault counter in Python: the CPU counters' lock makes the
+        # launch atomic with respect to a check's read-and-subtract (moe_ops._runtime.faults); on
+        # CUDA the kernel's atomics need no lock
+        with cpu_counter_lock(errors.device):
+            replay_rows_triton(*args, routed_scaling_factor, row_count, wrap=wrap)
+    else:
+        replay_rows_triton(*args, routed_scaling_factor, row_count, wrap=wrap)
+
+
 _FORWARD_MUTATES = ("weights", "ids", "errors")
 _BACKWARD_MUTATES = ("grad_logits",)
 _FORWARD_SCHEMA = torch.library.infer_schema(_forward_twin, mutates_args=_FORWARD_MUTATES)
 _BACKWARD_SCHEMA = torch.library.infer_schema(_backward_twin, mutates_args=_BACKWARD_MUTATES)
-# CUDA: the Triton kernels; CPU: the twins, or the kernels where Triton is interpreted on the CPU.
-# backend="torch" where a kernel would run takes the *_reference_ ops (moe_ops._runtime.library says why).
-# The launchers take no wrap= (replay/kernels.py keeps its signatures), so the ops stay opaque to
-# torch.compile.
-_FORWARD_TRITON = dict(cuda=replay_rows_triton, interpreted=replay_rows_triton) if HAS_TRITON else {}
-_BACKWARD_TRITON = dict(cuda=replay_backward_triton, interpreted=replay_backward_triton) if HAS_TRITON else {}
+# CUDA: the Triton kernels (inductor launches them from its own code under torch.compile); CPU: the
+# twins, or the kernels where Triton is interpreted on the CPU. backend="torch" where a kernel would
+# run takes the *_reference_ ops (moe_ops._runtime.library says why they are ops).
+_FORWARD_TRITON = dict(
+    cuda=_forward_triton,
+    interpreted=_forward_triton,
+    traceable=_forward_triton,
+    kernels=(_replay_kernel,) if HAS_TRITON else (),
+)
+_BACKWARD_TRITON = dict(
+    cuda=replay_backward_triton,
+    interpreted=replay_backward_triton,
+    traceable=replay_backward_triton,
+    kernels=(_replay_backward_kernel,) if HAS_TRITON else (),
+)
 replay_routing_op = destination_op(
-    "replay_routing_", mutates=_FORWARD_MUTATES, cpu=_forward_twin, schema=_FORWARD_SCHEMA, **_FORWARD_TRITON
+    "replay_routing_",
+    mutates=_FORWARD_MUTATES,
+    cpu=_forward_twin,
+    schema=_FORWARD_SCHEMA,
+    **(_FORWARD_TRITON if HAS_TRITON else {}),
 )
 replay_routing_reference_op = reference_op(
     "replay_routing_", _forward_twin, mutates=_FORWARD_MUTATES, schema=_FORWARD_SCHEMA
@@ -218,11 +255,19 @@ replay_routing_backward_op = destination_op(
     mutates=_BACKWARD_MUTATES,
     cpu=_backward_twin,
     schema=_BACKWARD_SCHEMA,
-    **_BACKWARD_TRITON,
+    **(_BACKWARD_TRITON if HAS_TRITON else {}),
 )
 replay_routing_backward_reference_op = reference_op(
     "replay_routing_backward_", _backward_twin, mutates=_BACKWARD_MUTATES, schema=_BACKWARD_SCHEMA
 )
+# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._runtime.library).
+# Forward: the logits, the recorded ids, the bias and the row count are checked; the outputs were
+# made on the logits' device and the counter is that device's. Backward: the incoming gradient and
+# the logits; weights, ids and grad_logits are the forward's and this call's own.
+_forward_call = eager_caller("replay_routing_", checked=(0, 1, 2, 10))
+_backward_call = eager_caller("replay_routing_backward_", checked=(0, 1))
+_reference_forward = torch.ops.moe_ops.replay_routing_reference_
+_reference_backward = torch.ops.moe_ops.replay_routing_backward_reference_
 
 
 def _errors_for(router_logits: torch.Tensor) -> torch.Tensor:
@@ -240,9 +285,7 @@ def _forward(
     n, k = recorded_ids.shape
     weights = torch.empty((n, k), dtype=dtype, device=router_logits.device)
     ids = torch.empty((n, k), dtype=torch.int32, device=router_logits.device)
-    forward_ = (
-        torch.ops.moe_ops.replay_routing_ if use_triton else torch.ops.moe_ops.replay_routing_reference_
-    )
+    forward_ = _forward_call if use_triton else _reference_forward
     forward_(
         router_logits,
         recorded_ids,
@@ -310,11 +353,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
         if grad_weights is None:  # no gradient reached the weights (grads are not materialised)
             return None, None, None, None, None, None, None, None, None, None
         grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
-        backward_ = (
-            torch.ops.moe_ops.replay_routing_backward_
-            if ctx.use_triton
-            else torch.ops.moe_ops.replay_routing_backward_reference_
-        )
+        backward_ = _backward_call if ctx.use_triton else _reference_backward
         backward_(grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale)
         return grad_logits, None, None, None, None, None, None, None, None, None
 

@@ -46,10 +46,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._runtime.faults import cpu_counter_lock
 from .._runtime.library import destination_op
 from ..shapes import RoutingShape
 from ..wire import check_layer_axis
-from .kernels import REPLAY_FAULT_ROW_COUNT, counter_lock
+from .kernels import REPLAY_FAULT_ROW_COUNT
 from .op import replay_fault_counter
 
 __all__ = ["LAYER_KINDS", "NO_RECORD_MARKERS", "RoutingReplayer", "replay_batch"]
@@ -298,7 +299,7 @@ def _check_rows(row_count: torch.Tensor, num_rows: int, errors: torch.Tensor) ->
     that holds ``row_count[0]``. On the device, no host read (one small kernel per term); the CPU
     counters' lock held as the replay twins hold it."""
     bad = (row_count != num_rows).to(torch.int32)
-    with counter_lock if errors.device.type == "cpu" else contextlib.nullcontext():
+    with cpu_counter_lock(errors.device):
         errors[0:1].add_(bad)
         errors[1:2].bitwise_or_(bad * REPLAY_FAULT_ROW_COUNT)
 
