@@ -34,6 +34,7 @@ from .errors import (
     WINDOW_FAULTS,
     cpu_counter_lock,
 )
+from .spec import kernel_args, kernel_constexprs
 from .window import rows_window_torch
 
 __all__ = ["capture_rows_torch", "capture_rows_triton", "id_limit", "launch_config", "size_hint"]
@@ -142,14 +143,18 @@ if HAS_TRITON:
         ]
     )
     def _capture_rows_kernel(
-        buf_ptr,
         ids_ptr,
+        n_src,
+        stride_im,
+        stride_ik,
+        top_k,
+        # the capture's arguments: moe_ops.capture.spec.KERNEL_PARAMS, in its order
+        buf_ptr,
         counts_ptr,
         sizes_ptr,
         errors_ptr,
         stamps_ptr,
         step_ptr,
-        n_src,
         n_dst,
         layer_id,
         dp_rank,
@@ -157,11 +162,8 @@ if HAS_TRITON:
         stride_bm,
         stride_bl,
         stride_bk,
-        stride_im,
-        stride_ik,
         stride_c,
         stride_s,
-        top_k,
         ID_MAX: tl.constexpr,
         CHECK_HIGH: tl.constexpr,
         K_PAD: tl.constexpr,
@@ -247,10 +249,8 @@ def _plan(
         CHECK_HIGH=id_limit(ids_dtype) > id_max,
         K_PAD=k_pad,
         BLOCK_M=block_m,
-        S_PAD=next_power_of_2(n_sizes),
         SOURCE_ORDER=source_order,
-        HAS_OFFSET=bool(n_first > 0),
-        STAMP=bool(stamped),
+        **kernel_constexprs(n_sizes, n_first, stamped),
     )
     return grid, num_warps, constexprs
 
@@ -300,29 +300,14 @@ def capture_rows_triton(
     )
     plan = _plan if has_symbols(*plan_args) else _capture_plan
     grid, num_warps, constexprs = plan(*plan_args)
-    stride_bm, stride_bl, stride_bk = buffer.stride()
     stride_im, stride_ik = topk_ids.stride()
     args = (
-        buffer,
         topk_ids,
-        token_counts,
-        sizes,
-        errors,
-        stamps,
-        step,
         n_src,
-        n_dst,
-        layer_id,
-        dp_rank,
-        n_first,
-        stride_bm,
-        stride_bl,
-        stride_bk,
         stride_im,
         stride_ik,
-        token_counts.stride(0),
-        sizes.stride(0),
         top_k,
+        *kernel_args(buffer, token_counts, sizes, errors, stamps, step, layer_id, dp_rank, n_first),
     )
     if buffer.device.type == "cpu":
         # interpreted Triton updates the fault counter in Python (see capture.errors); on CUDA the
