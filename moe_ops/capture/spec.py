@@ -28,7 +28,6 @@ import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from operator import attrgetter, itemgetter
 
 import torch
 
@@ -88,8 +87,14 @@ class CaptureSpec:
         return kernel_constexprs(self.sizes.shape[0], self.n_first, self.stamps.numel() > 0)
 
 
+def _generated(arg: str, items: Sequence[str]) -> Callable:
+    """``lambda arg: (items...,)`` as generated code: torch.compile traces it (it cannot trace
+    ``operator.itemgetter`` / ``attrgetter``), and it costs less host time than a loop."""
+    return eval(f"lambda {arg}: ({''.join(item + ', ' for item in items)})")  # names from this module only
+
+
 _NAMES = tuple(f.name for f in dataclasses.fields(CaptureSpec))
-_values = attrgetter(*_NAMES)
+_values = _generated("spec", [f"spec.{n}" for n in _NAMES])
 
 # The block of runtime parameters every capturing kernel ends with (constexprs follow it), in this
 # order; kernel_args builds it. Strides other than the innermost are runtime values (see the kernels).
@@ -200,11 +205,8 @@ def parse_args(schema: str) -> tuple[Arg, ...]:
 
 
 def _getter(positions: Sequence[int]) -> Callable[[Sequence], tuple]:
-    """Picks ``positions`` out of a sequence as a tuple (itemgetter returns a bare item for one)."""
-    if len(positions) == 1:
-        i = positions[0]
-        return lambda seq: (seq[i],)
-    return itemgetter(*positions)
+    """Picks ``positions`` out of a sequence as a tuple."""
+    return _generated("seq", [f"seq[{i}]" for i in positions])
 
 
 class OpArgs:
