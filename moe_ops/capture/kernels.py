@@ -144,17 +144,18 @@ if HAS_TRITON:
     )
     def _capture_rows_kernel(
         ids_ptr,
-        n_src,
-        stride_im,
-        stride_ik,
-        top_k,
-        # the capture's arguments: moe_ops.capture.spec.KERNEL_PARAMS, in its order
+        # the capture's pointers: moe_ops.capture.spec.KERNEL_POINTERS, in its order
         buf_ptr,
         counts_ptr,
         sizes_ptr,
         errors_ptr,
         stamps_ptr,
         step_ptr,
+        n_src,
+        stride_im,
+        stride_ik,
+        top_k,
+        # the capture's scalars: moe_ops.capture.spec.KERNEL_SCALARS, in its order
         n_dst,
         layer_id,
         dp_rank,
@@ -301,13 +302,18 @@ def capture_rows_triton(
     plan = _plan if has_symbols(*plan_args) else _capture_plan
     grid, num_warps, constexprs = plan(*plan_args)
     stride_im, stride_ik = topk_ids.stride()
-    args = (
-        topk_ids,
-        n_src,
-        stride_im,
-        stride_ik,
-        top_k,
-        *kernel_args(buffer, token_counts, sizes, errors, stamps, step, layer_id, dp_rank, n_first),
+    args = kernel_args(
+        (topk_ids,),
+        (n_src, stride_im, stride_ik, top_k),
+        buffer,
+        token_counts,
+        sizes,
+        errors,
+        stamps,
+        step,
+        layer_id,
+        dp_rank,
+        n_first,
     )
     if buffer.device.type == "cpu":
         # interpreted Triton updates the fault counter in Python (see capture.errors); on CUDA the

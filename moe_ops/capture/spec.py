@@ -10,13 +10,14 @@ from it (as :mod:`moe_ops.flashinfer.ops` generates FlashInfer's schemas from on
   ``moe_ops::capture_routing_``, :meth:`OpArgs.fused` for an op that does its own work and captures
   in the same launch (``moe_ops::route_capture_``); the schema strings are the ones those ops have
   always had, so compiled graphs and callers keep working;
-* the kernels' capture arguments: :func:`kernel_args` / :meth:`CaptureSpec.kernel_args`, the block
-  :data:`KERNEL_PARAMS` that every capturing Triton kernel ends its runtime parameters with, and
+* the kernels' capture arguments: :func:`kernel_args` / :meth:`CaptureSpec.kernel_args` - a
+  capturing Triton kernel takes its own pointers, :data:`KERNEL_POINTERS`, its own scalars,
+  :data:`KERNEL_SCALARS` (the rule :meth:`OpArgs.fused` applies to op arguments) - and
   :func:`kernel_constexprs` (:data:`KERNEL_CONSTEXPRS`).
 
-A new capture argument is one field here, one name in :data:`KERNEL_PARAMS` and its use in the
-kernels; ``tests/test_capture_spec.py`` checks that the ops' schemas, the launchers and the kernels'
-parameter lists agree with this module.
+A new capture argument is one field here, its name in :data:`KERNEL_POINTERS` or
+:data:`KERNEL_SCALARS` and its use in the kernels; ``tests/test_capture_spec.py`` checks that the
+ops' schemas, the launchers and the kernels' parameter lists agree with this module.
 
 :class:`~moe_ops.capture.target.CaptureTarget` (the validated, user-facing contract) resolves to a
 spec (``target.spec``); a spec itself is not validated: it is what a validated target hands on.
@@ -36,7 +37,8 @@ from .._runtime.triton import next_power_of_2
 __all__ = [
     "CAPTURE_OP",
     "KERNEL_CONSTEXPRS",
-    "KERNEL_PARAMS",
+    "KERNEL_POINTERS",
+    "KERNEL_SCALARS",
     "Arg",
     "CaptureSpec",
     "OpArgs",
@@ -78,9 +80,10 @@ class CaptureSpec:
         """The fields in order (what ``CaptureSpec(*values)`` rebuilds)."""
         return _values(self)
 
-    def kernel_args(self) -> tuple:
-        """The kernels' capture arguments, in the order of :data:`KERNEL_PARAMS`."""
-        return kernel_args(*_values(self))
+    def kernel_args(self, pointers: tuple, scalars: tuple) -> tuple:
+        """A capturing kernel's runtime arguments: its own ``pointers`` and ``scalars`` with this
+        spec's (see :func:`kernel_args`)."""
+        return kernel_args(pointers, scalars, *_values(self))
 
     def kernel_constexprs(self) -> dict:
         """The kernels' capture constexprs (:data:`KERNEL_CONSTEXPRS`)."""
@@ -96,15 +99,13 @@ def _generated(arg: str, items: Sequence[str]) -> Callable:
 _NAMES = tuple(f.name for f in dataclasses.fields(CaptureSpec))
 _values = _generated("spec", [f"spec.{n}" for n in _NAMES])
 
-# The block of runtime parameters every capturing kernel ends with (constexprs follow it), in this
-# order; kernel_args builds it. Strides other than the innermost are runtime values (see the kernels).
-KERNEL_PARAMS = (
-    "buf_ptr",
-    "counts_ptr",
-    "sizes_ptr",
-    "errors_ptr",
-    "stamps_ptr",
-    "step_ptr",
+# The capture's runtime parameters of every capturing kernel: its pointers and its scalars. A
+# kernel takes its own pointers, then KERNEL_POINTERS, then its own scalars, then KERNEL_SCALARS
+# (the rule OpArgs.fused applies to op arguments); kernel_args builds that list. Pointers come
+# first because torch 2.11's mutation analysis of traced kernels maps written parameters to
+# tensors by position. Strides other than the innermost are runtime values (see the kernels).
+KERNEL_POINTERS = ("buf_ptr", "counts_ptr", "sizes_ptr", "errors_ptr", "stamps_ptr", "step_ptr")
+KERNEL_SCALARS = (
     "n_dst",
     "layer_id",
     "dp_rank",
@@ -121,6 +122,8 @@ KERNEL_CONSTEXPRS = ("S_PAD", "HAS_OFFSET", "STAMP")
 
 
 def kernel_args(
+    pointers: tuple,
+    scalars: tuple,
     buffer: torch.Tensor,
     token_counts: torch.Tensor,
     sizes: torch.Tensor,
@@ -131,16 +134,20 @@ def kernel_args(
     dp_rank: int,
     n_first: int,
 ) -> tuple:
-    """:data:`KERNEL_PARAMS` from a spec's fields (in field order; a launcher that has them as
-    separate arguments calls this without building a spec). Host metadata only."""
+    """A capturing kernel's runtime arguments in its order: its own ``pointers``, the capture's
+    (:data:`KERNEL_POINTERS`), its own ``scalars``, the capture's (:data:`KERNEL_SCALARS`), from a
+    spec's fields in field order (a launcher that has them as separate arguments calls this
+    without building a spec). Host metadata only."""
     stride_bm, stride_bl, stride_bk = buffer.stride()
     return (
+        *pointers,
         buffer,
         token_counts,
         sizes,
         errors,
         stamps,
         step,
+        *scalars,
         buffer.shape[0],
         layer_id,
         dp_rank,
@@ -159,14 +166,15 @@ def kernel_constexprs(n_sizes: int, n_first: int, stamped: bool) -> dict:
     return dict(S_PAD=next_power_of_2(n_sizes), HAS_OFFSET=bool(n_first > 0), STAMP=bool(stamped))
 
 
-def absent_kernel_args(like: torch.Tensor, *, distinct: bool) -> tuple:
-    """:data:`KERNEL_PARAMS` of a kernel launched without a capture (its CAPTURE constexpr False:
-    nothing is read). The pointers are ``like`` itself (``distinct`` False) or six empty tensors of
-    its dtype and device: traced, each pointer needs a tensor of its own, because the functional
-    kernel node clones every argument it may write and copies the clones back - an alias of an
-    output would copy an unwritten clone over it."""
-    pointers = tuple(like.new_empty(0) for _ in range(6)) if distinct else (like,) * 6
-    return (*pointers, *(0,) * (len(KERNEL_PARAMS) - 6))
+def absent_kernel_args(pointers: tuple, scalars: tuple, like: torch.Tensor, *, distinct: bool) -> tuple:
+    """:func:`kernel_args` of a kernel launched without a capture (its CAPTURE constexpr False:
+    nothing of the capture is read). The capture's pointers are ``like`` itself (``distinct``
+    False) or empty tensors of its dtype and device: traced, each pointer needs a tensor of its own,
+    because the functional kernel node clones every argument it may write and copies the clones
+    back - an alias of an output would copy an unwritten clone over it. Its scalars are 0."""
+    n = len(KERNEL_POINTERS)
+    capture = tuple(like.new_empty(0) for _ in range(n)) if distinct else (like,) * n
+    return (*pointers, *capture, *scalars, *(0,) * len(KERNEL_SCALARS))
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,15 @@ if HAS_TRITON:
         bias_ptr,
         weights_ptr,
         ids_ptr,
+        # the capture's pointers: moe_ops.capture.spec.KERNEL_POINTERS, in its order (pointers
+        # first: torch 2.11's mutation analysis of traced kernels maps written parameters to
+        # tensors by position)
+        buf_ptr,
+        counts_ptr,
+        sizes_ptr,
+        errors_ptr,
+        stamps_ptr,
+        step_ptr,
         n_tokens,
         group_size,
         n_group,
@@ -155,13 +164,7 @@ if HAS_TRITON:
         stride_wk,
         stride_im,
         stride_ik,
-        # the capture's arguments: moe_ops.capture.spec.KERNEL_PARAMS, in its order
-        buf_ptr,
-        counts_ptr,
-        sizes_ptr,
-        errors_ptr,
-        stamps_ptr,
-        step_ptr,
+        # the capture's scalars: moe_ops.capture.spec.KERNEL_SCALARS, in its order
         n_dst,
         layer_id,
         dp_rank,
@@ -300,27 +303,13 @@ def route_rows_triton(
     block_m = block_m or default_m
     num_warps = num_warps or default_warps
     programs = triton.cdiv(n_tokens, block_m)
-    if capture is None:
-        if programs == 0:
-            return
-        # never read: CAPTURE is False (eagerly any tensor does; traced, each pointer its own)
-        capture_args = absent_kernel_args(ids, distinct=wrap is not identity)
-        capture_constexprs = _NO_CAPTURE
-    else:
-        # At least one program, so a call whose counts overflow an empty batch still records its fault.
-        programs = torch.sym_max(programs, 1)
-        capture_args = capture.kernel_args()
-        capture_constexprs = capture.kernel_constexprs()
     # no bias: never read (HAS_BIAS is False); traced, not an alias of the logits (see
     # moe_ops.capture.spec.absent_kernel_args)
     bias_arg = bias
     if bias is None:
         bias_arg = router_logits if wrap is identity else router_logits.new_empty(0)
-    args = (
-        router_logits,
-        bias_arg,
-        weights,
-        ids,
+    pointers = (router_logits, bias_arg, weights, ids)
+    scalars = (
         n_tokens,
         num_experts // n_group,
         n_group,
@@ -333,8 +322,18 @@ def route_rows_triton(
         weights.stride(1),
         ids.stride(0),
         ids.stride(1),
-        *capture_args,
     )
+    if capture is None:
+        if programs == 0:
+            return
+        # never read: CAPTURE is False (eagerly any tensor does; traced, each pointer its own)
+        args = absent_kernel_args(pointers, scalars, ids, distinct=wrap is not identity)
+        capture_constexprs = _NO_CAPTURE
+    else:
+        # At least one program, so a call whose counts overflow an empty batch still records its fault.
+        programs = torch.sym_max(programs, 1)
+        args = capture.kernel_args(pointers, scalars)
+        capture_constexprs = capture.kernel_constexprs()
     constexprs = dict(
         METHOD=int(method),
         HAS_BIAS=bias is not None,
