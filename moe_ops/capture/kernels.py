@@ -276,14 +276,10 @@ def capture_rows_triton(
 ) -> None:
     """Launches the slicing kernel (validated arguments assumed; see ``capture_routing``).
 
-    buffer: (max_tokens, num_layers, top_k) int16/int32/int64 - written in place, rows [0, c_eff)
+    The capture op's arguments, in its order (:data:`moe_ops.capture.spec.CAPTURE_OP`):
     topk_ids: (n, top_k) integer, any strides - source rows
-    token_counts: (dp_size,) int32, any stride - real tokens of each DP rank, read on the device
-    sizes: (S,) int32, any stride - per-rank (GATHERED) or per-shard row counts; the first
-        ``n_first`` entries precede this rank's block (:func:`moe_ops.capture.window.plan_window`)
-    errors: (FAULT_SLOTS,) int32 - fault counter, see :mod:`moe_ops.capture.errors`
-    stamps: (num_layers,) int32 - per-layer step stamps, or empty (no stamp)
-    step: (1,) int32 - the current step, read on the device (unused without stamps)
+    the others: a :class:`~moe_ops.capture.spec.CaptureSpec`'s fields (their invariants there);
+        ``buffer`` is written in place, rows [0, c_eff) of layer ``layer_id``
     wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
         when torch.compile traces the op; see :mod:`moe_ops._runtime.library`)
     """
