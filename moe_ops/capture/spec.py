@@ -15,9 +15,10 @@ from it (as :mod:`moe_ops.flashinfer.ops` generates FlashInfer's schemas from on
   :data:`KERNEL_SCALARS` (the rule :meth:`OpArgs.fused` applies to op arguments) - and
   :func:`kernel_constexprs` (:data:`KERNEL_CONSTEXPRS`).
 
-A new capture argument is one field here, its name in :data:`KERNEL_POINTERS` or
-:data:`KERNEL_SCALARS` and its use in the kernels; ``tests/test_capture_spec.py`` checks that the
-ops' schemas, the launchers and the kernels' parameter lists agree with this module.
+A new capture argument is one field here (with its name in :data:`KERNEL_POINTERS` or
+:data:`KERNEL_SCALARS` and its place in :func:`kernel_args`) and its use in the kernels;
+``tests/test_capture_spec.py`` checks that the ops' schemas, the launchers and the kernels'
+parameter lists agree with this module.
 
 :class:`~moe_ops.capture.target.CaptureTarget` (the validated, user-facing contract) resolves to a
 spec (``target.spec``); a spec itself is not validated: it is what a validated target hands on.
