@@ -22,8 +22,9 @@ from strategies import GPU_CAPTURE_ROUTERS, MODEL_ROUTERS, POISON, routed_captur
 import moe_ops
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, capture_routing, route
 from moe_ops.capture.errors import FAULT_SLOTS
+from moe_ops.capture.spec import CaptureSpec
 from moe_ops.capture.window import plan_window
-from moe_ops.router.kernels import FusedCapture, route_rows_torch, route_rows_triton
+from moe_ops.router.kernels import route_rows_torch, route_rows_triton
 
 CPU_BACKENDS = [
     pytest.param(("torch", "cpu"), id="torch-cpu"),
@@ -167,7 +168,7 @@ def test_kernel_programs_split_the_capture_window(device, block_ms, extra, data)
         errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32, device=device)
         w = torch.empty(logits.shape[0], router.config.top_k, dtype=torch.float32, device=device)
         ids = torch.empty(logits.shape[0], router.config.top_k, dtype=torch.int32, device=device)
-        fused = FusedCapture(
+        fused = CaptureSpec(
             buf, counts, read, errors, no_stamps, no_stamps, case.layer_id, case.dp_rank, n_first
         )
         args = (logits, bias, w, ids, int(router.config.method), n_group, topk_group, scale, fused)

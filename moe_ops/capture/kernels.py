@@ -34,6 +34,7 @@ from .errors import (
     WINDOW_FAULTS,
     cpu_counter_lock,
 )
+from .spec import kernel_args, kernel_constexprs
 from .window import rows_window_torch
 
 __all__ = ["capture_rows_torch", "capture_rows_triton", "id_limit", "launch_config", "size_hint"]
@@ -142,14 +143,19 @@ if HAS_TRITON:
         ]
     )
     def _capture_rows_kernel(
-        buf_ptr,
         ids_ptr,
+        # the capture's pointers: moe_ops.capture.spec.KERNEL_POINTERS, in its order
+        buf_ptr,
         counts_ptr,
         sizes_ptr,
         errors_ptr,
         stamps_ptr,
         step_ptr,
         n_src,
+        stride_im,
+        stride_ik,
+        top_k,
+        # the capture's scalars: moe_ops.capture.spec.KERNEL_SCALARS, in its order
         n_dst,
         layer_id,
         dp_rank,
@@ -157,11 +163,8 @@ if HAS_TRITON:
         stride_bm,
         stride_bl,
         stride_bk,
-        stride_im,
-        stride_ik,
         stride_c,
         stride_s,
-        top_k,
         ID_MAX: tl.constexpr,
         CHECK_HIGH: tl.constexpr,
         K_PAD: tl.constexpr,
@@ -247,10 +250,8 @@ def _plan(
         CHECK_HIGH=id_limit(ids_dtype) > id_max,
         K_PAD=k_pad,
         BLOCK_M=block_m,
-        S_PAD=next_power_of_2(n_sizes),
         SOURCE_ORDER=source_order,
-        HAS_OFFSET=bool(n_first > 0),
-        STAMP=bool(stamped),
+        **kernel_constexprs(n_sizes, n_first, stamped),
     )
     return grid, num_warps, constexprs
 
@@ -275,14 +276,10 @@ def capture_rows_triton(
 ) -> None:
     """Launches the slicing kernel (validated arguments assumed; see ``capture_routing``).
 
-    buffer: (max_tokens, num_layers, top_k) int16/int32/int64 - written in place, rows [0, c_eff)
+    The capture op's arguments, in its order (:data:`moe_ops.capture.spec.CAPTURE_OP`):
     topk_ids: (n, top_k) integer, any strides - source rows
-    token_counts: (dp_size,) int32, any stride - real tokens of each DP rank, read on the device
-    sizes: (S,) int32, any stride - per-rank (GATHERED) or per-shard row counts; the first
-        ``n_first`` entries precede this rank's block (:func:`moe_ops.capture.window.plan_window`)
-    errors: (FAULT_SLOTS,) int32 - fault counter, see :mod:`moe_ops.capture.errors`
-    stamps: (num_layers,) int32 - per-layer step stamps, or empty (no stamp)
-    step: (1,) int32 - the current step, read on the device (unused without stamps)
+    the others: a :class:`~moe_ops.capture.spec.CaptureSpec`'s fields (their invariants there);
+        ``buffer`` is written in place, rows [0, c_eff) of layer ``layer_id``
     wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
         when torch.compile traces the op; see :mod:`moe_ops._runtime.library`)
     """
@@ -300,29 +297,19 @@ def capture_rows_triton(
     )
     plan = _plan if has_symbols(*plan_args) else _capture_plan
     grid, num_warps, constexprs = plan(*plan_args)
-    stride_bm, stride_bl, stride_bk = buffer.stride()
     stride_im, stride_ik = topk_ids.stride()
-    args = (
+    args = kernel_args(
+        (topk_ids,),
+        (n_src, stride_im, stride_ik, top_k),
         buffer,
-        topk_ids,
         token_counts,
         sizes,
         errors,
         stamps,
         step,
-        n_src,
-        n_dst,
         layer_id,
         dp_rank,
         n_first,
-        stride_bm,
-        stride_bl,
-        stride_bk,
-        stride_im,
-        stride_ik,
-        token_counts.stride(0),
-        sizes.stride(0),
-        top_k,
     )
     if buffer.device.type == "cpu":
         # interpreted Triton updates the fault counter in Python (see capture.errors); on CUDA the

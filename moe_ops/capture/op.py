@@ -10,13 +10,13 @@ counter).
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from .._runtime.library import destination_op, eager_caller
 from .._runtime.triton import HAS_TRITON
 from ..layout import BatchLayout
-from .errors import FAULT_SLOTS, FaultCounter, capture_error_counter
+from .errors import FaultCounter
 from .kernels import capture_rows_torch, capture_rows_triton
+from .spec import CAPTURE_OP
 
 if HAS_TRITON:
     from .kernels import _capture_rows_kernel as capture_kernel
@@ -25,28 +25,9 @@ from .target import CaptureTarget, check_process_group
 __all__ = ["capture_into", "capture_routing", "check_process_group", "target_tensors", "tp_world_size"]
 
 
-def _capture_schema(
-    buffer: torch.Tensor,
-    topk_ids: torch.Tensor,
-    token_counts: torch.Tensor,
-    sizes: torch.Tensor,
-    errors: torch.Tensor,
-    stamps: torch.Tensor,
-    step: torch.Tensor,
-    layer_id: int,
-    dp_rank: int,
-    n_first: int,
-) -> None:
-    """Writes this rank's rows of ``topk_ids`` into ``buffer[:, layer_id]`` (see kernels.py).
-
-    ``sizes`` and ``n_first`` come from :func:`moe_ops.capture.window.plan_window`; ``stamps`` is
-    empty when the target has no stamps. The public wrapper handles SEQUENCE_PARALLEL's gather.
-    """
-    raise NotImplementedError  # the signature the schema is inferred from; the kernels run
-
-
-_MUTATES = ("buffer", "errors", "stamps")
-_SCHEMA = torch.library.infer_schema(_capture_schema, mutates_args=_MUTATES)
+# generated from CaptureSpec (moe_ops.capture.spec): the buffer, the ids, then the spec's other fields
+_MUTATES = CAPTURE_OP.mutates
+_SCHEMA = CAPTURE_OP.schema()
 # CUDA: the Triton kernel (inductor launches it from its own code under torch.compile); CPU: the
 # PyTorch twin, or the kernel itself where Triton is interpreted on the CPU (the test suite).
 capture_routing_op = destination_op(
@@ -61,42 +42,14 @@ capture_routing_op = destination_op(
 )
 # eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._runtime.library); the
 # buffer and the ids are checked, the target validated the rest on the buffer's device
-_capture_call = eager_caller("capture_routing_", checked=(0, 1))
-
-
-@torch._dynamo.assume_constant_result
-def _no_stamps(device: torch.device) -> torch.Tensor:
-    """A persistent empty int32 tensor per device: the stamps of a target without stamps."""
-    t = _EMPTY.get(device)
-    if t is None:
-        t = torch.empty(0, dtype=torch.int32, device=device)
-        torch._dynamo.mark_static_address(t)
-        t = _EMPTY.setdefault(device, t)
-    return t
-
-
-_EMPTY: dict[torch.device, torch.Tensor] = {}
+_capture_call = eager_caller("capture_routing_", checked=CAPTURE_OP.positions("buffer", "topk_ids"))
 
 
 def target_tensors(target: CaptureTarget) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(errors, stamps, step) tensors a kernel writing for ``target`` takes: its counter's (or the
-    device-wide one), its stamps and step (or empty stand-ins)."""
-    buffer = target.buffer
-    if isinstance(buffer, FakeTensor):
-        # Traced outside dynamo (FakeTensorMode, make_fx): fake stand-ins for persistent tensors.
-        empty = torch.empty(0, dtype=torch.int32, device=buffer.device)
-        errors = torch.empty(FAULT_SLOTS, dtype=torch.int32, device=buffer.device)
-        if target.layer_stamps is None:
-            return errors, empty, empty
-        return errors, target.layer_stamps, target.step_tensor
-    if target.fault_counter is not None:
-        errors = target.fault_counter.tensor
-    else:
-        errors = capture_error_counter(buffer.device)
-    if target.layer_stamps is None:
-        empty = _no_stamps(buffer.device)
-        return errors, empty, empty
-    return errors, target.layer_stamps, target.step_tensor
+    """(errors, stamps, step) tensors a kernel writing for ``target`` takes (``target.spec``'s):
+    its counter's (or the device-wide one), its stamps and step (or empty stand-ins)."""
+    spec = target.spec
+    return spec.errors, spec.stamps, spec.step
 
 
 def tp_world_size(tp_group) -> int:
@@ -140,19 +93,7 @@ def capture_into(target: CaptureTarget, topk_ids: torch.Tensor) -> None:
     if layout == BatchLayout.SEQUENCE_PARALLEL and tp_world_size(target.tp_group) > 1:
         topk_ids = _gather_sequence_parallel(topk_ids, target.tp_group)
         target.check_ids(topk_ids)
-    errors, stamps, step = target_tensors(target)
-    _capture_call(
-        target.buffer,
-        topk_ids,
-        target.token_counts,
-        target.sizes,
-        errors,
-        stamps,
-        step,
-        target.layer_id,
-        target.dp_rank,
-        target.n_first,
-    )
+    _capture_call(*CAPTURE_OP.join((topk_ids,), target.spec))
 
 
 def capture_routing(

@@ -8,6 +8,9 @@ selects come from :mod:`moe_ops.capture.window`, the one row rule.
 A capturer is described once, by :class:`~moe_ops.capture.protocol.Capturer`;
 :meth:`CaptureTarget.of` is the one mapping from its state and a buffer column to a target, and
 ``RoutingCapturer.target`` keeps the targets it built (one per layer and layout).
+
+A target resolves to a :class:`~moe_ops.capture.spec.CaptureSpec` (``target.spec``): the device
+arguments the ops and kernels take, generated from one place (:mod:`moe_ops.capture.spec`).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..layout import BatchLayout, layout_from_value
-from .errors import FaultCounter
+from .errors import FAULT_SLOTS, FaultCounter, capture_error_counter
 from .kernels import id_limit
 from .protocol import Capturer, check_capturer
+from .spec import CaptureSpec
 from .window import plan_window
 
 __all__ = [
@@ -116,6 +121,42 @@ def check_process_group(name: str, group: object, *, optional: bool = True) -> N
         raise TypeError(f"{name} must be {allowed}, got {type(group).__name__}")
 
 
+@torch._dynamo.assume_constant_result
+def _no_stamps(device: torch.device) -> torch.Tensor:
+    """A persistent empty int32 tensor per device: the stamps of a target without stamps."""
+    t = _EMPTY.get(device)
+    if t is None:
+        t = torch.empty(0, dtype=torch.int32, device=device)
+        torch._dynamo.mark_static_address(t)
+        t = _EMPTY.setdefault(device, t)
+    return t
+
+
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+
+
+def _device_tensors(
+    buffer: torch.Tensor,
+    fault_counter: FaultCounter | None,
+    layer_stamps: torch.Tensor | None,
+    step_tensor: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(errors, stamps, step) of a spec: the counter's tensor (or the device-wide one), the stamps
+    and step (or empty stand-ins)."""
+    if isinstance(buffer, FakeTensor):
+        # Traced outside dynamo (FakeTensorMode, make_fx): fake stand-ins for persistent tensors.
+        empty = torch.empty(0, dtype=torch.int32, device=buffer.device)
+        errors = torch.empty(FAULT_SLOTS, dtype=torch.int32, device=buffer.device)
+        if layer_stamps is None:
+            return errors, empty, empty
+        return errors, layer_stamps, step_tensor
+    errors = fault_counter.tensor if fault_counter is not None else capture_error_counter(buffer.device)
+    if layer_stamps is None:
+        empty = _no_stamps(buffer.device)
+        return errors, empty, empty
+    return errors, layer_stamps, step_tensor
+
+
 @dataclass(frozen=True)
 class CaptureTarget:
     """Where a router or capture call records one layer's ids: exactly what
@@ -154,6 +195,9 @@ class CaptureTarget:
     sizes: torch.Tensor = field(init=False, repr=False, compare=False)
     # derived: leading entries of sizes that precede this rank's rows
     n_first: int = field(init=False, repr=False, compare=False)
+    # derived: what the ops and kernels take (the fault counter's tensor, or the device-wide
+    # counter's, allocated on first use; empty stamps and step without stamps)
+    spec: CaptureSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         layout = layout_from_value(self.layout)
@@ -194,6 +238,13 @@ class CaptureTarget:
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "n_first", n_first)
+        errors, stamps, step = _device_tensors(
+            self.buffer, self.fault_counter, self.layer_stamps, self.step_tensor
+        )
+        spec = CaptureSpec(
+            self.buffer, self.token_counts, sizes, errors, stamps, step, self.layer_id, self.dp_rank, n_first
+        )
+        object.__setattr__(self, "spec", spec)
 
     @classmethod
     def of(

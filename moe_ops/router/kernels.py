@@ -26,7 +26,6 @@ chosen logits are re-read (cache hits) to form the weights.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -35,12 +34,12 @@ from .._runtime.library import identity
 from .._runtime.triton import HAS_TRITON, interpreting, next_power_of_2
 from ..capture.errors import cpu_counter_lock
 from ..capture.kernels import capture_rows_torch, size_hint
+from ..capture.spec import CAPTURE_OP, CaptureSpec, absent_kernel_args, kernel_constexprs
 from .methods import RoutingMethod
 from .reference import SUM_EPSILON, route_reference
 
 __all__ = [
     "TRITON_MAX_TILE",
-    "FusedCapture",
     "launch_config",
     "route_rows_torch",
     "route_rows_triton",
@@ -71,30 +70,8 @@ _ROW_LOGITS = 512
 _MIN_PROGRAM_LOGITS = 256
 _LARGE_BATCH = 2048
 _TARGET_PROGRAMS = 4096
-
-
-@dataclass(frozen=True)
-class FusedCapture:
-    """Where the fused kernel records this rank's ids (the capture op's arguments, validated)."""
-
-    # (max_tokens, num_layers, top_k) int16/int32/int64 - the replay buffer, written in place
-    buffer: torch.Tensor
-    # (dp_size,) int32, any stride - real tokens of each DP rank, read on the device
-    token_counts: torch.Tensor
-    # (S,) int32, any stride - the sizes the layout reads (moe_ops.capture.window.plan_window)
-    sizes: torch.Tensor
-    # (FAULT_SLOTS,) int32 - fault counter (moe_ops.capture.errors)
-    errors: torch.Tensor
-    # (num_layers,) int32 step stamps, or empty (no stamp)
-    stamps: torch.Tensor
-    # (1,) int32 - the current step (unused without stamps)
-    step: torch.Tensor
-    # buffer layer the ids go to
-    layer_id: int
-    # this rank's index into token_counts
-    dp_rank: int
-    # leading sizes entries before this rank's rows
-    n_first: int
+# the capture constexprs of a launch without capture: one (unread) sizes entry, no offset, no stamp
+_NO_CAPTURE = kernel_constexprs(1, 0, False)
 
 
 def tile_shape(num_experts: int, n_group: int) -> tuple[int, int]:
@@ -166,6 +143,9 @@ if HAS_TRITON:
         bias_ptr,
         weights_ptr,
         ids_ptr,
+        # the capture's pointers: moe_ops.capture.spec.KERNEL_POINTERS, in its order (pointers
+        # first: torch 2.11's mutation analysis of traced kernels maps written parameters to
+        # tensors by position)
         buf_ptr,
         counts_ptr,
         sizes_ptr,
@@ -184,6 +164,7 @@ if HAS_TRITON:
         stride_wk,
         stride_im,
         stride_ik,
+        # the capture's scalars: moe_ops.capture.spec.KERNEL_SCALARS, in its order
         n_dst,
         layer_id,
         dp_rank,
@@ -294,7 +275,7 @@ def route_rows_triton(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
-    capture: FusedCapture | None = None,
+    capture: CaptureSpec | None = None,
     *,
     block_m: int | None = None,
     num_warps: int | None = None,
@@ -322,45 +303,13 @@ def route_rows_triton(
     block_m = block_m or default_m
     num_warps = num_warps or default_warps
     programs = triton.cdiv(n_tokens, block_m)
-    if capture is None:
-        if programs == 0:
-            return
-        # never read: CAPTURE is False. Eagerly any tensor does; traced, each pointer gets a tensor
-        # of its own, because the functional kernel node clones every argument it may write and
-        # copies the clones back - an alias of ``ids`` would copy an unwritten clone over it.
-        if wrap is identity:
-            buf = counts = sizes = errors = stamps = step = ids
-        else:
-            buf, counts, sizes, errors, stamps, step = (ids.new_empty(0) for _ in range(6))
-        n_dst = layer_id = dp_rank = n_first = 0
-        stride_bm = stride_bl = stride_bk = stride_c = stride_s = 0
-        s_pad = 1
-        stamped = False
-    else:
-        # At least one program, so a call whose counts overflow an empty batch still records its fault.
-        programs = torch.sym_max(programs, 1)
-        buf, counts, sizes, errors = capture.buffer, capture.token_counts, capture.sizes, capture.errors
-        stamps, step = capture.stamps, capture.step
-        n_dst, layer_id, dp_rank, n_first = buf.shape[0], capture.layer_id, capture.dp_rank, capture.n_first
-        stride_bm, stride_bl, stride_bk = buf.stride()
-        stride_c, stride_s = counts.stride(0), sizes.stride(0)
-        s_pad = next_power_of_2(sizes.shape[0])
-        stamped = stamps.numel() > 0
-    # no bias: never read (HAS_BIAS is False); traced, not an alias of the logits (see above)
+    # no bias: never read (HAS_BIAS is False); traced, not an alias of the logits (see
+    # moe_ops.capture.spec.absent_kernel_args)
     bias_arg = bias
     if bias is None:
         bias_arg = router_logits if wrap is identity else router_logits.new_empty(0)
-    args = (
-        router_logits,
-        bias_arg,
-        weights,
-        ids,
-        buf,
-        counts,
-        sizes,
-        errors,
-        stamps,
-        step,
+    pointers = (router_logits, bias_arg, weights, ids)
+    scalars = (
         n_tokens,
         num_experts // n_group,
         n_group,
@@ -373,16 +322,18 @@ def route_rows_triton(
         weights.stride(1),
         ids.stride(0),
         ids.stride(1),
-        n_dst,
-        layer_id,
-        dp_rank,
-        n_first,
-        stride_bm,
-        stride_bl,
-        stride_bk,
-        stride_c,
-        stride_s,
     )
+    if capture is None:
+        if programs == 0:
+            return
+        # never read: CAPTURE is False (eagerly any tensor does; traced, each pointer its own)
+        args = absent_kernel_args(pointers, scalars, ids, distinct=wrap is not identity)
+        capture_constexprs = _NO_CAPTURE
+    else:
+        # At least one program, so a call whose counts overflow an empty batch still records its fault.
+        programs = torch.sym_max(programs, 1)
+        args = capture.kernel_args(pointers, scalars)
+        capture_constexprs = capture.kernel_constexprs()
     constexprs = dict(
         METHOD=int(method),
         HAS_BIAS=bias is not None,
@@ -392,9 +343,7 @@ def route_rows_triton(
         NG_PAD=ng_pad,
         G_PAD=g_pad,
         K_PAD=next_power_of_2(top_k),
-        S_PAD=s_pad,
-        HAS_OFFSET=n_first > 0,
-        STAMP=stamped,
+        **capture_constexprs,
     )
     if router_logits.device.type == "cpu":
         # interpreted Triton updates the fault counter in Python (see capture.errors); on CUDA the
@@ -422,7 +371,7 @@ def route_rows_torch(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
-    capture: FusedCapture | None = None,
+    capture: CaptureSpec | None = None,
 ) -> None:
     """PyTorch twin of :func:`route_rows_triton`: same arguments, same writes, same fault bits.
 
@@ -449,15 +398,4 @@ def route_rows_torch(
     weights.copy_(ref_weights)
     ids.copy_(ref_ids)
     if capture is not None:
-        capture_rows_torch(
-            capture.buffer,
-            ids,
-            capture.token_counts,
-            capture.sizes,
-            capture.errors,
-            capture.stamps,
-            capture.step,
-            capture.layer_id,
-            capture.dp_rank,
-            capture.n_first,
-        )
+        capture_rows_torch(*CAPTURE_OP.join((ids,), capture))

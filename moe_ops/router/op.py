@@ -15,10 +15,11 @@ import torch
 
 from .._runtime.library import destination_op, eager_caller, identity, reference_op
 from .._runtime.triton import HAS_TRITON, triton_runs_on
-from ..capture.op import capture_into, target_tensors
+from ..capture.op import capture_into
+from ..capture.spec import OpArgs, parse_args
 from ..capture.target import CaptureTarget
 from ..layout import BatchLayout
-from .kernels import TRITON_MAX_TILE, FusedCapture, route_rows_torch, route_rows_triton, tile_shape
+from .kernels import TRITON_MAX_TILE, route_rows_torch, route_rows_triton, tile_shape
 
 if HAS_TRITON:
     from .kernels import _route_kernel
@@ -63,77 +64,32 @@ def _route_twin(
     route_rows_torch(router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor)
 
 
-def _route_capture(
-    router_logits: torch.Tensor,
-    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    buffer: torch.Tensor,
-    token_counts: torch.Tensor,
-    sizes: torch.Tensor,
-    errors: torch.Tensor,
-    stamps: torch.Tensor,
-    step: torch.Tensor,
-    method: int,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-    layer_id: int,
-    dp_rank: int,
-    n_first: int,
-    *,
-    wrap=identity,
-) -> None:
+_ROUTE_MUTATES = ("weights", "ids")
+_ROUTE_SCHEMA = torch.library.infer_schema(_route_twin, mutates_args=_ROUTE_MUTATES)
+# route_capture_: route_'s arguments with a CaptureSpec's fused in (moe_ops.capture.spec generates
+# the list and the schema): route's tensors, the spec's tensors, route's scalars, the spec's scalars
+ROUTE_CAPTURE = OpArgs.fused(parse_args(_ROUTE_SCHEMA))
+
+
+def _route_capture(*args, wrap=identity) -> None:
     """Routes and records this rank's ids into ``buffer[:, layer_id]`` in the same launch.
 
-    ``sizes``, ``n_first``, ``errors``, ``stamps`` and ``step`` as in ``moe_ops::capture_routing_``;
-    the rows are LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
+    ``args``: the op's arguments (:data:`ROUTE_CAPTURE`): ``_route``'s and a
+    :class:`~moe_ops.capture.spec.CaptureSpec`'s, as in ``moe_ops::capture_routing_``; the rows are
+    LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
     """
-    capture = FusedCapture(buffer, token_counts, sizes, errors, stamps, step, layer_id, dp_rank, n_first)
-    route_rows_triton(
-        router_logits,
-        bias,
-        weights,
-        ids,
-        method,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        capture,
-        wrap=wrap,
-    )
+    route_args, capture = ROUTE_CAPTURE.split(args)
+    route_rows_triton(*route_args, capture, wrap=wrap)
 
 
-def _route_capture_twin(
-    router_logits: torch.Tensor,
-    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    buffer: torch.Tensor,
-    token_counts: torch.Tensor,
-    sizes: torch.Tensor,
-    errors: torch.Tensor,
-    stamps: torch.Tensor,
-    step: torch.Tensor,
-    method: int,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-    layer_id: int,
-    dp_rank: int,
-    n_first: int,
-) -> None:
+def _route_capture_twin(*args) -> None:
     """PyTorch twin of :func:`_route_capture`."""
-    capture = FusedCapture(buffer, token_counts, sizes, errors, stamps, step, layer_id, dp_rank, n_first)
-    route_rows_torch(
-        router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor, capture
-    )
+    route_args, capture = ROUTE_CAPTURE.split(args)
+    route_rows_torch(*route_args, capture)
 
 
-_ROUTE_MUTATES = ("weights", "ids")
-_CAPTURE_MUTATES = ("weights", "ids", "buffer", "errors", "stamps")
-_ROUTE_SCHEMA = torch.library.infer_schema(_route_twin, mutates_args=_ROUTE_MUTATES)
-_CAPTURE_SCHEMA = torch.library.infer_schema(_route_capture_twin, mutates_args=_CAPTURE_MUTATES)
+_CAPTURE_MUTATES = ROUTE_CAPTURE.mutates
+_CAPTURE_SCHEMA = ROUTE_CAPTURE.schema()
 # CUDA: the Triton router (inductor launches it from its own code under torch.compile); CPU: the
 # twin, or the kernel where Triton is interpreted on the CPU. backend="torch" where the kernel would
 # run takes the *_reference op (moe_ops._runtime.library says why it is an op).
@@ -165,7 +121,9 @@ route_capture_reference_op = reference_op(
 # logits, the bias and the capture buffer are checked; route made the outputs on their device, the
 # target validated the count tensors (int32: no gradient) on the buffer's device
 _route_call = eager_caller("route_", checked=(0, 1))
-_route_capture_call = eager_caller("route_capture_", checked=(0, 1, 4))
+_route_capture_call = eager_caller(
+    "route_capture_", checked=ROUTE_CAPTURE.positions("router_logits", "bias", "buffer")
+)
 
 
 def choose_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
@@ -292,22 +250,6 @@ def route(
         route_(router_logits, bias, weights, ids, *route_args)
         capture_into(capture, ids)
         return weights, ids
-    errors, stamps, step = target_tensors(capture)
     route_capture = _route_capture_call if use_triton else torch.ops.moe_ops.route_capture_reference_
-    route_capture(
-        router_logits,
-        bias,
-        weights,
-        ids,
-        capture.buffer,
-        capture.token_counts,
-        capture.sizes,
-        errors,
-        stamps,
-        step,
-        *route_args,
-        capture.layer_id,
-        capture.dp_rank,
-        capture.n_first,
-    )
+    route_capture(*ROUTE_CAPTURE.join((router_logits, bias, weights, ids, *route_args), capture.spec))
     return weights, ids
