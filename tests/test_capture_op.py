@@ -328,6 +328,41 @@ def test_opcheck_cpu():
     )
 
 
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def _reference_case(device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.full((8, 3, 4), POISON, dtype=torch.int32)
+    ids = torch.randint(-2, 70, (10, 4), dtype=torch.int32, generator=gen)  # out-of-range ids too
+    counts = torch.randint(0, 9, (2,), dtype=torch.int32, generator=gen)
+    sizes = torch.randint(0, 6, (4,), dtype=torch.int32, generator=gen)
+    errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32)
+    stamps = torch.full((3,), -1, dtype=torch.int32)
+    step = torch.full((1,), 7, dtype=torch.int32)
+    tensors = [t.to(device) for t in (buf, ids, counts, sizes, errors, stamps, step)]
+    return tensors, (2, 1, 2)  # SHARDED, rank 1 of 2 with 2 shards each: two sizes before its rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+def test_reference_op_writes_what_the_kernel_op_writes(device, seed):
+    """``capture_routing_reference_`` (the twin, on every device) and ``capture_routing_`` (the
+    Triton kernel on CUDA or interpreted, the twin otherwise) write the same rows, stamps and
+    faults, counts over and under the buffer included."""
+    (buf, ids, counts, sizes, errors, stamps, step), ints = _reference_case(device, seed)
+    ref = [t.clone() for t in (buf, errors, stamps)]
+    torch.ops.moe_ops.capture_routing_(buf, ids, counts, sizes, errors, stamps, step, *ints)
+    torch.ops.moe_ops.capture_routing_reference_(ref[0], ids, counts, sizes, ref[1], ref[2], step, *ints)
+    for got, want in zip((buf, errors, stamps), ref):
+        assert torch.equal(got, want)
+    assert (stamps == 7).any()  # the layer was stamped: the case is not vacuous
+    torch.library.opcheck(
+        torch.ops.moe_ops.capture_routing_reference_.default,
+        (buf, ids, counts, sizes, errors, stamps, step, *ints),
+    )
+
+
 @pytest.mark.gpu
 def test_opcheck_cuda(cuda_device):
     buf = torch.full((8, 3, 4), POISON, dtype=torch.int32, device=cuda_device)

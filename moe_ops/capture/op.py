@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._runtime.library import destination_op, eager_caller
+from .._runtime.library import destination_op, eager_caller, reference_op
 from .._runtime.triton import HAS_TRITON
 from ..layout import BatchLayout
 from .errors import FaultCounter
@@ -39,6 +39,11 @@ capture_routing_op = destination_op(
     traceable=capture_rows_triton if HAS_TRITON else None,
     kernels=(capture_kernel,) if HAS_TRITON else (),
     schema=_SCHEMA,
+)
+# the twin as an op of its own on every device (``capture_routing_reference_``), as route has: the
+# oracle a test or a user compares the kernel op with on the same device
+capture_routing_reference_op = reference_op(
+    "capture_routing_", capture_rows_torch, mutates=_MUTATES, schema=_SCHEMA
 )
 # eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._runtime.library); the
 # buffer and the ids are checked, the target validated the rest on the buffer's device
