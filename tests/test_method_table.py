@@ -10,6 +10,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe_ops.router import methods as M
 from moe_ops.router.methods import (
@@ -27,6 +29,7 @@ from moe_ops.router.methods import (
     table_column,
     validate_route_args,
 )
+from moe_ops.router.reference import rule_gradient, rule_weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -156,3 +159,26 @@ def test_routing_modules_do_not_dispatch_on_a_method_name(path):
     constants = re.findall(rf"\b_(?:{members})\b", source)
     kernel_checks = re.findall(r"\bMETHOD\s*[!=]=", source)
     assert not by_name and not constants and not kernel_checks, (by_name, constants, kernel_checks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    method=st.sampled_from(list(RoutingMethod)),
+    n=st.integers(1, 5),
+    num_experts=st.integers(1, 12),
+    data=st.data(),
+)
+def test_each_rows_gradient_rule_is_the_derivative_of_its_weight_rule(method, n, num_experts, data):
+    """``rule_gradient`` of a row's gradient rule equals autograd through ``rule_weights`` of its
+    computed weight rule, in float64: a row whose two rules disagree fails here, for any method."""
+    spec = METHODS[method]
+    top_k = spec.top_k or data.draw(st.integers(1, num_experts), label="top_k")
+    scale = data.draw(st.sampled_from([1.0, 2.5, 0.3])) if spec.scaled else 1.0
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    x = (torch.randn(n, num_experts, generator=gen, dtype=torch.float64) * 2).requires_grad_()
+    ids = torch.argsort(torch.rand(n, num_experts, generator=gen), dim=1)[:, :top_k]
+    g = torch.randn(n, top_k, generator=gen, dtype=torch.float64)
+    w = rule_weights(x, ids, spec.weight.computed, scale)
+    (expected,) = torch.autograd.grad(w, x, g)
+    got = rule_gradient(g, w.detach(), x.detach(), ids, spec.gradient, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)

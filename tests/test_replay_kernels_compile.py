@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from moe_ops.replay.kernels import _replay_backward_kernel, _replay_kernel
 from moe_ops.router.kernels import _route_kernel
-from moe_ops.router.methods import RoutingMethod as M
+from moe_ops.router.methods import METHODS, RoutingMethod as M
 
 target = GPUTarget("cuda", 90, 32)
 out = {}
@@ -53,7 +53,7 @@ for ft in ("fp64", "fp32"):
         grouped = m == M.DEEPSEEK_V3
         biased = m in (M.DEEPSEEK_V3, M.MINIMAX2)
         # small tiles: this checks the lowering, not the speed (the launch tiles compile the same ops)
-        k_pad = 1 if m == M.LLAMA4 else 4
+        k_pad = METHODS[m].top_k or 4
         fwd = dict(logits_ptr="*" + ft, rec_ptr="*i32", bias_ptr="*" + ft, weights_ptr="*" + ft,
                    ids_ptr="*i32", errors_ptr="*i32", row_count_ptr="*i32", scale="fp64")
         # CHECK_ROWS on: the replayer's row-count check (loaded first, branched on last) compiles too

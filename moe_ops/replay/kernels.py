@@ -44,8 +44,8 @@ import torch
 
 from .._runtime.triton import HAS_TRITON, interpreting, next_power_of_2
 from ..router.kernels import launch_config, tile_shape
-from ..router.methods import METHODS, GradientRule, RoutingMethod
-from ..router.reference import SUM_EPSILON, rule_weights, select_experts, selection_keys
+from ..router.methods import METHODS, RoutingMethod
+from ..router.reference import rule_gradient, rule_weights, select_experts, selection_keys
 
 __all__ = [
     "REPLAY_FAULT_OUT_OF_RANGE",
@@ -199,7 +199,8 @@ def replay_backward_torch(
     method: int,
     routed_scaling_factor: float,
 ) -> None:
-    """PyTorch twin of :func:`replay_backward_triton`: writes ``grad_logits`` (module doc formulas).
+    """PyTorch twin of :func:`replay_backward_triton`: writes ``grad_logits``, the method's gradient
+    rule (module doc formulas; :func:`moe_ops.router.reference.rule_gradient`).
 
     grad_weights: (n, k) float - gradient of the loss w.r.t. the forward's weights (any strides)
     router_logits: (n, E) float - the forward's logits
@@ -207,37 +208,11 @@ def replay_backward_torch(
     ids: (n, k) int32 - the forward's ids (distinct, in range)
     grad_logits: (n, E) router_logits' dtype - written, every element
     """
-    method = RoutingMethod(method)
     dtype = weights.dtype
     g = grad_weights.to(dtype)
-    w = weights
-    idx = ids.long()
-    dot = (g * w).sum(-1, keepdim=True)
     x = router_logits.to(dtype)
-    dense = torch.zeros(x.shape, dtype=dtype, device=x.device)
-    rule = METHODS[method].gradient
-    if rule == GradientRule.LOGIT:
-        gs = g
-    elif rule == GradientRule.SOFTMAX_CHOSEN:
-        gs = w * (g - dot)
-    elif rule == GradientRule.SOFTMAX:
-        p = torch.softmax(x, dim=-1)
-        dense = -p * dot
-        gs = g * p.gather(1, idx)
-    else:
-        s = torch.sigmoid(x.gather(1, idx))
-        total = s.sum(-1, keepdim=True)
-        if rule == GradientRule.SIGMOID_SCALED:
-            gs_s = (routed_scaling_factor * g - dot) / (total + SUM_EPSILON)
-        elif rule == GradientRule.SIGMOID_RENORM:
-            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it
-            gs_s = (g - torch.where(total >= SUM_EPSILON, dot, 0.0)) / total.clamp(min=SUM_EPSILON)
-        elif rule == GradientRule.SIGMOID:
-            gs_s = g
-        else:
-            raise ValueError(f"no gradient twin for {rule!r}")
-        gs = gs_s * s * (1 - s)
-    grad_logits.copy_(dense.scatter_add(1, idx, gs))
+    rule = METHODS[RoutingMethod(method)].gradient
+    grad_logits.copy_(rule_gradient(g, weights, x, ids.long(), rule, routed_scaling_factor))
 
 
 if HAS_TRITON:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from .methods import METHODS, RoutingMethod, SelectionKey, WeightRule
+from .methods import METHODS, GradientRule, RoutingMethod, SelectionKey, WeightRule
 
 __all__ = [
     "SUM_EPSILON",
     "group_scores",
     "route_reference",
+    "rule_gradient",
     "rule_weights",
     "select_experts",
     "selection_keys",
@@ -126,6 +127,51 @@ def rule_weights(
     if rule == WeightRule.SIGMOID:
         return s
     raise ValueError(f"rule must be a WeightRule, got {rule!r}")
+
+
+def rule_gradient(
+    g: torch.Tensor,
+    w: torch.Tensor,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    rule: GradientRule,
+    routed_scaling_factor: float = 1.0,
+) -> torch.Tensor:
+    """The gradient rule ``rule`` (:class:`moe_ops.router.methods.GradientRule`): the gradient of
+    the loss w.r.t. every logit, from the gradient ``g`` of the weights ``w`` of the experts ``ids``
+    (the backward of ``rule_weights`` with that rule's weight rule), in ``w``'s dtype.
+
+    g: (n, k) float - gradient w.r.t. the weights, in ``w``'s dtype
+    w: (n, k) float - the weights (the compute dtype)
+    x: (n, E) float - the logits, in ``w``'s dtype
+    ids: (n, k) int64 - the experts, distinct per row
+    Returns (n, E): zero outside ``ids`` except for the SOFTMAX rule, whose softmax couples every
+    expert.
+    """
+    dot = (g * w).sum(-1, keepdim=True)
+    dense = torch.zeros(x.shape, dtype=w.dtype, device=x.device)
+    if rule == GradientRule.LOGIT:
+        gs = g
+    elif rule == GradientRule.SOFTMAX_CHOSEN:
+        gs = w * (g - dot)
+    elif rule == GradientRule.SOFTMAX:
+        p = torch.softmax(x, dim=-1)
+        dense = -p * dot
+        gs = g * p.gather(1, ids)
+    else:
+        s = torch.sigmoid(x.gather(1, ids))
+        total = s.sum(-1, keepdim=True)
+        if rule == GradientRule.SIGMOID_SCALED:
+            gs_s = (routed_scaling_factor * g - dot) / (total + SUM_EPSILON)
+        elif rule == GradientRule.SIGMOID_RENORM:
+            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it
+            gs_s = (g - torch.where(total >= SUM_EPSILON, dot, 0.0)) / total.clamp(min=SUM_EPSILON)
+        elif rule == GradientRule.SIGMOID:
+            gs_s = g
+        else:
+            raise ValueError(f"rule must be a GradientRule, got {rule!r}")
+        gs = gs_s * s * (1 - s)
+    return dense.scatter_add(1, ids, gs)
 
 
 def weights_for_ids(
