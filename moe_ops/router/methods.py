@@ -123,14 +123,14 @@ class GradientRule(enum.IntEnum):
 
 
 # The gradient of each computed weight rule (WeightRule.computed): what MethodSpec checks.
-GRADIENT_OF = {
+GRADIENT_OF: Mapping[WeightRule, GradientRule] = MappingProxyType({
     WeightRule.LOGIT: GradientRule.LOGIT,
     WeightRule.SOFTMAX: GradientRule.SOFTMAX,
     WeightRule.SOFTMAX_CHOSEN: GradientRule.SOFTMAX_CHOSEN,
     WeightRule.SIGMOID: GradientRule.SIGMOID,
     WeightRule.SIGMOID_RENORM: GradientRule.SIGMOID_RENORM,
     WeightRule.SIGMOID_SCALED: GradientRule.SIGMOID_SCALED,
-}
+})  # fmt: skip
 # Weight rules that read routed_scaling_factor: exactly the rules of the scaled methods.
 SCALED_RULES = frozenset({WeightRule.SIGMOID_SCALED})
 
