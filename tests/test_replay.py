@@ -532,7 +532,7 @@ BAD = [
     ),
     (dict(router_logits=torch.randn(2, 3, 16)), ValueError, "router_logits must be 2-D"),
     (dict(router_logits="logits"), TypeError, "router_logits must be a torch.Tensor"),
-    (dict(method=11), ValueError, "method must be a RoutingMethod"),
+    (dict(method=len(RoutingMethod) + 1), ValueError, "method must be a RoutingMethod"),
     (dict(backend="flashinfer"), ValueError, "backend must be one of 'auto', 'triton', 'torch'"),
     (dict(bias=torch.zeros(16)), ValueError, "bias is only used by DEEPSEEK_V3 and MINIMAX2"),
     (dict(DS, n_group=3), ValueError, "n_group=3 must divide num_experts=16"),
