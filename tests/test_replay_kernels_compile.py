@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from moe_ops.router.methods import RoutingMethod
+
 pytest.importorskip("triton")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,8 +52,8 @@ for ft in ("fp64", "fp32"):
     for m in M:
         if ft == "fp32" and m != M.SIGMOID_RENORM:
             continue
-        grouped = m == M.DEEPSEEK_V3
-        biased = m in (M.DEEPSEEK_V3, M.MINIMAX2)
+        grouped = METHODS[m].groups
+        biased = METHODS[m].bias
         # small tiles: this checks the lowering, not the speed (the launch tiles compile the same ops)
         k_pad = METHODS[m].top_k or 4
         fwd = dict(logits_ptr="*" + ft, rec_ptr="*i32", bias_ptr="*" + ft, weights_ptr="*" + ft,
@@ -88,7 +90,7 @@ def compiled() -> dict:
 
 def test_float64_replay_kernels_compile_for_sm90_every_method(compiled):
     cases = {k: v for k, v in compiled.items() if " fp64 " in k}
-    assert len(cases) == 20  # forward and backward, ten methods
+    assert len(cases) == 2 * len(RoutingMethod)  # forward and backward, every method
     failed = {k: v for k, v in cases.items() if not isinstance(v, dict) or v["cubin"] == 0}
     assert not failed, failed
     # float64 arithmetic or compares (TOPK's weights are loads: its keys' NaN test), not a float32
