@@ -173,7 +173,9 @@ _M = RoutingMethod
 # The method table: the one place a method's rules are written. Validation, BIAS_METHODS and
 # SCALED_METHODS, the reference (selection keys, weights), the replay twins and the Triton helpers
 # of the router and replay kernels (moe_ops.router._select, moe_ops.router._weights) read it.
-METHODS: Mapping[RoutingMethod, MethodSpec] = MappingProxyType({
+# A plain dict, never mutated: torch.compile traces validate_route_args, and Dynamo cannot read a
+# mappingproxy keyed by enum members (a graph break in every compiled route, torch 2.13).
+METHODS: Mapping[RoutingMethod, MethodSpec] = {
     _M.DEFAULT: MethodSpec(SelectionKey.SOFTMAX_ORDER, WeightRule.SOFTMAX, GradientRule.SOFTMAX),
     _M.RENORMALIZE: MethodSpec(SelectionKey.LOGIT, WeightRule.SOFTMAX_CHOSEN, GradientRule.SOFTMAX_CHOSEN),
     _M.DEEPSEEK_V3: MethodSpec(SelectionKey.SIGMOID_BIAS, **_SIGMOID_SCALED, bias=True, groups=True),
@@ -188,7 +190,7 @@ METHODS: Mapping[RoutingMethod, MethodSpec] = MappingProxyType({
     _M.MINIMAX2: MethodSpec(SelectionKey.SIGMOID_BIAS, **_SIGMOID_SCALED, bias=True),
     _M.SIGMOID: MethodSpec(SelectionKey.SIGMOID_ORDER, **_SIGMOID),
     _M.TOPK_SIGMOID: MethodSpec(SelectionKey.LOGIT, **_SIGMOID),
-})  # fmt: skip
+}  # fmt: skip
 del _M, _SIGMOID, _SIGMOID_SCALED
 if set(METHODS) != set(RoutingMethod):
     raise ValueError(f"METHODS needs one row per RoutingMethod, missing {set(RoutingMethod) - set(METHODS)}")
