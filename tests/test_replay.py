@@ -24,6 +24,7 @@ from moe_ops._runtime.triton import triton_runs_on
 from moe_ops.replay import ReplayFaultError, check_replay_errors, replay_fault_counter
 from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, replay_weights
 from moe_ops.router.methods import BIAS_METHODS
+from moe_ops.router.methods import METHODS as METHOD_TABLE
 from moe_ops.router.reference import route_reference
 
 BACKENDS = [
@@ -263,8 +264,8 @@ def test_fault_counter_and_twin_are_thread_safe(monkeypatch):
 def _method_config(method: RoutingMethod, e: int = 16):
     """(top_k, bias, n_group, topk_group, scale) of an ``e``-expert router of ``method`` (DeepSeek-V3:
     4 groups, keep 2, a float64 bias and a scale float32 cannot hold; MINIMAX2: a float32 bias)."""
-    if method == RoutingMethod.LLAMA4:
-        return 1, None, 1, 1, 1.0
+    if METHOD_TABLE[method].top_k is not None:
+        return METHOD_TABLE[method].top_k, None, 1, 1, 1.0
     if method == RoutingMethod.DEEPSEEK_V3:
         return 4 if e > 8 else 3, torch.linspace(-0.2, 0.2, e, dtype=torch.float64), 4, 2, 2.827
     if method == RoutingMethod.MINIMAX2:
@@ -395,7 +396,7 @@ def test_gradients_match_autograd_through_the_reference(backend, config):
     logits, bias = RouterCase(config, 24, torch.float32, 5, "normal", 1.0).tensors(device)
     kw = config.route_kwargs(bias)
     recorded = _mixed_record(config.top_k, config.num_experts, 24, 9).to(device)
-    if config.method == RoutingMethod.LLAMA4:
+    if config.top_k == 1:
         recorded[3, 0] = config.num_experts + 2
     g = torch.randn(24, config.top_k, generator=torch.Generator().manual_seed(2)).to(device)
 
@@ -532,7 +533,7 @@ BAD = [
     ),
     (dict(router_logits=torch.randn(2, 3, 16)), ValueError, "router_logits must be 2-D"),
     (dict(router_logits="logits"), TypeError, "router_logits must be a torch.Tensor"),
-    (dict(method=11), ValueError, "method must be a RoutingMethod"),
+    (dict(method=len(RoutingMethod) + 1), ValueError, "method must be a RoutingMethod"),
     (dict(backend="flashinfer"), ValueError, "backend must be one of 'auto', 'triton', 'torch'"),
     (dict(bias=torch.zeros(16)), ValueError, "bias is only used by DEEPSEEK_V3 and MINIMAX2"),
     (dict(DS, n_group=3), ValueError, "n_group=3 must divide num_experts=16"),

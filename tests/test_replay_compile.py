@@ -11,6 +11,7 @@ from strategies import MODEL_ROUTERS
 from moe_ops import RoutingMethod, replay_routing, routing_mismatch
 from moe_ops.graphs import CompileCounters, mark_rows_dynamic
 from moe_ops.replay import check_replay_errors
+from moe_ops.router.methods import METHODS
 
 BACKENDS = [
     pytest.param(("torch", "cpu"), id="torch-cpu"),
@@ -81,9 +82,11 @@ def test_compiled_forward_backward_without_graph_breaks_or_recompiles(backend):
 def test_every_method_traces_forward_and_backward_in_one_graph(method):
     """fullgraph through AOT autograd (forward and backward graphs from the fake implementations);
     aot_eager runs the graphs without inductor's codegen."""
-    top_k = 1 if method == RoutingMethod.LLAMA4 else 4
-    scaled = method in (RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2)
-    kw = dict(bias=torch.randn(16) * 0.1, routed_scaling_factor=2.0) if scaled else {}
+    spec = METHODS[method]
+    top_k = spec.top_k or 4
+    kw = dict(routed_scaling_factor=2.0) if spec.scaled else {}
+    if spec.bias:
+        kw["bias"] = torch.randn(16) * 0.1
 
     def fn(logits, recorded):
         weights, ids = replay_routing(logits, recorded, method, **kw)

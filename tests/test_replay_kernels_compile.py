@@ -18,6 +18,8 @@ import sys
 
 import pytest
 
+from moe_ops.router.methods import RoutingMethod
+
 pytest.importorskip("triton")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from moe_ops.replay.kernels import _replay_backward_kernel, _replay_kernel
 from moe_ops.router.kernels import _route_kernel
-from moe_ops.router.methods import RoutingMethod as M
+from moe_ops.router.methods import METHODS, RoutingMethod as M
 
 target = GPUTarget("cuda", 90, 32)
 out = {}
@@ -50,10 +52,10 @@ for ft in ("fp64", "fp32"):
     for m in M:
         if ft == "fp32" and m != M.SIGMOID_RENORM:
             continue
-        grouped = m == M.DEEPSEEK_V3
-        biased = m in (M.DEEPSEEK_V3, M.MINIMAX2)
+        grouped = METHODS[m].groups
+        biased = METHODS[m].bias
         # small tiles: this checks the lowering, not the speed (the launch tiles compile the same ops)
-        k_pad = 1 if m == M.LLAMA4 else 4
+        k_pad = METHODS[m].top_k or 4
         fwd = dict(logits_ptr="*" + ft, rec_ptr="*i32", bias_ptr="*" + ft, weights_ptr="*" + ft,
                    ids_ptr="*i32", errors_ptr="*i32", row_count_ptr="*i32", scale="fp64")
         # CHECK_ROWS on: the replayer's row-count check (loaded first, branched on last) compiles too
@@ -88,7 +90,7 @@ def compiled() -> dict:
 
 def test_float64_replay_kernels_compile_for_sm90_every_method(compiled):
     cases = {k: v for k, v in compiled.items() if " fp64 " in k}
-    assert len(cases) == 20  # forward and backward, ten methods
+    assert len(cases) == 2 * len(RoutingMethod)  # forward and backward, every method
     failed = {k: v for k, v in cases.items() if not isinstance(v, dict) or v["cubin"] == 0}
     assert not failed, failed
     # float64 arithmetic or compares (TOPK's weights are loads: its keys' NaN test), not a float32

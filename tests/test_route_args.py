@@ -60,7 +60,7 @@ BAD = [
     (dict(top_k=17), ValueError, r"top_k must be an int in \[1, num_experts=16\], got 17"),
     (dict(top_k=0), ValueError, r"top_k must be an int in \[1, num_experts=16\], got 0"),
     (dict(top_k=2.0), ValueError, "top_k must be an int"),
-    (dict(method=10), ValueError, "method must be a RoutingMethod"),
+    (dict(method=len(RoutingMethod)), ValueError, "method must be a RoutingMethod"),  # one past the last
     (dict(method="RENORMALIZE"), ValueError, "method must be a RoutingMethod"),
     (
         dict(method=RoutingMethod.LLAMA4),

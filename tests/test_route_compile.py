@@ -12,6 +12,7 @@ from route_models import RoutedMoE
 
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
 from moe_ops.graphs import CompileCounters, count_graph_breaks
+from moe_ops.router.methods import METHODS
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 # every layout on CPU; on CUDA (an inductor compile each) LOCAL and SHARDED here, GATHERED in the
@@ -74,9 +75,11 @@ def test_compiled_interpreted_triton_without_graph_breaks():
 
 @pytest.mark.parametrize("method", list(RoutingMethod), ids=lambda m: m.name)
 def test_every_method_compiles_without_graph_breaks(method):
-    top_k = 1 if method == RoutingMethod.LLAMA4 else 4
-    scaled = method in (RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2)
-    kw = dict(bias=torch.randn(16) * 0.1, routed_scaling_factor=2.0) if scaled else {}
+    spec = METHODS[method]
+    top_k = spec.top_k or 4
+    kw = dict(routed_scaling_factor=2.0) if spec.scaled else {}
+    if spec.bias:
+        kw["bias"] = torch.randn(16) * 0.1
 
     def fn(logits):
         weights, ids = route(logits, top_k, method, **kw)

@@ -45,8 +45,8 @@ from .._runtime.library import identity
 from .._runtime.triton import HAS_TRITON, interpreting, next_power_of_2
 from ..capture.kernels import size_hint
 from ..router.kernels import launch_config, tile_shape
-from ..router.methods import BIAS_METHODS, RoutingMethod
-from ..router.reference import SUM_EPSILON, select_experts, selection_keys, weights_for_ids
+from ..router.methods import METHODS, RoutingMethod
+from ..router.reference import rule_gradient, rule_weights, select_experts, selection_keys
 
 __all__ = [
     "REPLAY_FAULT_OUT_OF_RANGE",
@@ -109,20 +109,19 @@ def forward_launch_config(n_tokens: int, ng_pad: int, g_pad: int) -> tuple[int, 
 
 
 def replay_weights(x: torch.Tensor, ids: torch.Tensor, method: RoutingMethod, scale: float) -> torch.Tensor:
-    """The method's weights of the experts ``ids``: :func:`moe_ops.router.reference.weights_for_ids`.
+    """The method's weights of the experts ``ids``: its table row's ``weight.computed`` rule
+    (:func:`moe_ops.router.reference.rule_weights`), what the router and replay kernels compute.
 
     x: (n, E) float - logits in the compute dtype
     ids: (n, k) int64 - distinct, in-range experts per row
     Returns (n, k) in ``x``'s dtype.
 
-    RENORMALIZE_NAIVE (``p[ids] / sum p[ids]``, ``p = softmax(x)``) is computed as
-    ``softmax(x[ids])``, its exact equal in real arithmetic and what the router kernel computes: the
-    literal form underflows to 0 / 0 = NaN in float32 when every recorded expert lies about 104
-    below the row's best logit, which a replayed (not top-k) row can.
+    RENORMALIZE_NAIVE (``p[ids] / sum p[ids]``, ``p = softmax(x)``) is thus computed as
+    ``softmax(x[ids])``, its exact equal in real arithmetic: the literal form underflows to
+    0 / 0 = NaN in float32 when every recorded expert lies about 104 below the row's best logit,
+    which a replayed (not top-k) row can.
     """
-    if method == RoutingMethod.RENORMALIZE_NAIVE:
-        method = RoutingMethod.RENORMALIZE
-    return weights_for_ids(x, ids, method, scale)
+    return rule_weights(x, ids, METHODS[method].weight.computed, scale)
 
 
 def _classify(rec: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,7 +151,7 @@ def replay_rows_torch(
 
     router_logits: (n, E) float - live router outputs
     recorded_ids: (n, k) integer - the rollout's ids; rows of -1 are routed live
-    bias: (E,) float or None - DEEPSEEK_V3/MINIMAX2 selection bias (live rows only; never in weights)
+    bias: (E,) float or None - the selection bias of BIAS_METHODS (live rows only; never in weights)
     weights: (n, k) float32, or float64 for float64 logits - written; the compute dtype
     ids: (n, k) int32 - written
     errors: (2,) int32 - [faulty rows, OR of fault bits], added to
@@ -199,7 +198,8 @@ def replay_backward_torch(
     method: int,
     routed_scaling_factor: float,
 ) -> None:
-    """PyTorch twin of :func:`replay_backward_triton`: writes ``grad_logits`` (module doc formulas).
+    """PyTorch twin of :func:`replay_backward_triton`: writes ``grad_logits``, the method's gradient
+    rule (module doc formulas; :func:`moe_ops.router.reference.rule_gradient`).
 
     grad_weights: (n, k) float - gradient of the loss w.r.t. the forward's weights (any strides)
     router_logits: (n, E) float - the forward's logits
@@ -207,34 +207,11 @@ def replay_backward_torch(
     ids: (n, k) int32 - the forward's ids (distinct, in range)
     grad_logits: (n, E) router_logits' dtype - written, every element
     """
-    method = RoutingMethod(method)
     dtype = weights.dtype
     g = grad_weights.to(dtype)
-    w = weights
-    idx = ids.long()
-    dot = (g * w).sum(-1, keepdim=True)
     x = router_logits.to(dtype)
-    dense = torch.zeros(x.shape, dtype=dtype, device=x.device)
-    if method == RoutingMethod.TOPK:
-        gs = g
-    elif method in (RoutingMethod.RENORMALIZE, RoutingMethod.RENORMALIZE_NAIVE):
-        gs = w * (g - dot)
-    elif method == RoutingMethod.DEFAULT:
-        p = torch.softmax(x, dim=-1)
-        dense = -p * dot
-        gs = g * p.gather(1, idx)
-    else:
-        s = torch.sigmoid(x.gather(1, idx))
-        total = s.sum(-1, keepdim=True)
-        if method in BIAS_METHODS:
-            gs_s = (routed_scaling_factor * g - dot) / (total + SUM_EPSILON)
-        elif method == RoutingMethod.SIGMOID_RENORM:
-            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it
-            gs_s = (g - torch.where(total >= SUM_EPSILON, dot, 0.0)) / total.clamp(min=SUM_EPSILON)
-        else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
-            gs_s = g
-        gs = gs_s * s * (1 - s)
-    grad_logits.copy_(dense.scatter_add(1, idx, gs))
+    rule = METHODS[RoutingMethod(method)].gradient
+    grad_logits.copy_(rule_gradient(g, weights, x, ids.long(), rule, routed_scaling_factor))
 
 
 if HAS_TRITON:
@@ -242,24 +219,22 @@ if HAS_TRITON:
     import triton.language as tl
 
     from ..router._select import keep_groups, ordered_keys, topk_rounds
+    from ..router._weights import (
+        chosen_weights,
+        gathered_row_softmax,
+        gradient_column,
+        gradient_rows,
+        gradient_sigmoid,
+    )
 
     # Triton kernels may only read globals that are constexpr.
-    _DEFAULT = tl.constexpr(int(RoutingMethod.DEFAULT))
-    _RENORMALIZE = tl.constexpr(int(RoutingMethod.RENORMALIZE))
-    _DEEPSEEK_V3 = tl.constexpr(int(RoutingMethod.DEEPSEEK_V3))
-    _RENORMALIZE_NAIVE = tl.constexpr(int(RoutingMethod.RENORMALIZE_NAIVE))
-    _TOPK = tl.constexpr(int(RoutingMethod.TOPK))
-    _SIGMOID_RENORM = tl.constexpr(int(RoutingMethod.SIGMOID_RENORM))
-    _MINIMAX2 = tl.constexpr(int(RoutingMethod.MINIMAX2))
-    _SUM_EPSILON = tl.constexpr(SUM_EPSILON)
     _OUT_OF_RANGE = tl.constexpr(REPLAY_FAULT_OUT_OF_RANGE)
     _REPEATED = tl.constexpr(REPLAY_FAULT_REPEATED)
     _ROW_COUNT = tl.constexpr(REPLAY_FAULT_ROW_COUNT)
 
-    # The live-routing helpers below follow moe_ops.router.kernels' _route_kernel operation for
-    # operation (same keys, same int32 ordering, same two-step rounds), so a live row's ids equal
-    # route(backend="triton")'s bit for bit; the tests compare them exactly. They are copies because
-    # the router keeps its helpers inside its kernel module.
+    # The live routing below runs the router's own selection helpers (moe_ops.router._select) and
+    # both paths the router's weight helpers (moe_ops.router._weights), so a live row's ids equal
+    # route(backend="triton")'s bit for bit; the tests compare them exactly.
 
     @triton.jit
     def _live_topk(
@@ -320,41 +295,11 @@ if HAS_TRITON:
         or valid. ``scale``: ``routed_scaling_factor`` in ``COMPUTE``."""
         xs = tl.load(logits_ptr + row_off + ids.to(tl.int64) * stride_le, mask=ok, other=0.0)
         xs = xs.to(COMPUTE)
-        if METHOD == _TOPK:
-            w = xs
-        elif METHOD == _DEFAULT:
-            # softmax over every expert, read at the chosen ones
-            grp = tl.arange(0, NG_PAD)
-            col = tl.arange(0, G_PAD)
-            expert3 = (grp[:, None] * group_size + col[None, :])[None, :, :]
-            # one column of the per-row values (they are equal across the columns)
-            row_ok1 = tl.max(rows_ok.to(tl.int32), axis=1, keep_dims=True) > 0
-            row_off1 = tl.max(row_off, axis=1, keep_dims=True)
-            ok3 = row_ok1[:, :, None] & ((grp[:, None] < n_group) & (col[None, :] < group_size))[None, :, :]
-            x = tl.load(logits_ptr + row_off1[:, :, None] + expert3 * stride_le, mask=ok3, other=0.0)
-            x = x.to(COMPUTE)
-            x_max = tl.max(tl.max(tl.where(ok3, x, float("-inf")), axis=2), axis=1, keep_dims=True)
-            x_max = tl.where(row_ok1, x_max, 0.0)
-            ex = tl.where(ok3, tl.exp(x - x_max[:, :, None]), 0.0)
-            z = tl.where(row_ok1, tl.sum(tl.sum(ex, axis=2), axis=1, keep_dims=True), 1.0)
-            w = tl.exp(xs - x_max) / z
-        elif METHOD == _RENORMALIZE or METHOD == _RENORMALIZE_NAIVE:  # noqa: SIM109 - no `in` in Triton
-            # softmax over the k chosen logits only
-            xs_max = tl.where(rows_ok, tl.max(tl.where(ok, xs, float("-inf")), axis=1, keep_dims=True), 0.0)
-            ex = tl.where(ok, tl.exp(xs - xs_max), 0.0)
-            w = ex / tl.where(rows_ok, tl.sum(ex, axis=1, keep_dims=True), 1.0)
-        else:
-            s = tl.sigmoid(xs)
-            total = tl.sum(tl.where(ok, s, 0.0), axis=1, keep_dims=True)
-            eps = tl.full([], _SUM_EPSILON, COMPUTE)  # 1e-20 in float64 too (a literal is float32)
-            if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
-                w = s * scale / (total + eps)
-            elif METHOD == _SIGMOID_RENORM:
-                # NaN-propagating max, as torch.clamp: the default drops a NaN sum, and a NaN
-                # logit's row would get 1e-20 as its denominator (finite weights up to 1e20)
-                w = s / tl.maximum(total, eps, propagate_nan=tl.PropagateNan.ALL)
-            else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
-                w = s
+        # the method's weights (moe_ops.router._weights), per-row values kept in the tile's layout
+        x_max, z = gathered_row_softmax(
+            logits_ptr, row_off, rows_ok, xs, group_size, n_group, stride_le, METHOD, NG_PAD, G_PAD, COMPUTE
+        )
+        w = chosen_weights(xs, ok, rows_ok, scale, x_max, z, METHOD, True)
         return w
 
     # As in the router: nothing that changes per step or per layer is a specialisation key (the
@@ -520,14 +465,7 @@ if HAS_TRITON:
         id_i = tl.load(ids_ptr + rows64 * stride_im + i * stride_ik, mask=ok, other=-1)
         g_i = tl.load(grad_w_ptr + rows64 * stride_gm + i * stride_gk, mask=ok, other=0.0).to(COMPUTE)
         w_i = tl.load(weights_ptr + rows64 * stride_wm + i * stride_wk, mask=ok, other=0.0)
-        if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2 or METHOD == _SIGMOID_RENORM:  # noqa: SIM109
-            # the normalised sigmoid weights need s itself: one gathered logit (an L2 hit: the
-            # forward read it)
-            x_i = tl.load(logits_ptr + rows64 * stride_lm + id_i.to(tl.int64) * stride_le, mask=ok, other=0.0)
-            s_i = tl.where(ok, tl.sigmoid(x_i.to(COMPUTE)), 0.0)
-        else:
-            # LLAMA4, SIGMOID, TOPK_SIGMOID: the forward's weight is s (unused by the others)
-            s_i = w_i
+        s_i = gradient_sigmoid(logits_ptr, rows64, id_i, ok, w_i, stride_lm, stride_le, METHOD)
         return id_i, g_i, w_i, s_i
 
     # Like the forward: nothing that changes per step or per layer is a specialisation key (the token
@@ -571,7 +509,6 @@ if HAS_TRITON:
         # the compute dtype is the forward weights': float32, or float64 for float64 logits
         COMPUTE: tl.constexpr = weights_ptr.dtype.element_ty
         scale_c = tl.full([], scale, COMPUTE)
-        eps = tl.full([], _SUM_EPSILON, COMPUTE)  # 1e-20 in float64 too (a literal is float32)
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_tokens
@@ -591,26 +528,11 @@ if HAS_TRITON:
             dot += g_i * w_i
             total += s_i
 
-        if METHOD == _DEFAULT:
-            # the full softmax couples every expert: d x_e = p_e * ([e in ids] g_e - dot)
-            x = tl.load(
-                logits_ptr + rows64[:, None] * stride_lm + cols[None, :] * stride_le, mask=ok2, other=0.0
-            )
-            x = x.to(COMPUTE)
-            x_max = tl.where(row_ok, tl.max(tl.where(ok2, x, float("-inf")), axis=1), 0.0)
-            ex = tl.where(ok2, tl.exp(x - x_max[:, None]), 0.0)
-            p = ex / tl.where(row_ok, tl.sum(ex, axis=1), 1.0)[:, None]
-            dense = -p * dot[:, None]
-        else:
-            dense = tl.zeros([BLOCK_M, E_PAD], dtype=COMPUTE)
-        if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
-            denom = total + eps
-        elif METHOD == _SIGMOID_RENORM:
-            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it (a NaN sum
-            # takes 0 there, as in the twin's torch.where)
-            dot = tl.where(total >= eps, dot, 0.0)
-            # NaN-propagating max, as torch.clamp: the default drops a NaN sum (then 1e-20 divides)
-            denom = tl.maximum(total, eps, propagate_nan=tl.PropagateNan.ALL)
+        # DEFAULT's dense part (its full softmax couples every expert), dot and the denominator
+        dense, dot, denom = gradient_rows(
+            logits_ptr, rows64, cols, ok2, row_ok, dot, total, stride_lm, stride_le,
+            METHOD, BLOCK_M, E_PAD, COMPUTE,
+        )  # fmt: skip
 
         # Pass 2: each column's value added where its expert sits (ids are distinct: no collisions;
         # -1 past top_k and on masked rows hits nothing), then one store of the whole row (a zero
@@ -622,18 +544,7 @@ if HAS_TRITON:
                 stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
                 METHOD, COMPUTE,
             )  # fmt: skip
-            if METHOD == _TOPK:
-                gs = g_i
-            elif METHOD == _RENORMALIZE or METHOD == _RENORMALIZE_NAIVE:  # noqa: SIM109 - no `in` in Triton
-                gs = w_i * (g_i - dot)
-            elif METHOD == _DEFAULT:
-                gs = g_i * w_i  # w = p at the chosen expert
-            elif METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
-                gs = (scale_c * g_i - dot) / denom * s_i * (1.0 - s_i)
-            elif METHOD == _SIGMOID_RENORM:
-                gs = (g_i - dot) / denom * s_i * (1.0 - s_i)
-            else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
-                gs = g_i * s_i * (1.0 - s_i)
+            gs = gradient_column(g_i, w_i, s_i, dot, denom, scale_c, METHOD)
             dense += tl.where(cols[None, :] == id_i[:, None], gs[:, None], 0.0)
         dst = grad_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oe
         tl.store(dst, dense.to(grad_ptr.dtype.element_ty), mask=ok2)

@@ -15,7 +15,7 @@ kernels compile to what they did before (the same TTGIR).
 from __future__ import annotations
 
 from .._runtime.triton import HAS_TRITON
-from .methods import RoutingMethod
+from .methods import SelectionKey, table_column
 
 __all__: list[str] = []
 
@@ -23,9 +23,9 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    # Triton kernels may only read globals that are constexpr.
-    _DEEPSEEK_V3 = tl.constexpr(int(RoutingMethod.DEEPSEEK_V3))
-    _MINIMAX2 = tl.constexpr(int(RoutingMethod.MINIMAX2))
+    # Triton kernels may only read globals that are constexpr: per method value, whether its key
+    # is sigmoid(x) + bias (the method table's SelectionKey.SIGMOID_BIAS).
+    _SIGMOID_BIAS_KEY = tl.constexpr(table_column(lambda spec: spec.key == SelectionKey.SIGMOID_BIAS))
     NONE = tl.constexpr(-2147483648)  # INT32_MIN: knocked out / masked (below every valid key)
     NONE64 = tl.constexpr(-9223372036854775808)  # INT64_MIN: the same for float64 keys
     NO_EXPERT = tl.constexpr(1 << 30)  # above every expert index (min-reduction identity)
@@ -66,7 +66,7 @@ if HAS_TRITON:
     def ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD: tl.constexpr, HAS_BIAS: tl.constexpr):
         """(BLOCK_M, NG_PAD, G_PAD) ordered int32 selection keys of float32 logits ``x`` (int64 keys
         of float64 logits; the bias is rounded to the logits' dtype, as the twin does)."""
-        if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
+        if _SIGMOID_BIAS_KEY[METHOD]:
             key = tl.sigmoid(x)
             if HAS_BIAS:
                 b = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0).to(x.dtype)

@@ -35,8 +35,8 @@ from .._runtime.triton import HAS_TRITON, interpreting, next_power_of_2
 from ..capture.errors import cpu_counter_lock
 from ..capture.kernels import capture_rows_torch, size_hint
 from ..capture.spec import CAPTURE_OP, CaptureSpec, absent_kernel_args, kernel_constexprs
-from .methods import RoutingMethod
-from .reference import SUM_EPSILON, route_reference
+from .methods import METHODS, RoutingMethod
+from .reference import rule_weights, select_experts, selection_keys
 
 __all__ = [
     "TRITON_MAX_TILE",
@@ -106,16 +106,7 @@ if HAS_TRITON:
     from ..capture.kernels import record_faults, record_stamp
     from ..capture.window import rows_window
     from ._select import keep_groups, ordered_keys, topk_rounds
-
-    # Triton kernels may only read globals that are constexpr.
-    _DEFAULT = tl.constexpr(int(RoutingMethod.DEFAULT))
-    _RENORMALIZE = tl.constexpr(int(RoutingMethod.RENORMALIZE))
-    _DEEPSEEK_V3 = tl.constexpr(int(RoutingMethod.DEEPSEEK_V3))
-    _RENORMALIZE_NAIVE = tl.constexpr(int(RoutingMethod.RENORMALIZE_NAIVE))
-    _TOPK = tl.constexpr(int(RoutingMethod.TOPK))
-    _SIGMOID_RENORM = tl.constexpr(int(RoutingMethod.SIGMOID_RENORM))
-    _MINIMAX2 = tl.constexpr(int(RoutingMethod.MINIMAX2))
-    _SUM_EPSILON = tl.constexpr(SUM_EPSILON)
+    from ._weights import chosen_weights, row_softmax
 
     # Nothing that changes per step or per layer is a specialisation key: the token count, the
     # capture window's arguments and the row strides are runtime ints, and so are top_k and the
@@ -225,32 +216,10 @@ if HAS_TRITON:
         out_ok = row_ok[:, None] & k_ok
         xs = tl.load(logits_ptr + row_off[:, None] + ids.to(tl.int64) * stride_le, mask=out_ok, other=0.0)
         xs = xs.to(tl.float32)
-        if METHOD == _TOPK:
-            w = xs
-        elif METHOD == _DEFAULT:
-            # softmax over every expert, read at the chosen ones
-            x_max = tl.max(tl.max(tl.where(ok3, x, float("-inf")), axis=2), axis=1)
-            x_max = tl.where(row_ok, x_max, 0.0)
-            z = tl.sum(tl.sum(tl.where(ok3, tl.exp(x - x_max[:, None, None]), 0.0), axis=2), axis=1)
-            z = tl.where(row_ok, z, 1.0)
-            w = tl.exp(xs - x_max[:, None]) / z[:, None]
-        elif METHOD == _RENORMALIZE or METHOD == _RENORMALIZE_NAIVE:  # noqa: SIM109 - no `in` in Triton
-            # softmax over the chosen (== softmax, pick, renormalise)
-            xs_max = tl.max(tl.where(out_ok, xs, float("-inf")), axis=1)
-            xs_max = tl.where(row_ok, xs_max, 0.0)
-            ex = tl.where(out_ok, tl.exp(xs - xs_max[:, None]), 0.0)
-            w = ex / tl.where(row_ok, tl.sum(ex, axis=1), 1.0)[:, None]
-        else:
-            s = tl.sigmoid(xs)
-            total = tl.sum(tl.where(out_ok, s, 0.0), axis=1)
-            if METHOD == _DEEPSEEK_V3 or METHOD == _MINIMAX2:  # noqa: SIM109 - no `in` in Triton
-                w = s * scale / (total + _SUM_EPSILON)[:, None]
-            elif METHOD == _SIGMOID_RENORM:
-                # NaN-propagating max, as torch.clamp: the default drops a NaN sum, and a NaN
-                # logit's row would get 1e-20 as its denominator (finite weights up to 1e20)
-                w = s / tl.maximum(total, _SUM_EPSILON, propagate_nan=tl.PropagateNan.ALL)[:, None]
-            else:  # LLAMA4, SIGMOID, TOPK_SIGMOID
-                w = s
+        # the method's weights (moe_ops.router._weights): DEFAULT's softmax over the whole row from
+        # the logits in registers, every other rule from the k chosen logits
+        x_max, z = row_softmax(x, ok3, row_ok, METHOD, False)
+        w = chosen_weights(xs, out_ok, row_ok, scale, x_max, z, METHOD, False)
 
         rows64 = rows.to(tl.int64)
         tl.store(weights_ptr + rows64[:, None] * stride_wm + kcol[None, :] * stride_wk, w, mask=out_ok)
@@ -284,7 +253,7 @@ def route_rows_triton(
     """Launches the router kernel (validated arguments assumed; see ``moe_ops.route``).
 
     router_logits: (n, E) float32/bf16/fp16 - router outputs, read once
-    bias: (E,) float or None - DEEPSEEK_V3/MINIMAX2 selection bias
+    bias: (E,) float or None - the selection bias of BIAS_METHODS
     weights: (n, top_k) float32 - written
     ids: (n, top_k) int32 - written
     capture: where to record this rank's ids, or None
@@ -375,26 +344,18 @@ def route_rows_torch(
 ) -> None:
     """PyTorch twin of :func:`route_rows_triton`: same arguments, same writes, same fault bits.
 
-    Routes in float32 with :func:`moe_ops.router.reference.route_reference`, then records with the
-    capture op's own twin. RENORMALIZE_NAIVE's weights are computed as RENORMALIZE's
-    ``softmax(x[sel])``, as the kernel computes them (the same choice; replay's rule too): the
-    literal ``p[sel] / sum p[sel]`` reads the whole row, so a NaN logit the router did not choose
-    would make the row's weights NaN where the kernel's are finite. No host reads; allocates its
+    Routes in float32 as :func:`moe_ops.router.reference.route_reference` does, then records with
+    the capture op's own twin. The weights follow ``WeightRule.computed``, as the kernel computes
+    them (replay's rule too): RENORMALIZE_NAIVE's as ``softmax(x[sel])``, since the literal
+    ``p[sel] / sum p[sel]`` reads the whole row, so a NaN logit the router did not choose would make
+    the row's weights NaN where the kernel's are finite. No host reads; allocates its
     intermediates (it is the CPU path and the oracle, not the fast path).
     """
     method = RoutingMethod(method)
-    if method == RoutingMethod.RENORMALIZE_NAIVE:
-        method = RoutingMethod.RENORMALIZE  # chooses by x too: the same ids
-    ref_weights, ref_ids = route_reference(
-        router_logits,
-        ids.shape[1],
-        method,
-        bias,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        dtype=torch.float32,
-    )
+    # route_reference in float32, with the weight rule the kernel computes (WeightRule.computed)
+    x = router_logits.to(torch.float32)
+    ref_ids = select_experts(selection_keys(x, method, bias), ids.shape[1], n_group, topk_group)
+    ref_weights = rule_weights(x, ref_ids, METHODS[method].weight.computed, routed_scaling_factor)
     weights.copy_(ref_weights)
     ids.copy_(ref_ids)
     if capture is not None:

@@ -17,6 +17,9 @@ an id means the same method in every backend. Selection and weights, per method 
     8      SIGMOID            x (sigmoid order)     s
     9      TOPK_SIGMOID       x                     s
 
+:data:`METHODS` holds these rules as one :class:`MethodSpec` per method (selection key, weight
+rule, gradient rule, bias, scaling, groups, fixed top_k); everything else reads them from there.
+
 DeepSeek-V3 groups: a group's score is the sum of its two best ``s + bias`` values (its one value
 when a group has a single expert); the ``topk_group`` best groups stay and the top-k experts are
 chosen inside them. ``n_group`` None or ``<= 1`` means no grouping.
@@ -32,19 +35,31 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
 
 __all__ = [
     "BIAS_METHODS",
+    "GRADIENT_OF",
+    "GROUP_METHODS",
     "LOGIT_DTYPES",
+    "METHODS",
     "REPLAY_LOGIT_DTYPES",
     "SCALED_METHODS",
+    "SCALED_RULES",
+    "GradientRule",
+    "MethodSpec",
     "RouteConfig",
     "RoutingMethod",
+    "SelectionKey",
+    "WeightRule",
     "method_from_value",
+    "method_names",
+    "table_column",
     "validate_route_args",
 ]
 
@@ -64,10 +79,142 @@ class RoutingMethod(enum.IntEnum):
     TOPK_SIGMOID = 9  # top-k on raw logits, then sigmoid
 
 
-# Methods whose selection key is sigmoid(x) + bias (the only ones that take a bias).
-BIAS_METHODS = frozenset({RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2})
+class SelectionKey(enum.IntEnum):
+    """What selection sorts (the tie-break rule of the module doc applies to every key)."""
+
+    LOGIT = 0  # x
+    SOFTMAX_ORDER = 1  # softmax(x): sorted as x, whose order it keeps
+    SIGMOID_ORDER = 2  # sigmoid(x): sorted as x, whose order it keeps (no saturation ties)
+    SIGMOID_BIAS = 3  # sigmoid(x) + bias (bias optional): the only key not sorted as x
+
+
+class WeightRule(enum.IntEnum):
+    """The weights of the chosen experts ``sel`` (``s = sigmoid(x[sel])``, ``scale`` =
+    ``routed_scaling_factor``, ``eps`` = 1e-20)."""
+
+    LOGIT = 0  # x[sel]
+    SOFTMAX = 1  # softmax(x)[sel]: over every expert, not renormalised
+    SOFTMAX_CHOSEN = 2  # softmax(x[sel])
+    # p[sel] / sum p[sel], p = softmax(x): the reference computes it literally; the kernels and the
+    # twins compute its exact equal SOFTMAX_CHOSEN (see WeightRule.computed)
+    SOFTMAX_RENORM = 3
+    SIGMOID = 4  # s
+    SIGMOID_RENORM = 5  # s / max(sum s, eps)
+    SIGMOID_SCALED = 6  # s * scale / (sum s + eps)
+
+    @property
+    def computed(self) -> WeightRule:
+        """The rule the kernels and their twins evaluate: SOFTMAX_RENORM as SOFTMAX_CHOSEN (the
+        literal form reads the whole row and underflows to 0 / 0 where the other is finite), every
+        other rule as itself."""
+        return WeightRule.SOFTMAX_CHOSEN if self is WeightRule.SOFTMAX_RENORM else self
+
+
+class GradientRule(enum.IntEnum):
+    """The gradient w.r.t. ``x[sel]`` (SOFTMAX: w.r.t. every ``x``) of a computed weight rule; ``g``
+    the incoming gradient of the weights, ``w`` the weights, ``dot = sum(g * w)``, ``S = sum s``."""
+
+    LOGIT = 0  # g
+    SOFTMAX = 1  # p * (onehot(sel) . g - dot), p = softmax(x) over the row (dense)
+    SOFTMAX_CHOSEN = 2  # w * (g - dot)
+    SIGMOID = 3  # g * s * (1 - s)
+    SIGMOID_RENORM = 4  # (g - [S >= eps] * dot) / max(S, eps) * s * (1 - s)
+    SIGMOID_SCALED = 5  # (scale * g - dot) / (S + eps) * s * (1 - s)
+
+
+# The gradient of each computed weight rule (WeightRule.computed): what MethodSpec checks.
+GRADIENT_OF: Mapping[WeightRule, GradientRule] = MappingProxyType({
+    WeightRule.LOGIT: GradientRule.LOGIT,
+    WeightRule.SOFTMAX: GradientRule.SOFTMAX,
+    WeightRule.SOFTMAX_CHOSEN: GradientRule.SOFTMAX_CHOSEN,
+    WeightRule.SIGMOID: GradientRule.SIGMOID,
+    WeightRule.SIGMOID_RENORM: GradientRule.SIGMOID_RENORM,
+    WeightRule.SIGMOID_SCALED: GradientRule.SIGMOID_SCALED,
+})  # fmt: skip
+# Weight rules that read routed_scaling_factor: exactly the rules of the scaled methods.
+SCALED_RULES = frozenset({WeightRule.SIGMOID_SCALED})
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One routing method: everything validation, the references, the router kernel and the replay
+    kernels and twins need to know about it (one row of :data:`METHODS`)."""
+
+    # what selection sorts; SIGMOID_BIAS alone is sorted as something other than the raw logits
+    key: SelectionKey
+    # the weights of the chosen experts (the reference's literal rule; the kernels and twins
+    # evaluate weight.computed)
+    weight: WeightRule
+    # the backward of weight.computed: GRADIENT_OF[weight.computed]
+    gradient: GradientRule
+    # takes a (num_experts,) selection bias; only with key SIGMOID_BIAS, never part of the weights
+    bias: bool = False
+    # multiplies its weights by routed_scaling_factor: exactly when weight is in SCALED_RULES
+    scaled: bool = False
+    # takes DeepSeek-V3 expert groups (n_group, topk_group); only with key SIGMOID_BIAS
+    groups: bool = False
+    # the only top_k the method takes, or None for any 1 <= top_k <= num_experts
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.gradient != GRADIENT_OF[self.weight.computed]:
+            raise ValueError(f"gradient must be {GRADIENT_OF[self.weight.computed]!r}, got {self.gradient!r}")
+        if self.scaled != (self.weight in SCALED_RULES):
+            raise ValueError(f"scaled must be {self.weight in SCALED_RULES} for {self.weight!r}")
+        if (self.bias or self.groups) and self.key != SelectionKey.SIGMOID_BIAS:
+            raise ValueError("bias and groups need key SIGMOID_BIAS (the kernels key groups on it)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be None or >= 1, got {self.top_k}")
+
+
+_SIGMOID_SCALED = dict(weight=WeightRule.SIGMOID_SCALED, gradient=GradientRule.SIGMOID_SCALED, scaled=True)
+_SIGMOID = dict(weight=WeightRule.SIGMOID, gradient=GradientRule.SIGMOID)
+_M = RoutingMethod
+# The method table: the one place a method's rules are written. Validation, BIAS_METHODS and
+# SCALED_METHODS, the reference (selection keys, weights), the replay twins and the Triton helpers
+# of the router and replay kernels (moe_ops.router._select, moe_ops.router._weights) read it.
+# A plain dict, never mutated: torch.compile traces validate_route_args, and Dynamo cannot read a
+# mappingproxy keyed by enum members (a graph break in every compiled route, torch 2.13).
+METHODS: Mapping[RoutingMethod, MethodSpec] = {
+    _M.DEFAULT: MethodSpec(SelectionKey.SOFTMAX_ORDER, WeightRule.SOFTMAX, GradientRule.SOFTMAX),
+    _M.RENORMALIZE: MethodSpec(SelectionKey.LOGIT, WeightRule.SOFTMAX_CHOSEN, GradientRule.SOFTMAX_CHOSEN),
+    _M.DEEPSEEK_V3: MethodSpec(SelectionKey.SIGMOID_BIAS, **_SIGMOID_SCALED, bias=True, groups=True),
+    _M.LLAMA4: MethodSpec(SelectionKey.LOGIT, **_SIGMOID, top_k=1),
+    _M.RENORMALIZE_NAIVE: MethodSpec(
+        SelectionKey.SOFTMAX_ORDER, WeightRule.SOFTMAX_RENORM, GradientRule.SOFTMAX_CHOSEN
+    ),
+    _M.TOPK: MethodSpec(SelectionKey.LOGIT, WeightRule.LOGIT, GradientRule.LOGIT),
+    _M.SIGMOID_RENORM: MethodSpec(
+        SelectionKey.SIGMOID_ORDER, WeightRule.SIGMOID_RENORM, GradientRule.SIGMOID_RENORM
+    ),
+    _M.MINIMAX2: MethodSpec(SelectionKey.SIGMOID_BIAS, **_SIGMOID_SCALED, bias=True),
+    _M.SIGMOID: MethodSpec(SelectionKey.SIGMOID_ORDER, **_SIGMOID),
+    _M.TOPK_SIGMOID: MethodSpec(SelectionKey.LOGIT, **_SIGMOID),
+}  # fmt: skip
+del _M, _SIGMOID, _SIGMOID_SCALED
+if set(METHODS) != set(RoutingMethod):
+    raise ValueError(f"METHODS needs one row per RoutingMethod, missing {set(RoutingMethod) - set(METHODS)}")
+
+# Methods that take a selection bias (their key is sigmoid(x) + bias).
+BIAS_METHODS = frozenset(m for m, spec in METHODS.items() if spec.bias)
 # Methods that multiply their weights by routed_scaling_factor.
-SCALED_METHODS = BIAS_METHODS
+SCALED_METHODS = frozenset(m for m, spec in METHODS.items() if spec.scaled)
+# Methods that take DeepSeek-V3 expert groups (n_group, topk_group).
+GROUP_METHODS = frozenset(m for m, spec in METHODS.items() if spec.groups)
+
+
+def table_column(read: Callable[[MethodSpec], object]) -> tuple:
+    """``(read(METHODS[m]) for m of value 0, 1, ...)``: a column of the table that a Triton kernel
+    indexes with its constexpr ``METHOD`` (kernels read constexpr globals only, never a dict)."""
+    return tuple(read(METHODS[RoutingMethod(value)]) for value in range(len(RoutingMethod)))
+
+
+def method_names(methods: frozenset[RoutingMethod]) -> str:
+    """``"A"``, ``"A and B"``, ``"A, B and C"``: the names of ``methods`` in value order."""
+    names = [m.name for m in sorted(methods)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 # What route (and its kernel, which computes in float32) takes.
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # What replay_routing takes: float64 logits are computed in float64 (weights and gradients too).
@@ -105,7 +252,7 @@ class RouteConfig:
 
     # the routing method
     method: RoutingMethod
-    # experts per token, 1 <= top_k <= num_experts (1 for LLAMA4)
+    # experts per token, 1 <= top_k <= num_experts (METHODS[method].top_k where it is set)
     top_k: int
     # experts of the router, >= 1
     num_experts: int
@@ -166,12 +313,18 @@ def validate_route_args(
         raise ValueError("router_logits must have at least one expert column, got num_experts=0")
     if not _is_int(top_k) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
-    if method == RoutingMethod.LLAMA4 and top_k != 1:
-        raise ValueError(f"LLAMA4 routing picks one expert per token: top_k must be 1, got {top_k}")
+    spec = METHODS[method]
+    if spec.top_k is not None and top_k != spec.top_k:
+        picks = "one expert" if spec.top_k == 1 else f"{spec.top_k} experts"
+        raise ValueError(
+            f"{method.name} routing picks {picks} per token: top_k must be {spec.top_k}, got {top_k}"
+        )
 
     if bias is not None:
-        if method not in BIAS_METHODS:
-            raise ValueError(f"bias is only used by DEEPSEEK_V3 and MINIMAX2, not {method.name}; pass None")
+        if not spec.bias:
+            raise ValueError(
+                f"bias is only used by {method_names(BIAS_METHODS)}, not {method.name}; pass None"
+            )
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
         if tuple(bias.shape) != (num_experts,):
@@ -185,8 +338,10 @@ def validate_route_args(
                 f"bias must be on router_logits' device {router_logits.device}, got {bias.device}"
             )
 
-    if method != RoutingMethod.DEEPSEEK_V3 and (n_group is not None or topk_group is not None):
-        raise ValueError(f"n_group/topk_group are only used by DEEPSEEK_V3, not {method.name}; pass None")
+    if not spec.groups and (n_group is not None or topk_group is not None):
+        raise ValueError(
+            f"n_group/topk_group are only used by {method_names(GROUP_METHODS)}, not {method.name}; pass None"
+        )
     groups, kept = 1, 1
     if n_group is not None:
         if not _is_int(n_group) or n_group < 0:
@@ -216,10 +371,10 @@ def validate_route_args(
 
     scale = 1.0
     if routed_scaling_factor is not None:
-        if method not in SCALED_METHODS:
+        if not spec.scaled:
             raise ValueError(
-                f"routed_scaling_factor is only used by DEEPSEEK_V3 and MINIMAX2, not {method.name}; "
-                "pass None"
+                f"routed_scaling_factor is only used by {method_names(SCALED_METHODS)}, "
+                f"not {method.name}; pass None"
             )
         if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
             raise ValueError(f"routed_scaling_factor must be a float, got {routed_scaling_factor!r}")

@@ -7,26 +7,29 @@ captures in CUDA graphs.
 
 Selection follows the package's tie-break rule (see :mod:`moe_ops.router.methods`): a stable
 descending sort, so among equal scores the lowest expert index wins (``torch.topk`` promises no
-order among ties). Methods without a bias sort the raw logits; DEEPSEEK_V3 and MINIMAX2 sort
-``sigmoid(x) + bias``.
+order among ties). Every rule comes from the method table (:data:`moe_ops.router.methods.METHODS`):
+keys of ``SelectionKey.SIGMOID_BIAS`` sort ``sigmoid(x) + bias``, every other key the raw logits;
+:func:`rule_weights` writes each weight rule once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .methods import BIAS_METHODS, RoutingMethod
+from .methods import METHODS, GradientRule, RoutingMethod, SelectionKey, WeightRule
 
 __all__ = [
     "SUM_EPSILON",
     "group_scores",
     "route_reference",
+    "rule_gradient",
+    "rule_weights",
     "select_experts",
     "selection_keys",
     "weights_for_ids",
 ]
 
-# Added to (DEEPSEEK_V3, MINIMAX2) or the floor of (SIGMOID_RENORM) the sum of the chosen weights,
+# Added to (WeightRule.SIGMOID_SCALED) or the floor of (SIGMOID_RENORM) the sum of the chosen weights,
 # as FlashInfer's runners and Hugging Face's DeepSeek-V3 do: a guard against 0/0, invisible otherwise.
 SUM_EPSILON = 1e-20
 
@@ -42,9 +45,10 @@ def selection_keys(x: torch.Tensor, method: RoutingMethod, bias: torch.Tensor | 
 
     x: (n, E) float - logits already in the compute dtype
     bias: (E,) float or None - DEEPSEEK_V3/MINIMAX2 selection bias
-    Returns (n, E): ``sigmoid(x) + bias`` for the bias methods, ``x`` otherwise (canonicalised).
+    Returns (n, E): ``sigmoid(x) + bias`` for the key ``SIGMOID_BIAS``, ``x`` otherwise
+    (canonicalised).
     """
-    if method in BIAS_METHODS:
+    if METHODS[method].key == SelectionKey.SIGMOID_BIAS:
         keys = torch.sigmoid(x)
         if bias is not None:
             keys = keys + bias.to(x.dtype)
@@ -92,34 +96,98 @@ def select_experts(keys: torch.Tensor, top_k: int, n_group: int = 1, topk_group:
     return order[:, :top_k]
 
 
-def weights_for_ids(
+def rule_weights(
     x: torch.Tensor,
     ids: torch.Tensor,
-    method: RoutingMethod,
+    rule: WeightRule,
     routed_scaling_factor: float = 1.0,
 ) -> torch.Tensor:
-    """The method's weights of the experts ``ids``, computed literally in ``x``'s dtype.
+    """The weight rule ``rule`` (:class:`moe_ops.router.methods.WeightRule`) at the experts ``ids``,
+    computed literally in ``x``'s dtype.
 
     x: (n, E) float - logits in the compute dtype
     ids: (n, k) int64 - chosen experts
     Returns (n, k) in ``x``'s dtype.
     """
     xs = x.gather(1, ids)
-    if method == RoutingMethod.TOPK:
+    if rule == WeightRule.LOGIT:
         return xs
-    if method == RoutingMethod.DEFAULT:
+    if rule == WeightRule.SOFTMAX:
         return torch.softmax(x, dim=-1).gather(1, ids)
-    if method == RoutingMethod.RENORMALIZE:
+    if rule == WeightRule.SOFTMAX_CHOSEN:
         return torch.softmax(xs, dim=-1)
-    if method == RoutingMethod.RENORMALIZE_NAIVE:
+    if rule == WeightRule.SOFTMAX_RENORM:
         probs = torch.softmax(x, dim=-1).gather(1, ids)
         return probs / probs.sum(-1, keepdim=True)
     s = torch.sigmoid(xs)
-    if method in BIAS_METHODS:
+    if rule == WeightRule.SIGMOID_SCALED:
         return s * routed_scaling_factor / (s.sum(-1, keepdim=True) + SUM_EPSILON)
-    if method == RoutingMethod.SIGMOID_RENORM:
+    if rule == WeightRule.SIGMOID_RENORM:
         return s / s.sum(-1, keepdim=True).clamp(min=SUM_EPSILON)
-    return s  # LLAMA4, SIGMOID, TOPK_SIGMOID
+    if rule == WeightRule.SIGMOID:
+        return s
+    raise ValueError(f"rule must be a WeightRule, got {rule!r}")
+
+
+def rule_gradient(
+    g: torch.Tensor,
+    w: torch.Tensor,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    rule: GradientRule,
+    routed_scaling_factor: float = 1.0,
+) -> torch.Tensor:
+    """The gradient rule ``rule`` (:class:`moe_ops.router.methods.GradientRule`): the gradient of
+    the loss w.r.t. every logit, from the gradient ``g`` of the weights ``w`` of the experts ``ids``
+    (the backward of ``rule_weights`` with that rule's weight rule), in ``w``'s dtype.
+
+    g: (n, k) float - gradient w.r.t. the weights, in ``w``'s dtype
+    w: (n, k) float - the weights (the compute dtype)
+    x: (n, E) float - the logits, in ``w``'s dtype
+    ids: (n, k) int64 - the experts, distinct per row
+    Returns (n, E): zero outside ``ids`` except for the SOFTMAX rule, whose softmax couples every
+    expert.
+    """
+    dot = (g * w).sum(-1, keepdim=True)
+    dense = torch.zeros(x.shape, dtype=w.dtype, device=x.device)
+    if rule == GradientRule.LOGIT:
+        gs = g
+    elif rule == GradientRule.SOFTMAX_CHOSEN:
+        gs = w * (g - dot)
+    elif rule == GradientRule.SOFTMAX:
+        p = torch.softmax(x, dim=-1)
+        dense = -p * dot
+        gs = g * p.gather(1, ids)
+    else:
+        s = torch.sigmoid(x.gather(1, ids))
+        total = s.sum(-1, keepdim=True)
+        if rule == GradientRule.SIGMOID_SCALED:
+            gs_s = (routed_scaling_factor * g - dot) / (total + SUM_EPSILON)
+        elif rule == GradientRule.SIGMOID_RENORM:
+            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it
+            gs_s = (g - torch.where(total >= SUM_EPSILON, dot, 0.0)) / total.clamp(min=SUM_EPSILON)
+        elif rule == GradientRule.SIGMOID:
+            gs_s = g
+        else:
+            raise ValueError(f"rule must be a GradientRule, got {rule!r}")
+        gs = gs_s * s * (1 - s)
+    return dense.scatter_add(1, ids, gs)
+
+
+def weights_for_ids(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    method: RoutingMethod,
+    routed_scaling_factor: float = 1.0,
+) -> torch.Tensor:
+    """The method's weights of the experts ``ids``, computed literally in ``x``'s dtype: its table
+    row's weight rule (:func:`rule_weights`).
+
+    x: (n, E) float - logits in the compute dtype
+    ids: (n, k) int64 - chosen experts
+    Returns (n, k) in ``x``'s dtype.
+    """
+    return rule_weights(x, ids, METHODS[method].weight, routed_scaling_factor)
 
 
 def route_reference(

@@ -9,6 +9,7 @@ import torch
 from hypothesis import strategies as st
 
 from moe_ops import RoutingMethod
+from moe_ops.router.methods import METHODS
 
 from .router import LOGIT_DTYPES, RouterConfig, router_configs
 
@@ -119,7 +120,7 @@ def nonfinite_cases(
     configuration allows, so that the router has to choose a row's NaN and -inf experts too
     (small: the kernels run interpreted on CPU)."""
     config = draw(router_configs(methods=methods, max_experts=max_experts, max_top_k=max_experts))
-    if config.method != RoutingMethod.LLAMA4 and draw(st.booleans()):
+    if METHODS[config.method].top_k is None and draw(st.booleans()):
         n_group, topk_group = config.groups
         config = replace(config, top_k=topk_group * (config.num_experts // n_group))
     n = draw(st.integers(1, max_tokens))

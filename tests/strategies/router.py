@@ -10,6 +10,7 @@ import torch
 from hypothesis import strategies as st
 
 from moe_ops import BatchLayout, RoutingMethod
+from moe_ops.router.methods import METHODS
 
 from .capture import capture_cases
 
@@ -96,7 +97,8 @@ def router_configs(draw, methods=tuple(RoutingMethod), max_experts: int = 520, m
     if models and draw(st.booleans()):
         return draw(st.sampled_from(models))
     method = draw(st.sampled_from(methods))
-    if method == RoutingMethod.DEEPSEEK_V3 and draw(st.booleans()):
+    spec = METHODS[method]  # what the method takes: the method table's row
+    if spec.groups and draw(st.booleans()):
         n_group = draw(st.integers(2, 8))
         size = draw(st.integers(1, max(1, max_experts // n_group)))
         num_experts = n_group * size
@@ -104,10 +106,9 @@ def router_configs(draw, methods=tuple(RoutingMethod), max_experts: int = 520, m
         top_k = draw(st.integers(1, min(max_top_k, topk_group * size)))
     else:
         num_experts = draw(st.integers(1, max_experts))
-        top_k = 1 if method == RoutingMethod.LLAMA4 else draw(st.integers(1, min(max_top_k, num_experts)))
+        top_k = spec.top_k or draw(st.integers(1, min(max_top_k, num_experts)))
         n_group = topk_group = None
-    scaled = method in (RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2)
-    scale = draw(st.sampled_from([None, 1.0, 2.5, 0.3])) if scaled else None
+    scale = draw(st.sampled_from([None, 1.0, 2.5, 0.3])) if spec.scaled else None
     return RouterConfig(
         f"random-{method.name}",
         method,
@@ -116,7 +117,7 @@ def router_configs(draw, methods=tuple(RoutingMethod), max_experts: int = 520, m
         n_group,
         topk_group,
         scale,
-        has_bias=scaled and draw(st.booleans()),
+        has_bias=spec.bias and draw(st.booleans()),
     )
 
 

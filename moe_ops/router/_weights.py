@@ -1,0 +1,226 @@
+"""Triton helpers the router and the replay kernels share: each method's weights of the chosen
+experts and each method's gradient, read from the method table (private: import the launchers, not
+this module).
+
+The rules come from :data:`moe_ops.router.methods.METHODS`: ``_WEIGHT_RULE[METHOD]`` and
+``_GRADIENT_RULE[METHOD]`` are constexpr tuples indexed by the method's value, so ``METHOD`` stays a
+constexpr, every branch below is decided at compile time and a kernel holds only its method's
+operations (the helpers are inlined). The kernels evaluate ``WeightRule.computed``:
+RENORMALIZE_NAIVE's ``p[sel] / sum p[sel]`` as its exact equal ``softmax(x[sel])``.
+
+Two shapes of per-row values, one set of operations: the router keeps a row's value as a
+``(BLOCK_M,)`` vector and broadcasts it with ``[:, None]`` (``KEEP = False``); replay's recorded
+path keeps every per-row value in the ``(BLOCK_M, K_PAD)`` tile's layout, as ``keep_dims``
+reductions broadcast over the columns (``KEEP = True``; ``moe_ops.replay.kernels`` says why). Both
+compute in the dtype of their inputs: float32, or float64 for replay's float64 weights.
+"""
+
+from __future__ import annotations
+
+from .._runtime.triton import HAS_TRITON
+from .methods import GradientRule, MethodSpec, WeightRule, table_column
+
+__all__: list[str] = []
+
+
+def _computed_weight(spec: MethodSpec) -> int:
+    return int(spec.weight.computed)
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .reference import SUM_EPSILON
+
+    # Triton kernels may only read globals that are constexpr: the table's rules by method value.
+    _WEIGHT_RULE = tl.constexpr(table_column(_computed_weight))
+    _GRADIENT_RULE = tl.constexpr(table_column(lambda spec: int(spec.gradient)))
+    _W_LOGIT = tl.constexpr(int(WeightRule.LOGIT))
+    _W_SOFTMAX = tl.constexpr(int(WeightRule.SOFTMAX))
+    _W_SOFTMAX_CHOSEN = tl.constexpr(int(WeightRule.SOFTMAX_CHOSEN))
+    _W_SIGMOID = tl.constexpr(int(WeightRule.SIGMOID))
+    _W_SIGMOID_RENORM = tl.constexpr(int(WeightRule.SIGMOID_RENORM))
+    _W_SIGMOID_SCALED = tl.constexpr(int(WeightRule.SIGMOID_SCALED))
+    _G_LOGIT = tl.constexpr(int(GradientRule.LOGIT))
+    _G_SOFTMAX = tl.constexpr(int(GradientRule.SOFTMAX))
+    _G_SOFTMAX_CHOSEN = tl.constexpr(int(GradientRule.SOFTMAX_CHOSEN))
+    _G_SIGMOID = tl.constexpr(int(GradientRule.SIGMOID))
+    _G_SIGMOID_RENORM = tl.constexpr(int(GradientRule.SIGMOID_RENORM))
+    _G_SIGMOID_SCALED = tl.constexpr(int(GradientRule.SIGMOID_SCALED))
+    _SUM_EPSILON = tl.constexpr(SUM_EPSILON)
+
+    @triton.jit
+    def _row_max(v, KEEP: tl.constexpr):
+        if KEEP:
+            return tl.max(v, axis=1, keep_dims=True)
+        else:
+            return tl.max(v, axis=1)
+
+    @triton.jit
+    def _row_sum(v, KEEP: tl.constexpr):
+        if KEEP:
+            return tl.sum(v, axis=1, keep_dims=True)
+        else:
+            return tl.sum(v, axis=1)
+
+    @triton.jit
+    def _column(v, KEEP: tl.constexpr):
+        """A per-row value as a column that broadcasts over the row's cells."""
+        if KEEP:
+            return v
+        else:
+            return v[:, None]
+
+    @triton.jit
+    def masked_softmax(v, ok, row_ok, KEEP: tl.constexpr):
+        """Softmax of each row of the 2-D ``v`` over its cells where ``ok`` (0 elsewhere); rows not
+        ``row_ok`` take max 0 and sum 1, so they never divide 0 by 0."""
+        v_max = tl.where(row_ok, _row_max(tl.where(ok, v, float("-inf")), KEEP), 0.0)
+        ex = tl.where(ok, tl.exp(v - _column(v_max, KEEP)), 0.0)
+        return ex / _column(tl.where(row_ok, _row_sum(ex, KEEP), 1.0), KEEP)
+
+    @triton.jit
+    def row_softmax(x, ok3, row_ok, METHOD: tl.constexpr, KEEP: tl.constexpr):
+        """(x_max, z): the softmax over every expert of each row of the ``(BLOCK_M, NG_PAD, G_PAD)``
+        logits ``x`` (valid where ``ok3``), as :func:`chosen_weights` reads them; computed for the
+        SOFTMAX rule (DEFAULT) only, ``x`` itself (unread) otherwise."""
+        if _WEIGHT_RULE[METHOD] == _W_SOFTMAX:
+            x_max = tl.where(row_ok, _row_max(tl.max(tl.where(ok3, x, float("-inf")), axis=2), KEEP), 0.0)
+            ex = tl.where(ok3, tl.exp(x - _column(x_max, KEEP)[:, :, None]), 0.0)
+            z = tl.where(row_ok, _row_sum(tl.sum(ex, axis=2), KEEP), 1.0)
+        else:
+            x_max = x
+            z = x
+        return x_max, z
+
+    @triton.jit
+    def gathered_row_softmax(
+        logits_ptr, row_off, rows_ok, xs, group_size, n_group, stride_le, METHOD: tl.constexpr,
+        NG_PAD: tl.constexpr, G_PAD: tl.constexpr, COMPUTE: tl.constexpr,
+    ):  # fmt: skip
+        """:func:`row_softmax` (``KEEP = True``) of rows held as (BLOCK_M, K_PAD) tiles of per-row
+        values (``row_off``, ``rows_ok``: each row's value in every column), loading the rows'
+        logits in ``COMPUTE``: the SOFTMAX rule alone reads whole rows; ``xs`` (unread) otherwise."""
+        if _WEIGHT_RULE[METHOD] == _W_SOFTMAX:
+            grp = tl.arange(0, NG_PAD)
+            col = tl.arange(0, G_PAD)
+            expert3 = (grp[:, None] * group_size + col[None, :])[None, :, :]
+            # one column of the per-row values (they are equal across the columns)
+            row_ok1 = tl.max(rows_ok.to(tl.int32), axis=1, keep_dims=True) > 0
+            row_off1 = tl.max(row_off, axis=1, keep_dims=True)
+            ok3 = row_ok1[:, :, None] & ((grp[:, None] < n_group) & (col[None, :] < group_size))[None, :, :]
+            x = tl.load(logits_ptr + row_off1[:, :, None] + expert3 * stride_le, mask=ok3, other=0.0)
+            x_max, z = row_softmax(x.to(COMPUTE), ok3, row_ok1, METHOD, True)
+        else:
+            x_max = xs
+            z = xs
+        return x_max, z
+
+    @triton.jit
+    def chosen_weights(xs, ok, row_ok, scale, x_max, z, METHOD: tl.constexpr, KEEP: tl.constexpr):
+        """(BLOCK_M, K_PAD): the method's weights of the chosen experts, in ``xs``' dtype.
+
+        xs: (BLOCK_M, K_PAD) - the chosen experts' logits, valid where ``ok``
+        row_ok: the rows' validity ((BLOCK_M,), or (BLOCK_M, K_PAD) with ``KEEP``)
+        scale: routed_scaling_factor (read by the scaled rule only)
+        x_max, z: :func:`row_softmax` of the rows (read by the SOFTMAX rule only)
+        """
+        RULE: tl.constexpr = _WEIGHT_RULE[METHOD]
+        if RULE == _W_LOGIT:
+            w = xs
+        elif RULE == _W_SOFTMAX:
+            # softmax over every expert, read at the chosen ones
+            w = tl.exp(xs - _column(x_max, KEEP)) / _column(z, KEEP)
+        elif RULE == _W_SOFTMAX_CHOSEN:
+            # softmax over the chosen (== softmax, pick, renormalise)
+            w = masked_softmax(xs, ok, row_ok, KEEP)
+        else:
+            s = tl.sigmoid(xs)
+            total = _row_sum(tl.where(ok, s, 0.0), KEEP)
+            eps = tl.full([], _SUM_EPSILON, xs.dtype)  # 1e-20 in float64 too (a literal is float32)
+            if RULE == _W_SIGMOID_SCALED:
+                w = s * scale / _column(total + eps, KEEP)
+            elif RULE == _W_SIGMOID_RENORM:
+                # NaN-propagating max, as torch.clamp: the default drops a NaN sum, and a NaN
+                # logit's row would get 1e-20 as its denominator (finite weights up to 1e20)
+                w = s / _column(tl.maximum(total, eps, propagate_nan=tl.PropagateNan.ALL), KEEP)
+            else:
+                tl.static_assert(RULE == _W_SIGMOID, "a weight rule without a Triton form")
+                w = s
+        return w
+
+    @triton.jit
+    def gradient_sigmoid(logits_ptr, rows64, id_i, ok, w_i, stride_lm, stride_le, METHOD: tl.constexpr):
+        """(BLOCK_M,) ``s = sigmoid(x[id_i])`` of one column in ``w_i``'s dtype, as the gradient
+        reads it: the normalised sigmoid rules load the logit (an L2 hit: the forward read it);
+        the SIGMOID rule's weight is s itself, and the other rules never read it (``w_i`` too)."""
+        GRAD: tl.constexpr = _GRADIENT_RULE[METHOD]
+        if GRAD == _G_SIGMOID_SCALED or GRAD == _G_SIGMOID_RENORM:  # noqa: SIM109 - no `in` in Triton
+            x_i = tl.load(logits_ptr + rows64 * stride_lm + id_i.to(tl.int64) * stride_le, mask=ok, other=0.0)
+            s_i = tl.where(ok, tl.sigmoid(x_i.to(w_i.dtype)), 0.0)
+        else:
+            s_i = w_i
+        return s_i
+
+    @triton.jit
+    def gradient_rows(
+        logits_ptr, rows64, cols, ok2, row_ok, dot, total, stride_lm, stride_le, METHOD: tl.constexpr,
+        BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, COMPUTE: tl.constexpr,
+    ):  # fmt: skip
+        """(dense, dot, denom) after the backward's first pass over the columns (``dot = sum(g * w)``,
+        ``total = sum(s)``, each (BLOCK_M,)): the (BLOCK_M, E_PAD) part of the gradient row that is
+        not at a chosen expert (SOFTMAX: ``-p * dot``, its full softmax couples every expert; 0
+        otherwise), ``dot`` as the columns read it and the sigmoid rules' denominator."""
+        GRAD: tl.constexpr = _GRADIENT_RULE[METHOD]
+        if GRAD == _G_SOFTMAX:
+            # the full softmax couples every expert: d x_e = p_e * ([e in ids] g_e - dot)
+            x = tl.load(
+                logits_ptr + rows64[:, None] * stride_lm + cols[None, :] * stride_le, mask=ok2, other=0.0
+            )
+            p = masked_softmax(x.to(COMPUTE), ok2, row_ok, False)
+            dense = -p * dot[:, None]
+        else:
+            dense = tl.zeros([BLOCK_M, E_PAD], dtype=COMPUTE)
+        eps = tl.full([], _SUM_EPSILON, COMPUTE)  # 1e-20 in float64 too (a literal is float32)
+        if GRAD == _G_SIGMOID_SCALED:
+            denom = total + eps
+        elif GRAD == _G_SIGMOID_RENORM:
+            # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it (a NaN sum
+            # takes 0 there, as in the twin's torch.where)
+            dot = tl.where(total >= eps, dot, 0.0)
+            # NaN-propagating max, as torch.clamp: the default drops a NaN sum (then 1e-20 divides)
+            denom = tl.maximum(total, eps, propagate_nan=tl.PropagateNan.ALL)
+        else:
+            denom = total  # unread
+        return dense, dot, denom
+
+    @triton.jit
+    def gradient_column(g_i, w_i, s_i, dot, denom, scale, METHOD: tl.constexpr):
+        """(BLOCK_M,): the gradient w.r.t. the logit of one chosen column (module doc of
+        ``moe_ops.replay.kernels``; SOFTMAX: its part at the chosen expert)."""
+        GRAD: tl.constexpr = _GRADIENT_RULE[METHOD]
+        if GRAD == _G_LOGIT:
+            gs = g_i
+        elif GRAD == _G_SOFTMAX_CHOSEN:
+            gs = w_i * (g_i - dot)
+        elif GRAD == _G_SOFTMAX:
+            gs = g_i * w_i  # w = p at the chosen expert
+        elif GRAD == _G_SIGMOID_SCALED:
+            gs = (scale * g_i - dot) / denom * s_i * (1.0 - s_i)
+        elif GRAD == _G_SIGMOID_RENORM:
+            gs = (g_i - dot) / denom * s_i * (1.0 - s_i)
+        else:
+            tl.static_assert(GRAD == _G_SIGMOID, "a gradient rule without a Triton form")
+            gs = g_i * s_i * (1.0 - s_i)
+        return gs
+
+    __all__ += [
+        "chosen_weights",
+        "gathered_row_softmax",
+        "gradient_column",
+        "gradient_rows",
+        "gradient_sigmoid",
+        "masked_softmax",
+        "row_softmax",
+    ]
