@@ -41,6 +41,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 DEVICES = [pytest.param("cpu", id="interpret"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 METHODS = [pytest.param(m, id=m.name) for m in RoutingMethod]
 EXAMPLES = 12  # per method and path: 65 s interpreted in all with -n 2 on this 2-core machine
+NAN, INF = float("nan"), float("inf")
 SENTINEL = -7777.0  # poison of float outputs: no weight or gradient of these cases equals it
 # one rounding of a float32 result to the gradient's dtype (relative)
 ULP = {torch.float32: 0.0, torch.float64: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -184,3 +185,76 @@ def test_sigmoid_renorm_route_choosing_a_nan_logit_is_nan_not_huge(device):
     ref_w, ref_ids = route(x, 4, RoutingMethod.SIGMOID_RENORM, backend="torch")
     assert tri_ids.tolist() == ref_ids.tolist() == [[1, 2, 3, 0]]
     assert torch.isnan(ref_w).all() and torch.isnan(tri_w).all(), f"weights {tri_w.tolist()}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Padded rows: whole rows of NaN, +inf or -inf after the batch's real rows (CUDA-graph padding)
+# ---------------------------------------------------------------------------------------------------
+
+PAD_VALUES = [pytest.param(v, id=name) for name, v in (("nan", NAN), ("posinf", INF), ("neginf", -INF))]
+PAD_EXPERTS, PAD_REAL, PAD_ROWS, PAD_SCALE = 8, 3, 2, 2.5
+SOFTMAX_METHODS = {RoutingMethod.DEFAULT, RoutingMethod.RENORMALIZE, RoutingMethod.RENORMALIZE_NAIVE}
+
+
+def _padded_weight(method: RoutingMethod, value: float, k: int) -> float:
+    """The weight of every chosen expert of a row whose logits all equal ``value``, from the
+    methods' formulas (docs/routing.md), not from the code: softmax over a row of one non-finite
+    value is NaN (inf - inf, -inf - -inf, NaN); s = sigmoid(value) is 1 / 0 / NaN."""
+    s = 1.0 if value == INF else 0.0 if value == -INF else NAN
+    if method in SOFTMAX_METHODS:
+        return NAN
+    if method == RoutingMethod.TOPK:
+        return value
+    if method == RoutingMethod.SIGMOID_RENORM:
+        return s / max(k * s, 1e-20) if s == s else NAN
+    if method in (RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2):
+        return s * PAD_SCALE / (k * s + 1e-20)
+    return s  # LLAMA4, SIGMOID, TOPK_SIGMOID
+
+
+def _padded_kwargs(method: RoutingMethod, device) -> tuple[int, dict]:
+    if method == RoutingMethod.LLAMA4:
+        return 1, {}
+    if method == RoutingMethod.DEEPSEEK_V3:
+        kw = dict(n_group=4, topk_group=2, routed_scaling_factor=PAD_SCALE)
+        return 3, {**kw, "bias": torch.zeros(PAD_EXPERTS, device=device)}
+    if method == RoutingMethod.MINIMAX2:
+        return 3, {"bias": torch.zeros(PAD_EXPERTS, device=device), "routed_scaling_factor": PAD_SCALE}
+    return 3, {}
+
+
+@pytest.mark.parametrize("value", PAD_VALUES)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_rows_of_one_nonfinite_value(device, method, value):
+    """What a serving engine's padded rows get from ``route`` and ``replay_routing`` (live and
+    recorded), Triton against the twin: the padded rows choose experts 0..k-1 (all keys tie, the
+    lowest index wins: distinct and in range, which vLLM's topk_softmax only reaches by clamping
+    NaN/inf to 0), their weights follow the methods' formulas in IEEE arithmetic (NaN for every
+    softmax method: no clamp), no fault is counted, and the real rows are routed as without the
+    padding. A zero bias: every key of a padded row ties (a bias would choose by its order)."""
+    skip_unless_triton_runs(device)
+    k, kw = _padded_kwargs(method, device)
+    gen = torch.Generator().manual_seed(int(method))
+    real = torch.randn(PAD_REAL, PAD_EXPERTS, generator=gen).to(device)
+    x = torch.cat([real, torch.full((PAD_ROWS, PAD_EXPERTS), value, device=device)])
+    want_ids = torch.arange(k, dtype=torch.int32).expand(PAD_ROWS, k)
+    out = {}
+    for backend in ("triton", "torch"):
+        weights, ids = route(x, k, method, backend=backend, **kw)
+        real_weights, real_ids = route(real, k, method, backend=backend, **kw)
+        assert torch.equal(ids[PAD_REAL:].cpu(), want_ids), f"{backend}: padded ids {ids[PAD_REAL:].tolist()}"
+        assert torch.equal(ids[:PAD_REAL], real_ids), f"{backend}: the padding changed a real row's ids"
+        torch.testing.assert_close(weights[:PAD_REAL], real_weights, rtol=1e-6, atol=0)
+        want = torch.full((PAD_ROWS, k), _padded_weight(method, value, k))
+        assert_twin(weights[PAD_REAL:].cpu(), want, f"{backend}: padded weights")
+        recorded = torch.cat([real_ids.long(), want_ids.long().to(device)])
+        live = torch.cat([real_ids.long(), torch.full((PAD_ROWS, k), -1, device=device)])
+        for name, record in (("recorded", recorded), ("live", live)):
+            replay_weights, replay_ids = replay_routing(x, record, method, backend=backend, **kw)
+            assert torch.equal(replay_ids, ids), f"{backend} {name} replay: ids differ from route"
+            assert_twin(replay_weights, weights, f"{backend} {name} replay weights")
+        assert check_replay_errors(x.device, raise_error=False) == 0
+        out[backend] = weights, ids
+    assert torch.equal(out["triton"][1], out["torch"][1]), "ids differ from the twin"
+    assert_twin(out["triton"][0], out["torch"][0], "route weights")

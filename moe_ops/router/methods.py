@@ -1,8 +1,12 @@
 """Routing methods (``RoutingMethod``) and the checks every router backend runs before it computes.
 
-``RoutingMethod`` has the integer values and semantics of FlashInfer's ``RoutingMethodType`` so that
-an id means the same method in every backend. Selection and weights, per method (``x`` = logits,
-``s = sigmoid(x)``, ``sel`` = the chosen experts of a token, ``scale`` = ``routed_scaling_factor``)::
+``RoutingMethod`` has the integer values and semantics of FlashInfer's ``RoutingMethodType``, so an id
+means the same method in moe-ops and FlashInfer. Not in TensorRT-LLM: its own ``RoutingMethodType``
+agrees on 0-4 only (its 5 is MiniMax2, its 6 and 7 changed between versions), so a peer's method is
+translated by name (docs/routing.md, "Peers' names"), never by its integer.
+
+Selection and weights, per method (``x`` = logits, ``s = sigmoid(x)``, ``sel`` = the chosen experts
+of a token, ``scale`` = ``routed_scaling_factor``)::
 
     value  name               chooses by            weights
     0      DEFAULT            x (softmax order)     softmax(x)[sel] (over all experts, not renormalised)
@@ -65,7 +69,8 @@ __all__ = [
 
 
 class RoutingMethod(enum.IntEnum):
-    """How a router turns logits into (weights, ids); values equal FlashInfer's RoutingMethodType."""
+    """How a router turns logits into (weights, ids); values equal FlashInfer's RoutingMethodType
+    (not TensorRT-LLM's, whose 5 is MiniMax2: docs/routing.md)."""
 
     DEFAULT = 0  # softmax over all experts, then top-k; weights not renormalised
     RENORMALIZE = 1  # top-k on logits, then softmax over the k selected
