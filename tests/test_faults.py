@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from threads import run_threads
 
@@ -68,6 +69,42 @@ def test_read_subtracts_what_it_read_under_real_threads():
     assert seen[0] + a == writers * adds
     assert seen[1] | b == (1 << writers) - 1
     assert counter.tensor.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_overlapping_reads_report_each_count_once(device):
+    """Two checks at once: the first read pauses between its copy and its subtraction while the
+    second reads. Each count is reported by one of them and the counter ends at zero (reads that
+    did not take turns off the CPU both reported [5, 4] and left the counter at [-5, -4])."""
+    counter = faults.DeviceCounter(2, device)
+    counter.tensor.copy_(torch.tensor([5, 4], dtype=torch.int32))
+    copy = torch.Tensor.tolist
+    first_copied, second_done = threading.Event(), threading.Event()
+
+    def first_pauses() -> list[int]:
+        values = copy(counter.tensor)
+        if not first_copied.is_set():  # the first read's copy: let the second read run now
+            first_copied.set()
+            # a second read that takes turns is blocked until this one subtracted: it cannot end here
+            second_done.wait(timeout=1.0)
+        return values
+
+    counter.tensor.tolist = first_pauses  # the instance's copy (read() calls self.tensor.tolist())
+    got: dict[int, list[int]] = {}
+
+    def worker(seed: int) -> None:
+        if seed == 0:
+            got[0] = counter.read(reset=True)
+        else:
+            first_copied.wait(timeout=60)
+            got[1] = counter.read(reset=True)
+            second_done.set()
+
+    run_threads(worker, 2)
+    assert sorted(got) == [0, 1]
+    assert got[0][0] + got[1][0] == 5
+    assert got[0][1] + got[1][1] == 4  # the bit reported once
+    assert copy(counter.tensor) == [0, 0]
 
 
 def test_a_held_cpu_lock_holds_every_stage_update():
