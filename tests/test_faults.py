@@ -9,12 +9,14 @@ import threading
 import pytest
 import torch
 from threads import run_threads
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_ops.distributed  # noqa: F401 - registers moe_ops::clamp_counts_
 from moe_ops import RoutingMethod, capture_routing, replay_routing
 from moe_ops._runtime import faults
 from moe_ops.capture.errors import FAULT_SLOT, FAULT_SOURCE_SHORT, FaultCounter, device_fault_counter
 from moe_ops.replay import check_replay_errors, replay_fault_counter
+from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, REPLAY_FAULT_ROW_COUNT
 
 CPU = torch.device("cpu")
 
@@ -105,6 +107,46 @@ def test_overlapping_reads_report_each_count_once(device):
     assert got[0][0] + got[1][0] == 5
     assert got[0][1] + got[1][1] == 4  # the bit reported once
     assert copy(counter.tensor) == [0, 0]
+
+
+class _CountSlotWrites(TorchDispatchMode):
+    """Records the in-place ops that write a view of ``counter`` starting at its count slot (0)."""
+
+    def __init__(self, counter: torch.Tensor):
+        super().__init__()
+        self.storage = counter.untyped_storage().data_ptr()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = func._schema.arguments[0] if func._schema.arguments else None
+        written = first is not None and first.alias_info is not None and first.alias_info.is_write
+        t = args[0] if args else None
+        mine = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.storage
+        if written and mine and t.storage_offset() == 0:
+            self.ops.append(func.__name__)
+        return out
+
+
+def test_replay_updates_add_the_count_atomically():
+    """The replay twin and the replayer's row-count check add to the count slot with index_add_,
+    an atomic add on CUDA as the kernels' atomic_add (a read-modify-write such as ``add_`` on a
+    view of slot 0 would write back over a check's subtraction or another stream's increment that
+    lands between its load and its store)."""
+    from moe_ops.replay.kernels import replay_rows_torch
+    from moe_ops.replay.replayer import _check_rows
+
+    errors = torch.zeros(2, dtype=torch.int32)
+    logits = torch.randn(3, 8)
+    recorded = torch.tensor([[0, 9], [1, 2], [3, 3]], dtype=torch.int32)  # 2 faulty rows
+    weights = torch.empty(3, 2)
+    ids = torch.empty(3, 2, dtype=torch.int32)
+    row_count = torch.tensor([4], dtype=torch.int32)  # 3 rows read of a batch of 4: one more
+    with _CountSlotWrites(errors) as seen:
+        replay_rows_torch(logits, recorded, None, weights, ids, errors, 1, 1, 1, 1.0, row_count)
+        _check_rows(row_count, 3, errors)
+    assert errors.tolist() == [4, REPLAY_FAULT_OUT_OF_RANGE | REPLAY_FAULT_REPEATED | REPLAY_FAULT_ROW_COUNT]
+    assert seen.ops and set(seen.ops) == {"index_add_.default"}, seen.ops
 
 
 def test_a_held_cpu_lock_holds_every_stage_update():
