@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from threads import run_threads
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_ops.distributed  # noqa: F401 - registers moe_ops::clamp_counts_
 from moe_ops import RoutingMethod, capture_routing, replay_routing
 from moe_ops._runtime import faults
 from moe_ops.capture.errors import FAULT_SLOT, FAULT_SOURCE_SHORT, FaultCounter, device_fault_counter
 from moe_ops.replay import check_replay_errors, replay_fault_counter
+from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, REPLAY_FAULT_ROW_COUNT
 
 CPU = torch.device("cpu")
 
@@ -68,6 +71,82 @@ def test_read_subtracts_what_it_read_under_real_threads():
     assert seen[0] + a == writers * adds
     assert seen[1] | b == (1 << writers) - 1
     assert counter.tensor.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_overlapping_reads_report_each_count_once(device):
+    """Two checks at once: the first read pauses between its copy and its subtraction while the
+    second reads. Each count is reported by one of them and the counter ends at zero (reads that
+    did not take turns off the CPU both reported [5, 4] and left the counter at [-5, -4])."""
+    counter = faults.DeviceCounter(2, device)
+    counter.tensor.copy_(torch.tensor([5, 4], dtype=torch.int32))
+    copy = torch.Tensor.tolist
+    first_copied, second_done = threading.Event(), threading.Event()
+
+    def first_pauses() -> list[int]:
+        values = copy(counter.tensor)
+        if not first_copied.is_set():  # the first read's copy: let the second read run now
+            first_copied.set()
+            # a second read that takes turns is blocked until this one subtracted: it cannot end here
+            second_done.wait(timeout=1.0)
+        return values
+
+    counter.tensor.tolist = first_pauses  # the instance's copy (read() calls self.tensor.tolist())
+    got: dict[int, list[int]] = {}
+
+    def worker(seed: int) -> None:
+        if seed == 0:
+            got[0] = counter.read(reset=True)
+        else:
+            first_copied.wait(timeout=60)
+            got[1] = counter.read(reset=True)
+            second_done.set()
+
+    run_threads(worker, 2)
+    assert sorted(got) == [0, 1]
+    assert got[0][0] + got[1][0] == 5
+    assert got[0][1] + got[1][1] == 4  # the bit reported once
+    assert copy(counter.tensor) == [0, 0]
+
+
+class _CountSlotWrites(TorchDispatchMode):
+    """Records the in-place ops that write a view of ``counter`` starting at its count slot (0)."""
+
+    def __init__(self, counter: torch.Tensor):
+        super().__init__()
+        self.storage = counter.untyped_storage().data_ptr()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = func._schema.arguments[0] if func._schema.arguments else None
+        written = first is not None and first.alias_info is not None and first.alias_info.is_write
+        t = args[0] if args else None
+        mine = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == self.storage
+        if written and mine and t.storage_offset() == 0:
+            self.ops.append(func.__name__)
+        return out
+
+
+def test_replay_updates_add_the_count_atomically():
+    """The replay twin and the replayer's row-count check add to the count slot with index_add_,
+    an atomic add on CUDA as the kernels' atomic_add (a read-modify-write such as ``add_`` on a
+    view of slot 0 would write back over a check's subtraction or another stream's increment that
+    lands between its load and its store)."""
+    from moe_ops.replay.kernels import replay_rows_torch
+    from moe_ops.replay.replayer import _check_rows
+
+    errors = torch.zeros(2, dtype=torch.int32)
+    logits = torch.randn(3, 8)
+    recorded = torch.tensor([[0, 9], [1, 2], [3, 3]], dtype=torch.int32)  # 2 faulty rows
+    weights = torch.empty(3, 2)
+    ids = torch.empty(3, 2, dtype=torch.int32)
+    row_count = torch.tensor([4], dtype=torch.int32)  # 3 rows read of a batch of 4: one more
+    with _CountSlotWrites(errors) as seen:
+        replay_rows_torch(logits, recorded, None, weights, ids, errors, 1, 1, 1, 1.0, row_count)
+        _check_rows(row_count, 3, errors)
+    assert errors.tolist() == [4, REPLAY_FAULT_OUT_OF_RANGE | REPLAY_FAULT_REPEATED | REPLAY_FAULT_ROW_COUNT]
+    assert seen.ops and set(seen.ops) == {"index_add_.default"}, seen.ops
 
 
 def test_a_held_cpu_lock_holds_every_stage_update():

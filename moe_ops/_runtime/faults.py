@@ -12,7 +12,10 @@ device-wide replay counter, ``[faulty rows, OR of REPLAY_FAULT_* bits]``). What 
 * :func:`cpu_counter_lock` - the one lock discipline. On the CPU the counters are updated by Python
   code (the PyTorch twins, the Triton interpreter, small torch ops): every update and every read
   holds this one re-entrant lock, so each is atomic with respect to the others. On CUDA the
-  kernels update with atomics and the host's reset is an atomic ``index_add_``: no lock;
+  kernels update with atomics and the host's reset is an atomic ``index_add_``: no lock for the
+  updates; reads of one counter still take turns (its own lock), each waiting for its subtraction
+  before the next reads, or two checks at once would both report the same counts and drive the
+  counter negative;
 * :class:`DeviceCounter` - the tensor (allocated once, a static address for CUDA graphs and
   inductor's graph trees) and :meth:`DeviceCounter.read`, which copies the slots to the host and
   then SUBTRACTS what it read: an increment that lands between the read and the reset stays for the
@@ -85,22 +88,28 @@ class DeviceCounter:
         self.tensor = torch.zeros(slots, dtype=torch.int32, device=self.device)
         torch._dynamo.mark_static_address(self.tensor)
         self._slots = torch.arange(slots, device=self.device)
+        # off the CPU, reads of this counter take turns (on the CPU, cpu_counter_lock serialises them)
+        self._read_lock = threading.Lock()
 
     def read(self, *, reset: bool = True) -> list[int]:
         """The slots' values; with ``reset``, subtracts them from the counter, losing no increment
         that lands meanwhile (an atomic ``index_add_`` on CUDA, under :func:`cpu_counter_lock` on
-        the CPU).
+        the CPU). Concurrent reads take turns: each count is reported by one of them.
 
         HOST SYNC: copies the slots from the device, which waits for the work queued before it on
-        the current stream. Call it where the host already synchronises, never inside a captured
-        or compiled step.
+        the current stream, and, where it subtracts on CUDA, waits for the subtraction (a read on
+        another stream must not see the counts again). Call it where the host already
+        synchronises, never inside a captured or compiled step.
         """
-        with cpu_counter_lock(self.device):
+        cpu = self.device.type == "cpu"
+        with cpu_counter_lock(self.device) if cpu else self._read_lock:
             values = self.tensor.tolist()
             if reset and any(values):
                 delta = torch.tensor([-v for v in values], dtype=torch.int32, device=self.device)
                 # atomic on CUDA, so kernels on other streams that add meanwhile are not lost
                 self.tensor.index_add_(0, self._slots, delta)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
         return values
 
     def __repr__(self) -> str:

@@ -52,6 +52,7 @@ __all__ = [
     "REPLAY_FAULT_OUT_OF_RANGE",
     "REPLAY_FAULT_REPEATED",
     "REPLAY_FAULT_ROW_COUNT",
+    "add_count",
     "backward_launch_config",
     "forward_launch_config",
     "replay_backward_torch",
@@ -181,11 +182,20 @@ def replay_rows_torch(
         wrong_rows = (row_count[0] != router_logits.shape[0]).to(count.dtype)
         count = count + wrong_rows
         flags = flags | wrong_rows * REPLAY_FAULT_ROW_COUNT
-    # the CPU counters' lock: the twin's read-modify-write is atomic with respect to every other
-    # update and to a check's read-and-subtract (moe_ops._runtime.faults); the kernels use atomics
+    # the CPU counters' lock: the twin's update is atomic with respect to every other update and to
+    # a check's read-and-subtract (moe_ops._runtime.faults). On CUDA the count is an atomic add
+    # (index_add_), as the kernels' atomic_add: a read-modify-write of errors[0] would write back
+    # over a check's subtraction or another stream's increment landing between its load and store
     with cpu_counter_lock(errors.device):
-        errors[0] += count.to(errors.dtype)
+        add_count(errors, count)
         errors[1] |= flags.to(errors.dtype)
+
+
+def add_count(errors: torch.Tensor, count: torch.Tensor) -> None:
+    """``errors[0] += count`` (0-d or (1,) integer) as an atomic add on CUDA (``index_add_``); CPU
+    callers hold :func:`moe_ops._runtime.faults.cpu_counter_lock`. No host reads."""
+    slot = torch.zeros(1, dtype=torch.int64, device=errors.device)
+    errors.index_add_(0, slot, count.to(errors.dtype).reshape(1))
 
 
 # reference

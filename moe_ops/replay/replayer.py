@@ -50,7 +50,7 @@ from .._runtime.faults import cpu_counter_lock
 from .._runtime.library import destination_op
 from ..shapes import RoutingShape
 from ..wire import check_layer_axis
-from .kernels import REPLAY_FAULT_ROW_COUNT
+from .kernels import REPLAY_FAULT_ROW_COUNT, add_count
 from .op import replay_fault_counter
 
 __all__ = ["LAYER_KINDS", "NO_RECORD_MARKERS", "RoutingReplayer", "replay_batch"]
@@ -296,11 +296,11 @@ def replay_batch(
 def _check_rows(row_count: torch.Tensor, num_rows: int, errors: torch.Tensor) -> None:
     """One faulty call (``errors[0] += 1``, ``errors[1] |= REPLAY_FAULT_ROW_COUNT``) in the replay
     fault counter when ``row_count[0] != num_rows``: a router reads ``num_rows`` rows of a batch
-    that holds ``row_count[0]``. On the device, no host read (one small kernel per term); the CPU
-    counters' lock held as the replay twins hold it."""
+    that holds ``row_count[0]``. On the device, no host read (one small kernel per term; the count
+    an atomic add on CUDA, as the twin's); the CPU counters' lock held as the replay twins hold it."""
     bad = (row_count != num_rows).to(torch.int32)
     with cpu_counter_lock(errors.device):
-        errors[0:1].add_(bad)
+        add_count(errors, bad)
         errors[1:2].bitwise_or_(bad * REPLAY_FAULT_ROW_COUNT)
 
 
