@@ -35,8 +35,8 @@ CAPTURE_SCHEMA = (
 ROUTE_CAPTURE_SCHEMA = (
     "(Tensor router_logits, Tensor? bias, Tensor(a2!) weights, Tensor(a3!) ids, Tensor(a4!) buffer, "
     "Tensor token_counts, Tensor sizes, Tensor(a7!) errors, Tensor(a8!) stamps, Tensor step, "
-    "SymInt method, SymInt n_group, SymInt topk_group, float routed_scaling_factor, SymInt layer_id, "
-    "SymInt dp_rank, SymInt n_first) -> ()"
+    "SymInt method, SymInt n_group, SymInt topk_group, float routed_scaling_factor, bool unnormalized, "
+    "SymInt layer_id, SymInt dp_rank, SymInt n_first) -> ()"
 )
 
 
@@ -184,7 +184,7 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(case, stamped: boo
 
 def test_route_capture_arguments_round_trip():
     """route's arguments and a spec, joined into the op's order and split back."""
-    host = (*(torch.full((1,), i) for i in range(4)), 0, 1, 1, 2.5)
+    host = (*(torch.full((1,), i) for i in range(4)), 0, 1, 1, 2.5, False)
     spec = CaptureSpec(*(torch.full((1,), 10 + i) for i in range(6)), 3, 1, 2)
     args = ROUTE_CAPTURE.join(host, spec)
     assert len(args) == len(ROUTE_CAPTURE_SCHEMA.split(", "))

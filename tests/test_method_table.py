@@ -43,6 +43,7 @@ def test_method_sets_are_what_the_table_says():
     assert {m for m, s in METHODS.items() if s.bias} == BIAS_METHODS
     assert {m for m, s in METHODS.items() if s.scaled} == SCALED_METHODS
     assert {m for m, s in METHODS.items() if s.groups} == GROUP_METHODS
+    assert {m for m, s in METHODS.items() if s.unnormalized is not None} == M.UNNORMALIZED_METHODS
     # a bias and groups are only taken where the key is sigmoid(x) + bias (what the kernels key on)
     assert {
         m for m, s in METHODS.items() if s.key == SelectionKey.SIGMOID_BIAS
@@ -62,10 +63,17 @@ def test_rows_are_consistent():
         dict(groups=True),
         dict(top_k=0),
         dict(weight=WeightRule.SIGMOID_SCALED, gradient=GradientRule.SIGMOID_SCALED),
+        # an unnormalised rule belongs to a renormalising row, and keeps the row's scaling
+        dict(unnormalized=WeightRule.SIGMOID),
+        dict(renormalizes=True, unnormalized=WeightRule.SIGMOID_TIMES_SCALE),
     ]
     for change in bad_rows:
         with pytest.raises(ValueError):
             dataclasses.replace(sigmoid, **change)
+    for method, spec in METHODS.items():
+        if spec.unnormalized is not None:
+            assert spec.renormalizes is True, method
+            assert spec.unnormalized_gradient == GRADIENT_OF[spec.unnormalized.computed], method
 
 
 def test_table_columns_are_indexed_by_method_value():
@@ -84,6 +92,11 @@ def test_triton_helpers_read_the_table():
         assert _weights._WEIGHT_RULE[int(method)] == int(spec.weight.computed)
         assert _weights._GRADIENT_RULE[int(method)] == int(spec.gradient)
         assert _select._SIGMOID_BIAS_KEY[int(method)] == (spec.key == SelectionKey.SIGMOID_BIAS)
+        # the renormalize=False column: the unnormalised rule, or the row's own where it has none
+        off = M.rule_column(method, True)
+        weight = spec.weight if spec.unnormalized is None else spec.unnormalized
+        assert _weights._WEIGHT_RULE[off] == int(weight.computed)
+        assert _weights._GRADIENT_RULE[off] == int(GRADIENT_OF[weight.computed])
 
 
 def _named(message: str, after: str) -> set[str]:
@@ -180,3 +193,8 @@ def test_each_rows_gradient_rule_is_the_derivative_of_its_weight_rule(method, n,
     (expected,) = torch.autograd.grad(w, x, g)
     got = rule_gradient(g, w.detach(), x.detach(), ids, spec.gradient, scale)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    if spec.unnormalized is not None:  # the renormalize=False rule, the same way
+        w = rule_weights(x, ids, spec.unnormalized.computed, scale)
+        (expected,) = torch.autograd.grad(w, x, g)
+        got = rule_gradient(g, w.detach(), x.detach(), ids, spec.unnormalized_gradient, scale)
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)

@@ -103,16 +103,18 @@ def _route_args(n: int, seed: int, capture: bool):
 
 
 _ROUTE_ARGS = (int(RoutingMethod.DEEPSEEK_V3), 4, 2, 2.5)
+# route_'s and route_capture_'s scalars: the replay ops take unnormalized last, after row_count
+_ROUTER_ARGS = (*_ROUTE_ARGS, False)
 
 
 def _route(t):
-    torch.ops.moe_ops.route_(t["logits"], t["bias"], t["weights"], t["ids"], *_ROUTE_ARGS)
+    torch.ops.moe_ops.route_(t["logits"], t["bias"], t["weights"], t["ids"], *_ROUTER_ARGS)
 
 
 def _route_capture(t):
     torch.ops.moe_ops.route_capture_(
         t["logits"], t["bias"], t["weights"], t["ids"], t["buffer"], t["counts"], t["sizes"],
-        t["errors"], t["stamps"], t["step"], *_ROUTE_ARGS, 2, 1, 2,
+        t["errors"], t["stamps"], t["step"], *_ROUTER_ARGS, 2, 1, 2,
     )  # fmt: skip
 
 
@@ -150,12 +152,12 @@ def test_opcheck_route_interpreted(capture):
     if capture:
         op, args = torch.ops.moe_ops.route_capture_.default, (
             t["logits"], t["bias"], t["weights"], t["ids"], t["buffer"], t["counts"], t["sizes"],
-            t["errors"], t["stamps"], t["step"], *_ROUTE_ARGS, 2, 1, 2,
+            t["errors"], t["stamps"], t["step"], *_ROUTER_ARGS, 2, 1, 2,
         )  # fmt: skip
     else:
         op, args = (
             torch.ops.moe_ops.route_.default,
-            (t["logits"], t["bias"], t["weights"], t["ids"], *_ROUTE_ARGS),
+            (t["logits"], t["bias"], t["weights"], t["ids"], *_ROUTER_ARGS),
         )
     torch.library.opcheck(op, args)
 

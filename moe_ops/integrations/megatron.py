@@ -656,6 +656,7 @@ def _check_rule(rule: ReplayRule, router: MegatronRouter) -> None:
             rule.n_group,
             rule.topk_group,
             rule.routed_scaling_factor,
+            renormalize=rule.renormalize,
         )
     except (TypeError, ValueError) as e:
         raise ValueError(

@@ -57,6 +57,9 @@ class ReplayRule:
     topk_group: int | None = None
     # multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0); None for every other method
     routed_scaling_factor: float | None = None
+    # replay_routing's renormalize: None the method's own rule; False on DEEPSEEK_V3/MINIMAX2
+    # weights s * routed_scaling_factor (norm_topk_prob=False)
+    renormalize: bool | None = None
     # attribute of the router module holding its selection bias, read at every call; None: none
     bias_attr: str | None = None
     # the architecture's exact rule where no method has it: (router_logits (n, E), ids (n, k)
@@ -125,6 +128,7 @@ def replay_router_output(
         n_group=rule.n_group,
         topk_group=rule.topk_group,
         routed_scaling_factor=rule.routed_scaling_factor,
+        renormalize=rule.renormalize,
         backend=backend,
         row_count=row_count,
     )
@@ -443,6 +447,7 @@ def check_rule(rule: ReplayRule, module: nn.Module, path: str, top_k: int | None
             rule.n_group,
             rule.topk_group,
             rule.routed_scaling_factor,
+            renormalize=rule.renormalize,
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"the router at {path!r} cannot be replayed with {rule.method.name}: {e}") from None

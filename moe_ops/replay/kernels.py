@@ -32,6 +32,7 @@ and ``dot = sum(g * w)``; the gradient w.r.t. ``x[ids]`` (DEFAULT: w.r.t. every 
     RENORMALIZE(_NAIVE)        w * (g - dot)
     DEFAULT                    p * (onehot(ids) . g - dot),   p = softmax(x) over the row
     DEEPSEEK_V3, MINIMAX2      (scale * g - dot) / (sum s + 1e-20) * s * (1 - s)
+      with renormalize=False   scale * g * s * (1 - s)               (weights s * scale)
     SIGMOID_RENORM             (g - [sum s >= 1e-20] * dot) / max(sum s, 1e-20) * s * (1 - s)
     LLAMA4, SIGMOID, TOPK_SIGMOID   g * s * (1 - s)
 """
@@ -109,9 +110,12 @@ def forward_launch_config(n_tokens: int, ng_pad: int, g_pad: int) -> tuple[int, 
     return max(1, min(next_power_of_2(n_tokens), _FORWARD_TILE // e_tile)), _FORWARD_WARPS
 
 
-def replay_weights(x: torch.Tensor, ids: torch.Tensor, method: RoutingMethod, scale: float) -> torch.Tensor:
-    """The method's weights of the experts ``ids``: its table row's ``weight.computed`` rule
-    (:func:`moe_ops.router.reference.rule_weights`), what the router and replay kernels compute.
+def replay_weights(
+    x: torch.Tensor, ids: torch.Tensor, method: RoutingMethod, scale: float, unnormalized: bool = False
+) -> torch.Tensor:
+    """The method's weights of the experts ``ids``: its table row's ``weight.computed`` rule (its
+    ``unnormalized`` rule's where ``unnormalized``: ``renormalize=False``;
+    :func:`moe_ops.router.reference.rule_weights`), what the router and replay kernels compute.
 
     x: (n, E) float - logits in the compute dtype
     ids: (n, k) int64 - distinct, in-range experts per row
@@ -122,7 +126,8 @@ def replay_weights(x: torch.Tensor, ids: torch.Tensor, method: RoutingMethod, sc
     0 / 0 = NaN in float32 when every recorded expert lies about 104 below the row's best logit,
     which a replayed (not top-k) row can.
     """
-    return rule_weights(x, ids, METHODS[method].weight.computed, scale)
+    spec = METHODS[method]
+    return rule_weights(x, ids, (spec.unnormalized if unnormalized else spec.weight).computed, scale)
 
 
 def _classify(rec: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,6 +152,7 @@ def replay_rows_torch(
     topk_group: int,
     routed_scaling_factor: float,
     row_count: torch.Tensor | None = None,
+    unnormalized: bool = False,
 ) -> None:
     """PyTorch twin of :func:`replay_rows_triton`: same arguments, same writes, same fault record.
 
@@ -156,6 +162,7 @@ def replay_rows_torch(
     weights: (n, k) float32, or float64 for float64 logits - written; the compute dtype
     ids: (n, k) int32 - written
     errors: (2,) int32 - [faulty rows, OR of fault bits], added to
+    unnormalized: the method's renormalize=False weight rule (``RouteConfig.unnormalized``)
     row_count: (1,) int32 or None - the rows the recorded batch holds (a ``RoutingReplayer``'s
         ``row_count``); when it is not ``n``, one faulty call with :data:`REPLAY_FAULT_ROW_COUNT`
 
@@ -172,7 +179,7 @@ def replay_rows_torch(
     faulty = out_of_range | repeated
     live_ids = select_experts(selection_keys(x, method, bias), k, n_group, topk_group)
     final = torch.where((live | faulty)[:, None], live_ids, rec)
-    weights.copy_(replay_weights(x, final, method, routed_scaling_factor))
+    weights.copy_(replay_weights(x, final, method, routed_scaling_factor, unnormalized))
     ids.copy_(final)
     flags = torch.where(out_of_range.any(), REPLAY_FAULT_OUT_OF_RANGE, 0) | torch.where(
         repeated.any(), REPLAY_FAULT_REPEATED, 0
@@ -207,6 +214,7 @@ def replay_backward_torch(
     grad_logits: torch.Tensor,
     method: int,
     routed_scaling_factor: float,
+    unnormalized: bool = False,
 ) -> None:
     """PyTorch twin of :func:`replay_backward_triton`: writes ``grad_logits``, the method's gradient
     rule (module doc formulas; :func:`moe_ops.router.reference.rule_gradient`).
@@ -220,7 +228,8 @@ def replay_backward_torch(
     dtype = weights.dtype
     g = grad_weights.to(dtype)
     x = router_logits.to(dtype)
-    rule = METHODS[RoutingMethod(method)].gradient
+    spec = METHODS[RoutingMethod(method)]
+    rule = spec.unnormalized_gradient if unnormalized else spec.gradient
     grad_logits.copy_(rule_gradient(g, weights, x, ids.long(), rule, routed_scaling_factor))
 
 
@@ -230,6 +239,7 @@ if HAS_TRITON:
 
     from ..router._select import keep_groups, ordered_keys, topk_rounds
     from ..router._weights import (
+        N_METHODS,
         chosen_weights,
         gathered_row_softmax,
         gradient_column,
@@ -351,6 +361,7 @@ if HAS_TRITON:
         stride_im,
         stride_ik,
         METHOD: tl.constexpr,
+        UNNORM: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         GROUPED: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -369,6 +380,8 @@ if HAS_TRITON:
         # pair test loaded the record in four layouts).
         # the compute dtype is the weights': float32, or float64 for float64 logits
         COMPUTE: tl.constexpr = weights_ptr.dtype.element_ty
+        # the weight rules' column (moe_ops.router._weights): UNNORM, the renormalize=False rule
+        RULES: tl.constexpr = METHOD + N_METHODS * UNNORM
         scale_c = tl.full([], scale, COMPUTE)
         pid = tl.program_id(0)
         if CHECK_ROWS:  # loaded first: its latency hides behind the row work (checked last)
@@ -407,7 +420,7 @@ if HAS_TRITON:
         ids = rec.to(tl.int32)
         w = _gathered_weights(
             logits_ptr, row_off, ids, keep_ok, keep, group_size, n_group, scale_c, stride_le,
-            METHOD, NG_PAD, G_PAD, COMPUTE,
+            RULES, NG_PAD, G_PAD, COMPUTE,
         )  # fmt: skip
         tl.store(w_dst, w, mask=keep_ok)
         tl.store(ids_dst, ids, mask=keep_ok)
@@ -424,7 +437,7 @@ if HAS_TRITON:
             live_ok = need_live & k_ok
             lw = _gathered_weights(
                 logits_ptr, row_off, live_ids, live_ok, need_live, group_size, n_group, scale_c,
-                stride_le, METHOD, NG_PAD, G_PAD, COMPUTE,
+                stride_le, RULES, NG_PAD, G_PAD, COMPUTE,
             )  # fmt: skip
             tl.store(w_dst, lw, mask=live_ok)
             tl.store(ids_dst, live_ids, mask=live_ok)
@@ -507,6 +520,7 @@ if HAS_TRITON:
         stride_om,
         stride_oe,
         METHOD: tl.constexpr,
+        UNNORM: tl.constexpr,
         BLOCK_M: tl.constexpr,
         E_PAD: tl.constexpr,
         K_PAD: tl.constexpr,
@@ -518,6 +532,8 @@ if HAS_TRITON:
         # round trip and barrier per column (8 converts at DeepSeek-V3's shape, in the TTGIR).
         # the compute dtype is the forward weights': float32, or float64 for float64 logits
         COMPUTE: tl.constexpr = weights_ptr.dtype.element_ty
+        # the gradient rules' column (moe_ops.router._weights): UNNORM, the renormalize=False rule
+        RULES: tl.constexpr = METHOD + N_METHODS * UNNORM
         scale_c = tl.full([], scale, COMPUTE)
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -533,7 +549,7 @@ if HAS_TRITON:
             _, g_i, w_i, s_i = _backward_column(
                 grad_w_ptr, logits_ptr, weights_ptr, ids_ptr, rows64, row_ok, i, top_k,
                 stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
-                METHOD, COMPUTE,
+                RULES, COMPUTE,
             )  # fmt: skip
             dot += g_i * w_i
             total += s_i
@@ -541,7 +557,7 @@ if HAS_TRITON:
         # DEFAULT's dense part (its full softmax couples every expert), dot and the denominator
         dense, dot, denom = gradient_rows(
             logits_ptr, rows64, cols, ok2, row_ok, dot, total, stride_lm, stride_le,
-            METHOD, BLOCK_M, E_PAD, COMPUTE,
+            RULES, BLOCK_M, E_PAD, COMPUTE,
         )  # fmt: skip
 
         # Pass 2: each column's value added where its expert sits (ids are distinct: no collisions;
@@ -552,9 +568,9 @@ if HAS_TRITON:
             id_i, g_i, w_i, s_i = _backward_column(
                 grad_w_ptr, logits_ptr, weights_ptr, ids_ptr, rows64, row_ok, i, top_k,
                 stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
-                METHOD, COMPUTE,
+                RULES, COMPUTE,
             )  # fmt: skip
-            gs = gradient_column(g_i, w_i, s_i, dot, denom, scale_c, METHOD)
+            gs = gradient_column(g_i, w_i, s_i, dot, denom, scale_c, RULES)
             dense += tl.where(cols[None, :] == id_i[:, None], gs[:, None], 0.0)
         dst = grad_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oe
         tl.store(dst, dense.to(grad_ptr.dtype.element_ty), mask=ok2)
@@ -572,6 +588,7 @@ def replay_rows_triton(
     topk_group: int,
     routed_scaling_factor: float,
     row_count: torch.Tensor | None = None,
+    unnormalized: bool = False,
     *,
     block_m: int | None = None,
     num_warps: int | None = None,
@@ -629,6 +646,7 @@ def replay_rows_triton(
         ids.stride(0),
         ids.stride(1),
         METHOD=int(method),
+        UNNORM=bool(unnormalized),
         HAS_BIAS=bias is not None,
         GROUPED=n_group > 1,
         BLOCK_M=block_m,
@@ -648,6 +666,7 @@ def replay_backward_triton(
     grad_logits: torch.Tensor,
     method: int,
     routed_scaling_factor: float,
+    unnormalized: bool = False,
     *,
     block_m: int | None = None,
     num_warps: int | None = None,
@@ -686,6 +705,7 @@ def replay_backward_triton(
         grad_logits.stride(0),
         grad_logits.stride(1),
         METHOD=int(method),
+        UNNORM=bool(unnormalized),
         BLOCK_M=block_m,
         E_PAD=e_pad,
         K_PAD=next_power_of_2(top_k),

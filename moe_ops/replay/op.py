@@ -161,6 +161,7 @@ def _forward_twin(
     topk_group: int,
     routed_scaling_factor: float,
     row_count: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
+    unnormalized: bool = False,
 ) -> None:
     """Writes every row's replayed (or live) ``weights`` and ``ids``; counts faulty rows (and a
     call whose row count is not ``row_count``) in ``errors`` (contract in kernels.py)."""
@@ -176,6 +177,7 @@ def _forward_twin(
         topk_group,
         routed_scaling_factor,
         row_count,
+        unnormalized,
     )
 
 
@@ -187,10 +189,11 @@ def _backward_twin(
     grad_logits: torch.Tensor,
     method: int,
     routed_scaling_factor: float,
+    unnormalized: bool = False,
 ) -> None:
     """Writes the gradient of the loss w.r.t. ``router_logits`` into ``grad_logits`` (every element)."""
     replay_backward_torch(
-        grad_weights, router_logits, weights, ids, grad_logits, method, routed_scaling_factor
+        grad_weights, router_logits, weights, ids, grad_logits, method, routed_scaling_factor, unnormalized
     )
 
 
@@ -206,6 +209,7 @@ def _forward_triton(
     topk_group: int,
     routed_scaling_factor: float,
     row_count: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
+    unnormalized: bool = False,
     *,
     wrap=identity,
 ) -> None:
@@ -216,9 +220,9 @@ def _forward_triton(
         # launch atomic with respect to a check's read-and-subtract (moe_ops._runtime.faults); on
         # CUDA the kernel's atomics need no lock
         with cpu_counter_lock(errors.device):
-            replay_rows_triton(*args, routed_scaling_factor, row_count, wrap=wrap)
+            replay_rows_triton(*args, routed_scaling_factor, row_count, unnormalized, wrap=wrap)
     else:
-        replay_rows_triton(*args, routed_scaling_factor, row_count, wrap=wrap)
+        replay_rows_triton(*args, routed_scaling_factor, row_count, unnormalized, wrap=wrap)
 
 
 _FORWARD_MUTATES = ("weights", "ids", "errors")
@@ -278,7 +282,17 @@ def _errors_for(router_logits: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(
-    router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton, dtype, row_count
+    router_logits,
+    recorded_ids,
+    bias,
+    method,
+    n_group,
+    topk_group,
+    scale,
+    unnormalized,
+    use_triton,
+    dtype,
+    row_count,
 ):
     """Allocates the outputs and runs the forward op (``dtype``: the compute dtype, float32 or
     float64)."""
@@ -298,6 +312,7 @@ def _forward(
         topk_group,
         scale,
         row_count,
+        unnormalized,
     )
     return weights, ids
 
@@ -306,8 +321,8 @@ class ReplayRoutingFunction(torch.autograd.Function):
     """Autograd over the two ops: gradients reach ``router_logits`` only (the ids are
     non-differentiable and the bias only chooses live rows, a piecewise-constant choice).
 
-    ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, use_triton,
-    dtype)`` with validated arguments; ``dtype`` is the compute and weights dtype (in
+    ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, unnormalized,
+    use_triton, dtype, row_count)`` with validated arguments; ``dtype`` is the compute and weights dtype (in
     :func:`replay_routing`: float64 for float64 logits, else float32).
     """
 
@@ -321,6 +336,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
         n_group,
         topk_group,
         scale,
+        unnormalized,
         use_triton,
         dtype,
         row_count,
@@ -333,6 +349,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
             n_group,
             topk_group,
             scale,
+            unnormalized,
             use_triton,
             dtype,
             row_count,
@@ -343,7 +360,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
             # Eager autograd would fill a zero gradient for the ids: one more kernel per backward.
             # (Dynamo refuses this call; AOT autograd gives integer outputs no gradient anyway.)
             ctx.set_materialize_grads(False)
-        ctx.method, ctx.scale, ctx.use_triton = method, scale, use_triton
+        ctx.method, ctx.scale, ctx.unnormalized, ctx.use_triton = method, scale, unnormalized, use_triton
         return weights, ids
 
     @staticmethod
@@ -351,11 +368,13 @@ class ReplayRoutingFunction(torch.autograd.Function):
     def backward(ctx, grad_weights, grad_ids):
         router_logits, weights, ids = ctx.saved_tensors
         if grad_weights is None:  # no gradient reached the weights (grads are not materialised)
-            return None, None, None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None, None, None
         grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
         backward_ = _backward_call if ctx.use_triton else _reference_backward
-        backward_(grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale)
-        return grad_logits, None, None, None, None, None, None, None, None, None
+        backward_(
+            grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale, ctx.unnormalized
+        )
+        return grad_logits, None, None, None, None, None, None, None, None, None, None
 
 
 def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor, method) -> None:
@@ -413,6 +432,7 @@ def replay_routing(
     n_group: int | None = None,
     topk_group: int | None = None,
     routed_scaling_factor: float | None = None,
+    renormalize: bool | None = None,
     backend: str = "auto",
     row_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -430,6 +450,9 @@ def replay_routing(
             rounded to the compute dtype: chooses the live rows' experts, never enters a weight.
         n_group, topk_group: DEEPSEEK_V3 groups (live rows only); ``n_group`` None or <= 1: none.
         routed_scaling_factor: multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0).
+        renormalize: as in :func:`moe_ops.route`: None keeps the method's rule; False on
+            DEEPSEEK_V3/MINIMAX2 weights ``s * routed_scaling_factor`` (no division by the sum),
+            and the gradient follows.
         backend: "auto" (Triton on CUDA, the PyTorch twins on CPU or for rows wider than the kernel
             tile), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the twins).
         row_count: (1,) int32 on the logits' device, or None - the rows the batch ``recorded_ids``
@@ -465,6 +488,7 @@ def replay_routing(
         n_group,
         topk_group,
         routed_scaling_factor,
+        renormalize=renormalize,
         logit_dtypes=REPLAY_LOGIT_DTYPES,
     )
     # the router's rule: a block routed live holds the router's tile
@@ -478,6 +502,7 @@ def replay_routing(
         cfg.n_group,
         cfg.topk_group,
         cfg.routed_scaling_factor,
+        cfg.unnormalized,
         use_triton,
         compute,
         _check_row_count(row_count, router_logits),

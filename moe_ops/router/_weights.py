@@ -2,10 +2,13 @@
 experts and each method's gradient, read from the method table (private: import the launchers, not
 this module).
 
-The rules come from :data:`moe_ops.router.methods.METHODS`: ``_WEIGHT_RULE[METHOD]`` and
-``_GRADIENT_RULE[METHOD]`` are constexpr tuples indexed by the method's value, so ``METHOD`` stays a
-constexpr, every branch below is decided at compile time and a kernel holds only its method's
-operations (the helpers are inlined). The kernels evaluate ``WeightRule.computed``:
+The rules come from :data:`moe_ops.router.methods.METHODS`: ``_WEIGHT_RULE[RULES]`` and
+``_GRADIENT_RULE[RULES]`` are constexpr tuples (:func:`moe_ops.router.methods.rule_table`) indexed by
+the rules' column ``RULES`` - the method's value, or the value plus the number of methods for its
+``renormalize=False`` rule (``rule_column``; the kernels pass ``METHOD + N_METHODS * UNNORM``) - so
+``RULES`` stays a constexpr, every branch below is decided at compile time and a kernel holds only
+its rule's operations (the helpers are inlined). The helpers' ``METHOD`` parameter is that column.
+The kernels evaluate ``WeightRule.computed``:
 RENORMALIZE_NAIVE's ``p[sel] / sum p[sel]`` as its exact equal ``softmax(x[sel])``.
 
 Two shapes of per-row values, one set of operations: the router keeps a row's value as a
@@ -18,13 +21,9 @@ compute in the dtype of their inputs: float32, or float64 for replay's float64 w
 from __future__ import annotations
 
 from .._runtime.triton import HAS_TRITON
-from .methods import GradientRule, MethodSpec, WeightRule, table_column
+from .methods import GradientRule, RoutingMethod, WeightRule, rule_table
 
 __all__: list[str] = []
-
-
-def _computed_weight(spec: MethodSpec) -> int:
-    return int(spec.weight.computed)
 
 
 if HAS_TRITON:
@@ -34,20 +33,24 @@ if HAS_TRITON:
     from .reference import SUM_EPSILON
 
     # Triton kernels may only read globals that are constexpr: the table's rules by method value.
-    _WEIGHT_RULE = tl.constexpr(table_column(_computed_weight))
-    _GRADIENT_RULE = tl.constexpr(table_column(lambda spec: int(spec.gradient)))
+    _WEIGHT_RULE = tl.constexpr(rule_table(lambda weight, gradient: int(weight)))
+    _GRADIENT_RULE = tl.constexpr(rule_table(lambda weight, gradient: int(gradient)))
+    # the kernels' rules column: METHOD + N_METHODS * UNNORM (methods.rule_column)
+    N_METHODS = tl.constexpr(len(RoutingMethod))
     _W_LOGIT = tl.constexpr(int(WeightRule.LOGIT))
     _W_SOFTMAX = tl.constexpr(int(WeightRule.SOFTMAX))
     _W_SOFTMAX_CHOSEN = tl.constexpr(int(WeightRule.SOFTMAX_CHOSEN))
     _W_SIGMOID = tl.constexpr(int(WeightRule.SIGMOID))
     _W_SIGMOID_RENORM = tl.constexpr(int(WeightRule.SIGMOID_RENORM))
     _W_SIGMOID_SCALED = tl.constexpr(int(WeightRule.SIGMOID_SCALED))
+    _W_SIGMOID_TIMES_SCALE = tl.constexpr(int(WeightRule.SIGMOID_TIMES_SCALE))
     _G_LOGIT = tl.constexpr(int(GradientRule.LOGIT))
     _G_SOFTMAX = tl.constexpr(int(GradientRule.SOFTMAX))
     _G_SOFTMAX_CHOSEN = tl.constexpr(int(GradientRule.SOFTMAX_CHOSEN))
     _G_SIGMOID = tl.constexpr(int(GradientRule.SIGMOID))
     _G_SIGMOID_RENORM = tl.constexpr(int(GradientRule.SIGMOID_RENORM))
     _G_SIGMOID_SCALED = tl.constexpr(int(GradientRule.SIGMOID_SCALED))
+    _G_SIGMOID_TIMES_SCALE = tl.constexpr(int(GradientRule.SIGMOID_TIMES_SCALE))
     _SUM_EPSILON = tl.constexpr(SUM_EPSILON)
 
     @triton.jit
@@ -141,6 +144,8 @@ if HAS_TRITON:
             eps = tl.full([], _SUM_EPSILON, xs.dtype)  # 1e-20 in float64 too (a literal is float32)
             if RULE == _W_SIGMOID_SCALED:
                 w = s * scale / _column(total + eps, KEEP)
+            elif RULE == _W_SIGMOID_TIMES_SCALE:
+                w = s * scale
             elif RULE == _W_SIGMOID_RENORM:
                 # NaN-propagating max, as torch.clamp: the default drops a NaN sum, and a NaN
                 # logit's row would get 1e-20 as its denominator (finite weights up to 1e20)
@@ -153,10 +158,11 @@ if HAS_TRITON:
     @triton.jit
     def gradient_sigmoid(logits_ptr, rows64, id_i, ok, w_i, stride_lm, stride_le, METHOD: tl.constexpr):
         """(BLOCK_M,) ``s = sigmoid(x[id_i])`` of one column in ``w_i``'s dtype, as the gradient
-        reads it: the normalised sigmoid rules load the logit (an L2 hit: the forward read it);
+        reads it: the normalised and the scaled sigmoid rules load the logit (an L2 hit: the forward read it);
         the SIGMOID rule's weight is s itself, and the other rules never read it (``w_i`` too)."""
         GRAD: tl.constexpr = _GRADIENT_RULE[METHOD]
-        if GRAD == _G_SIGMOID_SCALED or GRAD == _G_SIGMOID_RENORM:  # noqa: SIM109 - no `in` in Triton
+        # the weight is not s itself: s comes from the logit (no `in` in Triton)
+        if (GRAD == _G_SIGMOID_SCALED) or (GRAD == _G_SIGMOID_RENORM) or (GRAD == _G_SIGMOID_TIMES_SCALE):  # noqa: SIM109
             x_i = tl.load(logits_ptr + rows64 * stride_lm + id_i.to(tl.int64) * stride_le, mask=ok, other=0.0)
             s_i = tl.where(ok, tl.sigmoid(x_i.to(w_i.dtype)), 0.0)
         else:
@@ -210,12 +216,15 @@ if HAS_TRITON:
             gs = (scale * g_i - dot) / denom * s_i * (1.0 - s_i)
         elif GRAD == _G_SIGMOID_RENORM:
             gs = (g_i - dot) / denom * s_i * (1.0 - s_i)
+        elif GRAD == _G_SIGMOID_TIMES_SCALE:
+            gs = scale * g_i * s_i * (1.0 - s_i)
         else:
             tl.static_assert(GRAD == _G_SIGMOID, "a gradient rule without a Triton form")
             gs = g_i * s_i * (1.0 - s_i)
         return gs
 
     __all__ += [
+        "N_METHODS",
         "chosen_weights",
         "gathered_row_softmax",
         "gradient_column",

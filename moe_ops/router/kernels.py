@@ -106,7 +106,7 @@ if HAS_TRITON:
     from ..capture.kernels import record_faults, record_stamp
     from ..capture.window import rows_window
     from ._select import keep_groups, ordered_keys, topk_rounds
-    from ._weights import chosen_weights, row_softmax
+    from ._weights import N_METHODS, chosen_weights, row_softmax
 
     # Nothing that changes per step or per layer is a specialisation key: the token count, the
     # capture window's arguments and the row strides are runtime ints, and so are top_k and the
@@ -166,6 +166,7 @@ if HAS_TRITON:
         stride_c,
         stride_s,
         METHOD: tl.constexpr,
+        UNNORM: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         GROUPED: tl.constexpr,
         CAPTURE: tl.constexpr,
@@ -217,9 +218,11 @@ if HAS_TRITON:
         xs = tl.load(logits_ptr + row_off[:, None] + ids.to(tl.int64) * stride_le, mask=out_ok, other=0.0)
         xs = xs.to(tl.float32)
         # the method's weights (moe_ops.router._weights): DEFAULT's softmax over the whole row from
-        # the logits in registers, every other rule from the k chosen logits
-        x_max, z = row_softmax(x, ok3, row_ok, METHOD, False)
-        w = chosen_weights(xs, out_ok, row_ok, scale, x_max, z, METHOD, False)
+        # the logits in registers, every other rule from the k chosen logits; UNNORM: the method's
+        # renormalize=False rule (the table's column METHOD + N_METHODS)
+        RULES: tl.constexpr = METHOD + N_METHODS * UNNORM
+        x_max, z = row_softmax(x, ok3, row_ok, RULES, False)
+        w = chosen_weights(xs, out_ok, row_ok, scale, x_max, z, RULES, False)
 
         rows64 = rows.to(tl.int64)
         tl.store(weights_ptr + rows64[:, None] * stride_wm + kcol[None, :] * stride_wk, w, mask=out_ok)
@@ -246,6 +249,7 @@ def route_rows_triton(
     routed_scaling_factor: float,
     capture: CaptureSpec | None = None,
     *,
+    unnormalized: bool = False,
     block_m: int | None = None,
     num_warps: int | None = None,
     wrap=identity,
@@ -256,6 +260,7 @@ def route_rows_triton(
     bias: (E,) float or None - the selection bias of BIAS_METHODS
     weights: (n, top_k) float32 - written
     ids: (n, top_k) int32 - written
+    unnormalized: the method's renormalize=False weight rule (``RouteConfig.unnormalized``)
     capture: where to record this rank's ids, or None
     block_m, num_warps: override :func:`launch_config` (tests and tuning)
     wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
@@ -305,6 +310,7 @@ def route_rows_triton(
         capture_constexprs = capture.kernel_constexprs()
     constexprs = dict(
         METHOD=int(method),
+        UNNORM=bool(unnormalized),
         HAS_BIAS=bias is not None,
         GROUPED=n_group > 1,
         CAPTURE=capture is not None,
@@ -341,6 +347,8 @@ def route_rows_torch(
     topk_group: int,
     routed_scaling_factor: float,
     capture: CaptureSpec | None = None,
+    *,
+    unnormalized: bool = False,
 ) -> None:
     """PyTorch twin of :func:`route_rows_triton`: same arguments, same writes, same fault bits.
 
@@ -355,7 +363,9 @@ def route_rows_torch(
     # route_reference in float32, with the weight rule the kernel computes (WeightRule.computed)
     x = router_logits.to(torch.float32)
     ref_ids = select_experts(selection_keys(x, method, bias), ids.shape[1], n_group, topk_group)
-    ref_weights = rule_weights(x, ref_ids, METHODS[method].weight.computed, routed_scaling_factor)
+    spec = METHODS[method]
+    rule = (spec.unnormalized if unnormalized else spec.weight).computed
+    ref_weights = rule_weights(x, ref_ids, rule, routed_scaling_factor)
     weights.copy_(ref_weights)
     ids.copy_(ref_ids)
     if capture is not None:

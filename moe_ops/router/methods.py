@@ -55,6 +55,7 @@ __all__ = [
     "REPLAY_LOGIT_DTYPES",
     "SCALED_METHODS",
     "SCALED_RULES",
+    "UNNORMALIZED_METHODS",
     "GradientRule",
     "MethodSpec",
     "RouteConfig",
@@ -63,6 +64,8 @@ __all__ = [
     "WeightRule",
     "method_from_value",
     "method_names",
+    "rule_column",
+    "rule_table",
     "table_column",
     "validate_route_args",
 ]
@@ -106,6 +109,9 @@ class WeightRule(enum.IntEnum):
     SIGMOID = 4  # s
     SIGMOID_RENORM = 5  # s / max(sum s, eps)
     SIGMOID_SCALED = 6  # s * scale / (sum s + eps)
+    # s * scale: SIGMOID_SCALED with renormalize=False (vLLM's and SGLang's biased sigmoid with
+    # renormalize off, transformers' DeepSeek-V3 with norm_topk_prob=False)
+    SIGMOID_TIMES_SCALE = 7
 
     @property
     def computed(self) -> WeightRule:
@@ -125,6 +131,7 @@ class GradientRule(enum.IntEnum):
     SIGMOID = 3  # g * s * (1 - s)
     SIGMOID_RENORM = 4  # (g - [S >= eps] * dot) / max(S, eps) * s * (1 - s)
     SIGMOID_SCALED = 5  # (scale * g - dot) / (S + eps) * s * (1 - s)
+    SIGMOID_TIMES_SCALE = 6  # scale * g * s * (1 - s)
 
 
 # The gradient of each computed weight rule (WeightRule.computed): what MethodSpec checks.
@@ -135,9 +142,10 @@ GRADIENT_OF: Mapping[WeightRule, GradientRule] = MappingProxyType({
     WeightRule.SIGMOID: GradientRule.SIGMOID,
     WeightRule.SIGMOID_RENORM: GradientRule.SIGMOID_RENORM,
     WeightRule.SIGMOID_SCALED: GradientRule.SIGMOID_SCALED,
+    WeightRule.SIGMOID_TIMES_SCALE: GradientRule.SIGMOID_TIMES_SCALE,
 })  # fmt: skip
 # Weight rules that read routed_scaling_factor: exactly the rules of the scaled methods.
-SCALED_RULES = frozenset({WeightRule.SIGMOID_SCALED})
+SCALED_RULES = frozenset({WeightRule.SIGMOID_SCALED, WeightRule.SIGMOID_TIMES_SCALE})
 
 
 @dataclass(frozen=True)
@@ -160,6 +168,17 @@ class MethodSpec:
     groups: bool = False
     # the only top_k the method takes, or None for any 1 <= top_k <= num_experts
     top_k: int | None = None
+    # whether its weights are divided by their sum over the chosen experts: what renormalize=None
+    # keeps; None where the knob cannot apply (raw logits, one expert)
+    renormalizes: bool | None = None
+    # the weight rule renormalize=False selects, for a renormalising method that has no
+    # RoutingMethod of its own without the division (another method's row is that method)
+    unnormalized: WeightRule | None = None
+
+    @property
+    def unnormalized_gradient(self) -> GradientRule | None:
+        """The gradient of :attr:`unnormalized` (None without one)."""
+        return None if self.unnormalized is None else GRADIENT_OF[self.unnormalized.computed]
 
     def __post_init__(self) -> None:
         if self.gradient != GRADIENT_OF[self.weight.computed]:
@@ -170,10 +189,24 @@ class MethodSpec:
             raise ValueError("bias and groups need key SIGMOID_BIAS (the kernels key groups on it)")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be None or >= 1, got {self.top_k}")
+        if self.unnormalized is not None:
+            if self.renormalizes is not True:
+                raise ValueError("unnormalized needs renormalizes=True (it is the rule without the division)")
+            if self.scaled != (self.unnormalized in SCALED_RULES):
+                want = self.unnormalized in SCALED_RULES
+                raise ValueError(f"scaled must be {want} for {self.unnormalized!r}")
 
 
-_SIGMOID_SCALED = dict(weight=WeightRule.SIGMOID_SCALED, gradient=GradientRule.SIGMOID_SCALED, scaled=True)
+_SIGMOID_SCALED = dict(
+    weight=WeightRule.SIGMOID_SCALED,
+    gradient=GradientRule.SIGMOID_SCALED,
+    scaled=True,
+    renormalizes=True,
+    unnormalized=WeightRule.SIGMOID_TIMES_SCALE,
+)
 _SIGMOID = dict(weight=WeightRule.SIGMOID, gradient=GradientRule.SIGMOID)
+_RENORM = dict(renormalizes=True)
+_PLAIN = dict(renormalizes=False)
 _M = RoutingMethod
 # The method table: the one place a method's rules are written. Validation, BIAS_METHODS and
 # SCALED_METHODS, the reference (selection keys, weights), the replay twins and the Triton helpers
@@ -181,22 +214,24 @@ _M = RoutingMethod
 # A plain dict, never mutated: torch.compile traces validate_route_args, and Dynamo cannot read a
 # mappingproxy keyed by enum members (a graph break in every compiled route, torch 2.13).
 METHODS: Mapping[RoutingMethod, MethodSpec] = {
-    _M.DEFAULT: MethodSpec(SelectionKey.SOFTMAX_ORDER, WeightRule.SOFTMAX, GradientRule.SOFTMAX),
-    _M.RENORMALIZE: MethodSpec(SelectionKey.LOGIT, WeightRule.SOFTMAX_CHOSEN, GradientRule.SOFTMAX_CHOSEN),
+    _M.DEFAULT: MethodSpec(SelectionKey.SOFTMAX_ORDER, WeightRule.SOFTMAX, GradientRule.SOFTMAX, **_PLAIN),
+    _M.RENORMALIZE: MethodSpec(
+        SelectionKey.LOGIT, WeightRule.SOFTMAX_CHOSEN, GradientRule.SOFTMAX_CHOSEN, **_RENORM
+    ),
     _M.DEEPSEEK_V3: MethodSpec(SelectionKey.SIGMOID_BIAS, **_SIGMOID_SCALED, bias=True, groups=True),
     _M.LLAMA4: MethodSpec(SelectionKey.LOGIT, **_SIGMOID, top_k=1),
     _M.RENORMALIZE_NAIVE: MethodSpec(
-        SelectionKey.SOFTMAX_ORDER, WeightRule.SOFTMAX_RENORM, GradientRule.SOFTMAX_CHOSEN
+        SelectionKey.SOFTMAX_ORDER, WeightRule.SOFTMAX_RENORM, GradientRule.SOFTMAX_CHOSEN, **_RENORM
     ),
     _M.TOPK: MethodSpec(SelectionKey.LOGIT, WeightRule.LOGIT, GradientRule.LOGIT),
     _M.SIGMOID_RENORM: MethodSpec(
-        SelectionKey.SIGMOID_ORDER, WeightRule.SIGMOID_RENORM, GradientRule.SIGMOID_RENORM
+        SelectionKey.SIGMOID_ORDER, WeightRule.SIGMOID_RENORM, GradientRule.SIGMOID_RENORM, **_RENORM
     ),
     _M.MINIMAX2: MethodSpec(SelectionKey.SIGMOID_BIAS, **_SIGMOID_SCALED, bias=True),
-    _M.SIGMOID: MethodSpec(SelectionKey.SIGMOID_ORDER, **_SIGMOID),
-    _M.TOPK_SIGMOID: MethodSpec(SelectionKey.LOGIT, **_SIGMOID),
+    _M.SIGMOID: MethodSpec(SelectionKey.SIGMOID_ORDER, **_SIGMOID, **_PLAIN),
+    _M.TOPK_SIGMOID: MethodSpec(SelectionKey.LOGIT, **_SIGMOID, **_PLAIN),
 }  # fmt: skip
-del _M, _SIGMOID, _SIGMOID_SCALED
+del _M, _SIGMOID, _SIGMOID_SCALED, _RENORM, _PLAIN
 if set(METHODS) != set(RoutingMethod):
     raise ValueError(f"METHODS needs one row per RoutingMethod, missing {set(RoutingMethod) - set(METHODS)}")
 
@@ -206,12 +241,35 @@ BIAS_METHODS = frozenset(m for m, spec in METHODS.items() if spec.bias)
 SCALED_METHODS = frozenset(m for m, spec in METHODS.items() if spec.scaled)
 # Methods that take DeepSeek-V3 expert groups (n_group, topk_group).
 GROUP_METHODS = frozenset(m for m, spec in METHODS.items() if spec.groups)
+# Methods that renormalize=False switches to their unnormalized weight rule.
+UNNORMALIZED_METHODS = frozenset(m for m, spec in METHODS.items() if spec.unnormalized is not None)
 
 
 def table_column(read: Callable[[MethodSpec], object]) -> tuple:
     """``(read(METHODS[m]) for m of value 0, 1, ...)``: a column of the table that a Triton kernel
     indexes with its constexpr ``METHOD`` (kernels read constexpr globals only, never a dict)."""
     return tuple(read(METHODS[RoutingMethod(value)]) for value in range(len(RoutingMethod)))
+
+
+def rule_table(read: Callable[[WeightRule, GradientRule], object]) -> tuple:
+    """The weight/gradient rule columns a Triton kernel indexes with ``rule_column(METHOD, UNNORM)``:
+    ``read(weight.computed, gradient)`` of every method by value, then of every method's
+    renormalize=False rule (its own rule where it has none: that column is never selected)."""
+    own = table_column(lambda spec: read(spec.weight.computed, spec.gradient))
+    off = table_column(
+        lambda spec: (
+            read(spec.weight.computed, spec.gradient)
+            if spec.unnormalized is None
+            else read(spec.unnormalized.computed, spec.unnormalized_gradient)
+        )
+    )
+    return own + off
+
+
+def rule_column(method: int, unnormalized: bool) -> int:
+    """The column of :func:`rule_table` that holds ``method``'s rules (with renormalize=False where
+    ``unnormalized``)."""
+    return int(method) + len(RoutingMethod) * bool(unnormalized)
 
 
 def method_names(methods: frozenset[RoutingMethod]) -> str:
@@ -267,6 +325,19 @@ class RouteConfig:
     topk_group: int
     # multiplies the weights of SCALED_METHODS (1.0 when not given); finite
     routed_scaling_factor: float
+    # renormalize=False on a method of UNNORMALIZED_METHODS: its unnormalized weight rule
+    unnormalized: bool = False
+
+    @property
+    def weight_rule(self) -> WeightRule:
+        """The weight rule the kernels and twins compute (``WeightRule.computed``)."""
+        spec = METHODS[self.method]
+        return (spec.unnormalized if self.unnormalized else spec.weight).computed
+
+    @property
+    def gradient_rule(self) -> GradientRule:
+        """The gradient of :attr:`weight_rule`."""
+        return GRADIENT_OF[self.weight_rule]
 
     @property
     def grouped(self) -> bool:
@@ -290,6 +361,7 @@ def validate_route_args(
     topk_group: int | None,
     routed_scaling_factor: float | None,
     *,
+    renormalize: bool | None = None,
     logit_dtypes: tuple[torch.dtype, ...] = LOGIT_DTYPES,
 ) -> RouteConfig:
     """Checks everything that is known without reading device values; returns the normalised config.
@@ -386,4 +458,30 @@ def validate_route_args(
         scale = float(routed_scaling_factor)
         if not math.isfinite(scale):
             raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor!r}")
-    return RouteConfig(method, top_k, num_experts, groups, kept, scale)
+    return RouteConfig(method, top_k, num_experts, groups, kept, scale, _unnormalized(method, renormalize))
+
+
+def _unnormalized(method: RoutingMethod, renormalize: object) -> bool:
+    """Whether ``renormalize`` selects ``method``'s unnormalized rule; ValueError naming the method
+    and the reason where the value cannot apply to it."""
+    if renormalize is None:
+        return False
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize must be True, False or None, got {renormalize!r}")
+    spec = METHODS[method]
+    if spec.renormalizes is None:
+        raise ValueError(
+            f"renormalize={renormalize} cannot apply to {method.name}: its weights "
+            f"({spec.weight.name}) are not a distribution over several chosen experts; pass None"
+        )
+    if renormalize == spec.renormalizes:
+        return False  # the method's own rule
+    if not renormalize and spec.unnormalized is not None:
+        return True
+    # the other rule is another method's row (FlashInfer's value for it): name it, never alias
+    same = frozenset(m for m, s in METHODS.items() if s.renormalizes is renormalize and not s.bias)
+    verb = "renormalise" if renormalize else "do not renormalise"
+    raise ValueError(
+        f"renormalize={renormalize} cannot apply to {method.name}: that rule is another method; the "
+        f"methods that {verb} are {method_names(same)}; pass one of them and renormalize=None"
+    )

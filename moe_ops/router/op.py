@@ -41,12 +41,22 @@ def _route(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
+    unnormalized: bool,
     *,
     wrap=identity,
 ) -> None:
     """Writes every token's routing into ``weights`` and ``ids`` (see kernels.py)."""
     route_rows_triton(
-        router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor, wrap=wrap
+        router_logits,
+        bias,
+        weights,
+        ids,
+        method,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        unnormalized=unnormalized,
+        wrap=wrap,
     )
 
 
@@ -59,9 +69,20 @@ def _route_twin(
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
+    unnormalized: bool,
 ) -> None:
     """PyTorch twin of :func:`_route`."""
-    route_rows_torch(router_logits, bias, weights, ids, method, n_group, topk_group, routed_scaling_factor)
+    route_rows_torch(
+        router_logits,
+        bias,
+        weights,
+        ids,
+        method,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        unnormalized=unnormalized,
+    )
 
 
 _ROUTE_MUTATES = ("weights", "ids")
@@ -78,14 +99,14 @@ def _route_capture(*args, wrap=identity) -> None:
     :class:`~moe_ops.capture.spec.CaptureSpec`'s, as in ``moe_ops::capture_routing_``; the rows are
     LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
     """
-    route_args, capture = ROUTE_CAPTURE.split(args)
-    route_rows_triton(*route_args, capture, wrap=wrap)
+    (*route_args, unnormalized), capture = ROUTE_CAPTURE.split(args)
+    route_rows_triton(*route_args, capture, unnormalized=unnormalized, wrap=wrap)
 
 
 def _route_capture_twin(*args) -> None:
     """PyTorch twin of :func:`_route_capture`."""
-    route_args, capture = ROUTE_CAPTURE.split(args)
-    route_rows_torch(*route_args, capture)
+    (*route_args, unnormalized), capture = ROUTE_CAPTURE.split(args)
+    route_rows_torch(*route_args, capture, unnormalized=unnormalized)
 
 
 _CAPTURE_MUTATES = ROUTE_CAPTURE.mutates
@@ -179,6 +200,7 @@ def route(
     n_group: int | None = None,
     topk_group: int | None = None,
     routed_scaling_factor: float | None = None,
+    renormalize: bool | None = None,
     capture: CaptureTarget | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,6 +216,11 @@ def route(
         bias: (num_experts,) float - DEEPSEEK_V3/MINIMAX2 selection bias (None: no bias).
         n_group, topk_group: DEEPSEEK_V3 groups; ``n_group`` None or <= 1 means no grouping.
         routed_scaling_factor: multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0).
+        renormalize: None keeps the method's own rule; False on DEEPSEEK_V3/MINIMAX2 weights the
+            chosen experts ``s * routed_scaling_factor``, without the division by their sum
+            (vLLM's/SGLang's ``renormalize=False``, transformers' ``norm_topk_prob=False``); the
+            method's own value is accepted and changes nothing; any other value raises ValueError
+            naming the method and the reason (a rule another method has, or no rule at all).
         capture: a :class:`CaptureTarget`: write the ids into ``capture.buffer[:, layer_id]`` as
             ``capture_routing`` would. LOCAL, GATHERED and SHARDED are recorded by the router kernel
             itself; SEQUENCE_PARALLEL routes, then calls ``capture_routing`` (it needs its TP
@@ -218,7 +245,16 @@ def route(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
-    cfg = validate_route_args(router_logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor)
+    cfg = validate_route_args(
+        router_logits,
+        top_k,
+        method,
+        bias,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        renormalize=renormalize,
+    )
     device = router_logits.device
     if capture is not None:
         if not isinstance(capture, CaptureTarget):
@@ -228,6 +264,11 @@ def route(
                 f"router_logits must be on the capture buffer's device {capture.buffer.device}, got {device}"
             )
     if backend == "flashinfer":
+        if cfg.unnormalized:
+            raise ValueError(
+                f"backend='flashinfer' always renormalises {cfg.method.name}; renormalize=False "
+                "runs on backend 'auto', 'triton' or 'torch'"
+            )
         return _route_flashinfer(
             router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, capture
         )
@@ -236,7 +277,7 @@ def route(
     n_tokens = router_logits.shape[0]
     weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=device)
     ids = torch.empty((n_tokens, top_k), dtype=torch.int32, device=device)
-    route_args = (int(cfg.method), cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+    route_args = (int(cfg.method), cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.unnormalized)
     # the op runs the Triton kernel on CUDA (and on the CPU under the interpreter), the twin on the
     # CPU otherwise; the reference ops run the twin everywhere
     route_ = _route_call if use_triton else torch.ops.moe_ops.route_reference_

@@ -124,6 +124,8 @@ def rule_weights(
         return s * routed_scaling_factor / (s.sum(-1, keepdim=True) + SUM_EPSILON)
     if rule == WeightRule.SIGMOID_RENORM:
         return s / s.sum(-1, keepdim=True).clamp(min=SUM_EPSILON)
+    if rule == WeightRule.SIGMOID_TIMES_SCALE:
+        return s * routed_scaling_factor
     if rule == WeightRule.SIGMOID:
         return s
     raise ValueError(f"rule must be a WeightRule, got {rule!r}")
@@ -166,6 +168,8 @@ def rule_gradient(
         elif rule == GradientRule.SIGMOID_RENORM:
             # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it
             gs_s = (g - torch.where(total >= SUM_EPSILON, dot, 0.0)) / total.clamp(min=SUM_EPSILON)
+        elif rule == GradientRule.SIGMOID_TIMES_SCALE:
+            gs_s = routed_scaling_factor * g
         elif rule == GradientRule.SIGMOID:
             gs_s = g
         else:
@@ -179,15 +183,18 @@ def weights_for_ids(
     ids: torch.Tensor,
     method: RoutingMethod,
     routed_scaling_factor: float = 1.0,
+    unnormalized: bool = False,
 ) -> torch.Tensor:
     """The method's weights of the experts ``ids``, computed literally in ``x``'s dtype: its table
-    row's weight rule (:func:`rule_weights`).
+    row's weight rule (:func:`rule_weights`; its ``unnormalized`` rule where ``unnormalized``, the
+    validated ``renormalize=False``).
 
     x: (n, E) float - logits in the compute dtype
     ids: (n, k) int64 - chosen experts
     Returns (n, k) in ``x``'s dtype.
     """
-    return rule_weights(x, ids, METHODS[method].weight, routed_scaling_factor)
+    spec = METHODS[method]
+    return rule_weights(x, ids, spec.unnormalized if unnormalized else spec.weight, routed_scaling_factor)
 
 
 def route_reference(
@@ -199,12 +206,14 @@ def route_reference(
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
     dtype: torch.dtype | None = None,
+    unnormalized: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token; arguments as validated by :func:`validate_route_args`.
 
     router_logits: (n, E) float - router outputs
     bias: (E,) float or None - DEEPSEEK_V3/MINIMAX2 selection bias
     dtype: compute dtype (default: float32, or float64 for float64 logits)
+    unnormalized: the method's renormalize=False rule (``RouteConfig.unnormalized``)
     Returns ``(weights (n, top_k) dtype, ids (n, top_k) int64)``.
     """
     if dtype is None:
@@ -212,4 +221,4 @@ def route_reference(
     x = router_logits.to(dtype)
     keys = selection_keys(x, method, bias)
     ids = select_experts(keys, top_k, n_group, topk_group)
-    return weights_for_ids(x, ids, method, routed_scaling_factor), ids
+    return weights_for_ids(x, ids, method, routed_scaling_factor, unnormalized), ids

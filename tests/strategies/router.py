@@ -3,6 +3,7 @@ logits with and without ties, and capture targets around them."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 from hypothesis import strategies as st
 
 from moe_ops import BatchLayout, RoutingMethod
-from moe_ops.router.methods import METHODS
+from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS
 
 from .capture import capture_cases
 
@@ -22,6 +23,7 @@ __all__ = [
     "REPLAY_LOGIT_DTYPES",
     "RouterCase",
     "RouterConfig",
+    "knob_configs",
     "routed_capture_cases",
     "router_cases",
     "router_configs",
@@ -42,6 +44,8 @@ class RouterConfig:
     routed_scaling_factor: float | None = None
     # whether the model has a selection bias (e_score_correction_bias)
     has_bias: bool = False
+    # route's renormalize (None: the method's own rule)
+    renormalize: bool | None = None
 
     def route_kwargs(self, bias) -> dict:
         """Keyword arguments of moe_ops.route for this configuration."""
@@ -50,6 +54,7 @@ class RouterConfig:
             n_group=self.n_group,
             topk_group=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor,
+            renormalize=self.renormalize,
         )
 
     @property
@@ -63,7 +68,7 @@ class RouterConfig:
     def of(cls, router) -> RouterConfig:
         """The configuration of any object with these fields, e.g. a benchmark's router
         (benchmarks/cases.py ``BenchRouter``: these fields and the test that checks it)."""
-        return cls(*(getattr(router, f) for f in cls.__dataclass_fields__))
+        return cls(*(getattr(router, f, None) for f in cls.__dataclass_fields__))
 
 
 M = RoutingMethod
@@ -119,6 +124,15 @@ def router_configs(draw, methods=tuple(RoutingMethod), max_experts: int = 520, m
         scale,
         has_bias=spec.bias and draw(st.booleans()),
     )
+
+
+@st.composite
+def knob_configs(draw, renormalize=(None, True, False), max_experts: int = 520, max_top_k: int = 32):
+    """A configuration of a method with a renormalize=False rule (UNNORMALIZED_METHODS), with
+    ``renormalize`` drawn from ``renormalize`` (True and None: the method's own rule)."""
+    config = draw(router_configs(tuple(sorted(UNNORMALIZED_METHODS)), max_experts, max_top_k))
+    value = draw(st.sampled_from(renormalize))
+    return dataclasses.replace(config, name=f"{config.name} renormalize={value}", renormalize=value)
 
 
 @dataclass
