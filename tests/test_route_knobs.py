@@ -266,3 +266,25 @@ def test_cuda_kernels_renormalize_off(case: RouterCase):
     rw, rids = replay_routing(logits, ids, cfg.method, backend="triton", **kw)
     assert torch.equal(rids, ids)
     torch.testing.assert_close(rw, weights, rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+def test_replay_rule_passes_renormalize():
+    """attach_replay's rule carries the knob to replay_routing and to its attach-time check."""
+    from torch import nn
+
+    from moe_ops.replay.attach import ReplayRule, check_rule, replay_router_output
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 16, generator=gen)
+    ids = torch.argsort(torch.rand(5, 16, generator=gen), dim=1)[:, :4].to(torch.int32)
+    live = torch.zeros(5, 4)
+    rule = ReplayRule(RoutingMethod.MINIMAX2, routed_scaling_factor=2.5, renormalize=False)
+    weights, got = replay_router_output(x, live, ids, ids, rule, backend="torch")
+    assert torch.equal(got, ids)
+    assert_weights(weights, peer_weights(x, ids, 2.5, False))
+    router = nn.Module()
+    router.num_experts = 16
+    with pytest.raises(
+        ValueError, match="cannot be replayed with TOPK: renormalize=True cannot apply to TOPK"
+    ):
+        check_rule(ReplayRule(RoutingMethod.TOPK, renormalize=True), router, "layers.0.gate", 4)
