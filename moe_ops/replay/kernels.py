@@ -126,8 +126,7 @@ def replay_weights(
     0 / 0 = NaN in float32 when every recorded expert lies about 104 below the row's best logit,
     which a replayed (not top-k) row can.
     """
-    spec = METHODS[method]
-    return rule_weights(x, ids, (spec.unnormalized if unnormalized else spec.weight).computed, scale)
+    return rule_weights(x, ids, METHODS[method].computed(unnormalized)[0], scale)
 
 
 def _classify(rec: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,8 +227,7 @@ def replay_backward_torch(
     dtype = weights.dtype
     g = grad_weights.to(dtype)
     x = router_logits.to(dtype)
-    spec = METHODS[RoutingMethod(method)]
-    rule = spec.unnormalized_gradient if unnormalized else spec.gradient
+    _, rule = METHODS[RoutingMethod(method)].computed(unnormalized)
     grad_logits.copy_(rule_gradient(g, weights, x, ids.long(), rule, routed_scaling_factor))
 
 

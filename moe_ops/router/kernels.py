@@ -363,8 +363,7 @@ def route_rows_torch(
     # route_reference in float32, with the weight rule the kernel computes (WeightRule.computed)
     x = router_logits.to(torch.float32)
     ref_ids = select_experts(selection_keys(x, method, bias), ids.shape[1], n_group, topk_group)
-    spec = METHODS[method]
-    rule = (spec.unnormalized if unnormalized else spec.weight).computed
+    rule, _ = METHODS[method].computed(unnormalized)
     ref_weights = rule_weights(x, ref_ids, rule, routed_scaling_factor)
     weights.copy_(ref_weights)
     ids.copy_(ref_ids)

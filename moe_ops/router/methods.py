@@ -180,6 +180,16 @@ class MethodSpec:
         """The gradient of :attr:`unnormalized` (None without one)."""
         return None if self.unnormalized is None else GRADIENT_OF[self.unnormalized.computed]
 
+    def rule(self, unnormalized: bool = False) -> WeightRule:
+        """The literal weight rule: :attr:`unnormalized` where ``unnormalized`` (a validated
+        ``renormalize=False``, ``RouteConfig.unnormalized``), :attr:`weight` otherwise."""
+        return self.unnormalized if unnormalized and self.unnormalized is not None else self.weight
+
+    def computed(self, unnormalized: bool = False) -> tuple[WeightRule, GradientRule]:
+        """(weight rule, gradient rule) the kernels and twins evaluate (``WeightRule.computed``)."""
+        weight = self.rule(unnormalized).computed
+        return weight, GRADIENT_OF[weight]
+
     def __post_init__(self) -> None:
         if self.gradient != GRADIENT_OF[self.weight.computed]:
             raise ValueError(f"gradient must be {GRADIENT_OF[self.weight.computed]!r}, got {self.gradient!r}")
@@ -255,15 +265,9 @@ def rule_table(read: Callable[[WeightRule, GradientRule], object]) -> tuple:
     """The weight/gradient rule columns a Triton kernel indexes with ``rule_column(METHOD, UNNORM)``:
     ``read(weight.computed, gradient)`` of every method by value, then of every method's
     renormalize=False rule (its own rule where it has none: that column is never selected)."""
-    own = table_column(lambda spec: read(spec.weight.computed, spec.gradient))
-    off = table_column(
-        lambda spec: (
-            read(spec.weight.computed, spec.gradient)
-            if spec.unnormalized is None
-            else read(spec.unnormalized.computed, spec.unnormalized_gradient)
-        )
+    return table_column(lambda spec: read(*spec.computed(False))) + table_column(
+        lambda spec: read(*spec.computed(True))
     )
-    return own + off
 
 
 def rule_column(method: int, unnormalized: bool) -> int:
@@ -327,17 +331,6 @@ class RouteConfig:
     routed_scaling_factor: float
     # renormalize=False on a method of UNNORMALIZED_METHODS: its unnormalized weight rule
     unnormalized: bool = False
-
-    @property
-    def weight_rule(self) -> WeightRule:
-        """The weight rule the kernels and twins compute (``WeightRule.computed``)."""
-        spec = METHODS[self.method]
-        return (spec.unnormalized if self.unnormalized else spec.weight).computed
-
-    @property
-    def gradient_rule(self) -> GradientRule:
-        """The gradient of :attr:`weight_rule`."""
-        return GRADIENT_OF[self.weight_rule]
 
     @property
     def grouped(self) -> bool:

@@ -193,8 +193,7 @@ def weights_for_ids(
     ids: (n, k) int64 - chosen experts
     Returns (n, k) in ``x``'s dtype.
     """
-    spec = METHODS[method]
-    return rule_weights(x, ids, spec.unnormalized if unnormalized else spec.weight, routed_scaling_factor)
+    return rule_weights(x, ids, METHODS[method].rule(unnormalized), routed_scaling_factor)
 
 
 def route_reference(
