@@ -31,7 +31,13 @@ from torch.autograd.function import once_differentiable
 from .._runtime.faults import DeviceCounter, cpu_counter_lock, device_counter, existing_counter
 from .._runtime.library import destination_op, eager_caller, identity, reference_op
 from .._runtime.triton import HAS_TRITON
-from ..router.methods import REPLAY_LOGIT_DTYPES, RoutingMethod, method_from_value, validate_route_args
+from ..router.methods import (
+    METHODS,
+    REPLAY_LOGIT_DTYPES,
+    RoutingMethod,
+    method_from_value,
+    validate_route_args,
+)
 from ..router.op import choose_triton
 from .kernels import (
     REPLAY_FAULT_OUT_OF_RANGE,
@@ -401,9 +407,13 @@ def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor,
         raise ValueError(
             f"recorded_ids must be on router_logits' device {router_logits.device}, got {recorded_ids.device}"
         )
-    if method_from_value(method) == RoutingMethod.LLAMA4 and top_k != 1:
+    method = method_from_value(method)
+    spec = METHODS[method]  # a fixed top_k is the method table's (LLAMA4: 1)
+    if spec.top_k is not None and top_k != spec.top_k:
+        picks = "one expert" if spec.top_k == 1 else f"{spec.top_k} experts"
+        columns = "1 column" if spec.top_k == 1 else f"{spec.top_k} columns"
         raise ValueError(
-            f"LLAMA4 routing picks one expert per token: recorded_ids must have 1 column, got {top_k}"
+            f"{method.name} routing picks {picks} per token: recorded_ids must have {columns}, got {top_k}"
         )
 
 
