@@ -440,7 +440,7 @@ def _graph_table(model, case, run, mode, case_peers, steps, trials) -> Table:
                 step_us - off_step,
                 target,
             )
-        print(f"  batch {batch}: done", flush=True)
+        print(f"  batch {batch}: done", file=sys.stderr, flush=True)
     return table
 
 
@@ -467,7 +467,7 @@ def _outside_graphs_table(model, case, mode, batches, case_peers, steps, trials)
                 target = f"<= {TARGET_OUTSIDE_GRAPHS}" if kind == "prefill" else "report"
             delta = step_us - off
             table.add(kind, n, peer, step_us, step_us / off, delta, delta / layers, target)
-        print(f"  {kind} {n}: done", flush=True)
+        print(f"  {kind} {n}: done", file=sys.stderr, flush=True)
     return table
 
 

@@ -505,7 +505,7 @@ def test_gpu_cuda_graph_replays_cached_targets_with_set_step(cuda_device):
         for layer, layout, t in zip(SHAPE.moe_layers[:2], layouts, ids):
             cap.capture(layer, t, layout)
         _, out = route(
-            logits[2],
+            logits,
             SHAPE.top_k,
             RoutingMethod.RENORMALIZE,
             capture=cap.target(SHAPE.moe_layers[2], layouts[2]),

@@ -7,12 +7,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_ops import BatchLayout, RoutingMethod, capture_routing, route
+from moe_ops import BatchLayout, RoutingMethod, capture_routing, check_capture_errors, route
 from moe_ops._runtime import library
 from moe_ops._runtime.launcher import KernelLauncher
 from moe_ops.capture import kernels as capture_kernels
 from moe_ops.capture.kernels import capture_rows_torch, capture_rows_triton
 from moe_ops.capture.op import target_tensors
+from moe_ops.capture.spec import kernel_args
 from moe_ops.capture.target import CaptureTarget
 
 pytestmark = pytest.mark.gpu
@@ -35,6 +36,14 @@ def _args(buffer, ids, counts, layer):
     target = CaptureTarget(buffer, layer, token_counts=counts, dp_rank=1, layout=BatchLayout.GATHERED)
     errors, stamps, step = target_tensors(target)
     return (buffer, ids, counts, target.sizes, errors, stamps, step, layer, 1, target.n_first)
+
+
+def _runtime(args):
+    """The kernel's runtime arguments for ``_args``' capture-op arguments, in the kernel's order
+    (moe_ops.capture.spec.kernel_args: the kernel's own pointers and scalars, then the capture's)."""
+    buffer, ids, counts, sizes, errors, stamps, step, layer, dp_rank, n_first = args
+    own_scalars = (ids.shape[0], *ids.stride(), ids.shape[1])
+    return kernel_args((ids,), own_scalars, buffer, counts, sizes, errors, stamps, step, layer, dp_rank, n_first)
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3, 4])
@@ -60,22 +69,11 @@ def test_launcher_writes_what_the_twin_writes_and_reuses_tritons_kernel(cuda_dev
     grid, num_warps, constexprs = capture_kernels._capture_plan(
         n_src, top_k, buffer.shape[0], args[-1], args[3].shape[0], buffer.dtype, ids.dtype, False
     )
-    runtime = (
-        *args[:7],
-        n_src,
-        buffer.shape[0],
-        0,
-        1,
-        args[-1],
-        *buffer.stride(),
-        *ids.stride(),
-        counts.stride(0),
-        args[3].stride(0),
-        top_k,
-    )
+    runtime = _runtime(args)
     key = launcher.key(runtime, constexprs, num_warps, torch.cuda.current_device())
     chosen = launcher._cache[key][0]
     assert chosen is kernel.warmup(*runtime, grid=grid, **constexprs, num_warps=num_warps)
+    assert check_capture_errors(cuda_device) == 0
 
 
 def test_the_cache_holds_one_kernel_per_triton_specialisation(cuda_device):
@@ -89,13 +87,19 @@ def test_the_cache_holds_one_kernel_per_triton_specialisation(cuda_device):
             grid, num_warps, constexprs = capture_kernels._capture_plan(
                 n_src, top_k, buffer.shape[0], args[-1], args[3].shape[0], buffer.dtype, ids.dtype, False
             )
-            runtime = (*args[:7], n_src, buffer.shape[0], 0, 1, args[-1], *buffer.stride(), *ids.stride())
-            runtime += (counts.stride(0), args[3].stride(0), top_k)
+            runtime = _runtime(args)
+            buffer.fill_(POISON)
             launcher(grid, runtime, constexprs, num_warps)
+            expected = torch.full_like(buffer, POISON)
+            capture_rows_torch(expected, *args[1:])
+            torch.cuda.synchronize()
+            assert torch.equal(buffer, expected), f"offset {offset}, {dtype}: the launch wrote other rows"
             key = launcher.key(runtime, constexprs, num_warps, torch.cuda.current_device())
             seen[key] = launcher._cache[key][0]
     # misaligned int32 views (offset 1) and int64 ids are their own specialisations
     assert len(set(map(id, seen.values()))) == len(seen) >= 4
+    # every launch read its counts where the kernel's order puts them: no window was clamped
+    assert check_capture_errors(cuda_device) == 0
 
 
 class _Recorder(TorchDispatchMode):
