@@ -43,7 +43,9 @@ def _runtime(args):
     (moe_ops.capture.spec.kernel_args: the kernel's own pointers and scalars, then the capture's)."""
     buffer, ids, counts, sizes, errors, stamps, step, layer, dp_rank, n_first = args
     own_scalars = (ids.shape[0], *ids.stride(), ids.shape[1])
-    return kernel_args((ids,), own_scalars, buffer, counts, sizes, errors, stamps, step, layer, dp_rank, n_first)
+    return kernel_args(
+        (ids,), own_scalars, buffer, counts, sizes, errors, stamps, step, layer, dp_rank, n_first
+    )
 
 
 @pytest.mark.parametrize("offset", [0, 1, 3, 4])
