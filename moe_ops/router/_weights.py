@@ -21,7 +21,7 @@ compute in the dtype of their inputs: float32, or float64 for replay's float64 w
 from __future__ import annotations
 
 from .._runtime.triton import HAS_TRITON
-from .methods import GradientRule, RoutingMethod, WeightRule, rule_table
+from .methods import N_METHOD_VALUES, GradientRule, WeightRule, rule_table
 
 __all__: list[str] = []
 
@@ -36,7 +36,7 @@ if HAS_TRITON:
     _WEIGHT_RULE = tl.constexpr(rule_table(lambda weight, gradient: int(weight)))
     _GRADIENT_RULE = tl.constexpr(rule_table(lambda weight, gradient: int(gradient)))
     # the kernels' rules column: METHOD + N_METHODS * UNNORM (methods.rule_column)
-    N_METHODS = tl.constexpr(len(RoutingMethod))
+    N_METHODS = tl.constexpr(N_METHOD_VALUES)
     _W_LOGIT = tl.constexpr(int(WeightRule.LOGIT))
     _W_SOFTMAX = tl.constexpr(int(WeightRule.SOFTMAX))
     _W_SOFTMAX_CHOSEN = tl.constexpr(int(WeightRule.SOFTMAX_CHOSEN))

@@ -52,6 +52,8 @@ __all__ = [
     "GROUP_METHODS",
     "LOGIT_DTYPES",
     "METHODS",
+    "N_METHOD_VALUES",
+    "OWN_METHODS_START",
     "REPLAY_LOGIT_DTYPES",
     "SCALED_METHODS",
     "SCALED_RULES",
@@ -71,9 +73,16 @@ __all__ = [
 ]
 
 
+# moe-ops' own methods (those FlashInfer's RoutingMethodType lacks) take values from here on:
+# FlashInfer's enum ends at 10 (Unspecified) and has grown past its end before, so a gap keeps a
+# method it adds later from meeting one of ours at the same integer.
+OWN_METHODS_START = 32
+
+
 class RoutingMethod(enum.IntEnum):
-    """How a router turns logits into (weights, ids); values equal FlashInfer's RoutingMethodType
-    (not TensorRT-LLM's, whose 5 is MiniMax2: docs/routing.md)."""
+    """How a router turns logits into (weights, ids); values below :data:`OWN_METHODS_START`
+    equal FlashInfer's RoutingMethodType (not TensorRT-LLM's, whose 5 is MiniMax2:
+    docs/routing.md); moe-ops' own methods take values from :data:`OWN_METHODS_START` on."""
 
     DEFAULT = 0  # softmax over all experts, then top-k; weights not renormalised
     RENORMALIZE = 1  # top-k on logits, then softmax over the k selected
@@ -245,6 +254,10 @@ del _M, _SIGMOID, _SIGMOID_SCALED, _RENORM, _PLAIN
 if set(METHODS) != set(RoutingMethod):
     raise ValueError(f"METHODS needs one row per RoutingMethod, missing {set(RoutingMethod) - set(METHODS)}")
 
+# The width of a table column (table_column): every value up to the largest method's.
+N_METHOD_VALUES = max(RoutingMethod) + 1
+_METHOD_VALUES = frozenset(int(m) for m in RoutingMethod)
+
 # Methods that take a selection bias (their key is sigmoid(x) + bias).
 BIAS_METHODS = frozenset(m for m, spec in METHODS.items() if spec.bias)
 # Methods that multiply their weights by routed_scaling_factor.
@@ -256,9 +269,14 @@ UNNORMALIZED_METHODS = frozenset(m for m, spec in METHODS.items() if spec.unnorm
 
 
 def table_column(read: Callable[[MethodSpec], object]) -> tuple:
-    """``(read(METHODS[m]) for m of value 0, 1, ...)``: a column of the table that a Triton kernel
-    indexes with its constexpr ``METHOD`` (kernels read constexpr globals only, never a dict)."""
-    return tuple(read(METHODS[RoutingMethod(value)]) for value in range(len(RoutingMethod)))
+    """``(read(METHODS[m]) for m of value 0, 1, ..., N_METHOD_VALUES - 1)``: a column of the table
+    that a Triton kernel indexes with its constexpr ``METHOD`` (kernels read constexpr globals only,
+    never a dict). A value no method has (FlashInfer's 10 and the gap up to
+    :data:`OWN_METHODS_START`) holds DEFAULT's entry: no kernel is ever launched with it."""
+    return tuple(
+        read(METHODS[RoutingMethod(value) if value in _METHOD_VALUES else RoutingMethod.DEFAULT])
+        for value in range(N_METHOD_VALUES)
+    )
 
 
 def rule_table(read: Callable[[WeightRule, GradientRule], object]) -> tuple:
@@ -273,7 +291,7 @@ def rule_table(read: Callable[[WeightRule, GradientRule], object]) -> tuple:
 def rule_column(method: int, unnormalized: bool) -> int:
     """The column of :func:`rule_table` that holds ``method``'s rules (with renormalize=False where
     ``unnormalized``)."""
-    return int(method) + len(RoutingMethod) * bool(unnormalized)
+    return int(method) + N_METHOD_VALUES * bool(unnormalized)
 
 
 def method_names(methods: frozenset[RoutingMethod]) -> str:
