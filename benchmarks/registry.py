@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import importlib
 import os
 import re
@@ -355,6 +356,12 @@ def _parser(benches: dict[str, Benchmark]) -> argparse.ArgumentParser:
     parser.add_argument(
         "--dry-run", action="store_true", help="check each benchmark on the CPU: tiny, untimed, checked"
     )
+    parser.add_argument(
+        "--cases",
+        default=None,
+        help="comma-separated case names: measure only these cases of each chosen benchmark (--list "
+        "names them); a name no chosen benchmark has is an error",
+    )
     seen: dict[str, str] = {}
     for bench in benches.values():
         for o in bench.options:
@@ -380,10 +387,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     named = bool(args["names"])
     names = args.pop("names") or list(benches)
     csv_path, quick, listing, dry = args.pop("csv"), args.pop("quick"), args.pop("list"), args.pop("dry_run")
+    case_names = args.pop("cases")
     unknown = [n for n in names if n not in benches]
     if unknown:
         parser.error(f"unknown benchmark {', '.join(unknown)}; registered: {', '.join(benches)}")
     chosen = [benches[n] for n in dict.fromkeys(names)]
+    if case_names is not None:
+        wanted = [c for c in case_names.split(",") if c]
+        known = {c.name for b in chosen for c in b.cases}
+        missing = [c for c in wanted if c not in known]
+        if not wanted or missing:
+            parser.error(
+                f"--cases: {', '.join(missing) or 'no name given'} is not a case of "
+                f"{', '.join(b.name for b in chosen)} (cases: {', '.join(sorted(known))})"
+            )
+        # a benchmark none of whose cases is wanted is not run
+        chosen = [
+            dataclasses.replace(b, cases=tuple(c for c in b.cases if c.name in wanted))
+            for b in chosen
+            if any(c.name in wanted for c in b.cases)
+        ]
     for dest in args:  # only the flags given on the command line are left (default SUPPRESS)
         if not any(o.dest == dest for b in chosen for o in b.options):
             users = [b.name for b in benches.values() if any(o.dest == dest for o in b.options)]

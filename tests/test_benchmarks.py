@@ -194,6 +194,8 @@ def test_a_cpu_run_says_what_it_skips_before_it_runs(scratch_registry, benches, 
         (["e2e", "--batches", "0"], "positive ints"),
         (["e2e", "--mode", "reduce-overhead"], "invalid choice"),
         (["e2e", "--prefill", "0"], "positive ints"),
+        (["routing", "--cases", "nope"], "--cases: nope is not a case of routing"),
+        (["routing", "--cases", ","], "--cases: no name given"),
     ],
 )
 def test_runner_rejects_bad_arguments(benches, capsys, argv, match):
@@ -201,6 +203,20 @@ def test_runner_rejects_bad_arguments(benches, capsys, argv, match):
         registry.main(argv)
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_cases_runs_only_the_named_cases_and_skips_benchmarks_without_them(scratch_registry, benches):
+    seen = {}
+    for name, cases in (("aa", BENCH_CASES["routing"]), ("bb", BENCH_CASES["capture"])):
+
+        def fn(cases, run, name=name):
+            seen[name] = tuple(c.name for c in cases)
+            return Table(name, ["x"])
+
+        registry.benchmark(name, cases=cases, needs="cpu")(fn)
+    assert registry.main(["aa", "bb", "--cases", "renormalize-512,deepseek-v3"]) == 0
+    # table order kept; bb has neither case and does not run
+    assert seen == {"aa": ("deepseek-v3", "renormalize-512")}
 
 
 def test_an_option_applies_to_every_chosen_benchmark_that_declares_it(scratch_registry, benches, capsys):
