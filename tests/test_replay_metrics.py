@@ -196,3 +196,123 @@ def test_bad_arguments(change, exc, message):
     no_record = args.pop("no_record", -1)
     with pytest.raises(exc, match=message):
         routing_mismatch(args["recorded_ids"], args["live_ids"], valid=valid, no_record=no_record)
+
+
+# --- weight metrics ---------------------------------------------------------------------------
+
+
+def _weight_oracle(case: MismatchCase, wa: np.ndarray, wb: np.ndarray):
+    """(mean |diff|, max |diff|, tokens) per layer from Python dicts id -> weight: the counted
+    tokens whose expert set matched, each recorded column against the live weight of its id (the
+    first live column holding it)."""
+    n, layers, k = case.recorded.shape
+    means, worsts, counts = [], [], []
+    for layer in range(layers):
+        diffs, tokens = [], 0
+        for t in range(n):
+            a, b = case.recorded[t, layer].tolist(), case.live[t, layer].tolist()
+            if case.valid is not None and not case.valid[t]:
+                continue
+            if set(a) in ({-1}, {case.no_record}) or set(a) != set(b):
+                continue
+            tokens += 1
+            first = {}
+            for j, e in enumerate(b):
+                first.setdefault(e, wb[t, layer, j])
+            diffs += [abs(float(wa[t, layer, i]) - float(first[e])) for i, e in enumerate(a)]
+        counts.append(tokens)
+        means.append(sum(diffs) / (tokens * k) if tokens else math.nan)
+        worsts.append(max(diffs) if tokens else math.nan)
+    return means, worsts, counts
+
+
+@settings(max_examples=100)
+@given(case=mismatch_cases())
+def test_weight_metrics_match_python_dicts(case):
+    rng = np.random.default_rng(case.recorded.size)
+    wa = rng.random(case.recorded.shape).astype(np.float32)
+    wb = rng.random(case.recorded.shape).astype(np.float32)
+    # matched rows get live weights near the recorded ones, as a drifting trainer's would
+    near = rng.random(case.recorded.shape[:2]) < 0.5
+    wb = np.where(near[..., None], wa + np.float32(1e-3), wb).astype(np.float32)
+    recorded, live, valid = _tensors(case)
+    rw, lw = torch.from_numpy(wa), torch.from_numpy(wb).to(torch.float64)
+    if case.flat:
+        rw, lw = rw[:, 0], lw[:, 0]
+    m = routing_mismatch(
+        recorded, live, valid=valid, no_record=case.no_record, recorded_weights=rw, live_weights=lw
+    )
+    means, worsts, counts = _weight_oracle(case, wa, wb.astype(np.float64))
+    assert m.weight_num_tokens.tolist() == counts and m.weight_num_tokens.dtype == torch.int64
+    for name, got, want in (("mean", m.weight_mean_abs, means), ("max", m.weight_max_abs, worsts)):
+        assert got.dtype == torch.float32 and got.shape == (case.recorded.shape[1],), name
+        torch.testing.assert_close(got, torch.tensor(want), rtol=1e-6, atol=1e-7, equal_nan=True, msg=name)
+    # the id metrics are what they are without weights
+    plain = routing_mismatch(recorded, live, valid=valid, no_record=case.no_record)
+    assert plain.weight_mean_abs is None and plain.weight_max_abs is None and plain.weight_num_tokens is None
+    for name in ("changed", "overlap", "disjoint", "num_tokens"):
+        torch.testing.assert_close(getattr(m, name), getattr(plain, name), equal_nan=True)
+
+
+def test_weight_metrics_known_values():
+    # token 0: same set in another order; token 1: another set (left out); token 2: no record
+    recorded = torch.tensor([[0, 1], [2, 3], [-1, -1]])
+    live = torch.tensor([[1, 0], [2, 4], [5, 6]])
+    rw = torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.0, 0.0]])
+    lw = torch.tensor([[0.45, 0.55], [0.9, 0.1], [0.3, 0.7]], dtype=torch.bfloat16)
+    m = routing_mismatch(recorded, live, recorded_weights=rw, live_weights=lw)
+    # |0.6 - 0.55| and |0.4 - 0.45| (bf16 live weights: 0.55 -> 0.55078125, 0.45 -> 0.44921875)
+    want = [abs(0.6 - 0.55078125), abs(0.4 - 0.44921875)]
+    torch.testing.assert_close(m.weight_mean_abs, torch.tensor([sum(want) / 2]))
+    torch.testing.assert_close(m.weight_max_abs, torch.tensor([max(want)]))
+    assert m.weight_num_tokens.tolist() == [1]
+    # no matched token: NaN, never 0
+    m = routing_mismatch(recorded[1:], live[1:], recorded_weights=rw[1:], live_weights=lw[1:])
+    assert m.weight_num_tokens.tolist() == [0]
+    assert math.isnan(float(m.weight_mean_abs[0])) and math.isnan(float(m.weight_max_abs[0]))
+    # no token at all
+    m = routing_mismatch(recorded[:0], live[:0], recorded_weights=rw[:0], live_weights=lw[:0])
+    assert m.weight_num_tokens.tolist() == [0] and math.isnan(float(m.weight_max_abs[0]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        (dict(recorded_weights=torch.zeros(3, 2)), ValueError, "recorded_weights needs the other weights"),
+        (dict(live_weights=torch.zeros(3, 2)), ValueError, "live_weights needs the other weights"),
+        (
+            dict(recorded_weights=torch.zeros(3, 3), live_weights=torch.zeros(3, 2)),
+            ValueError,
+            "recorded_weights must have the ids' shape (3, 2)",
+        ),
+        (
+            dict(recorded_weights=torch.zeros(3, 2), live_weights=torch.zeros(3, 2, dtype=torch.int32)),
+            ValueError,
+            "live_weights must be float16, bfloat16, float32 or float64",
+        ),
+        (
+            dict(recorded_weights=[[0.0]] * 3, live_weights=torch.zeros(3, 2)),
+            TypeError,
+            "recorded_weights must",
+        ),
+    ],
+)
+def test_weight_metrics_bad_arguments(kwargs, exc, message):
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(exc, match=message.replace("(", r"\(").replace(")", r"\)")):
+        routing_mismatch(ids, ids, **kwargs)
+
+
+def test_weight_metrics_compile_without_graph_breaks():
+    recorded = torch.tensor([[0, 1], [2, 3], [4, 5]])
+    live = torch.tensor([[1, 0], [2, 3], [4, 6]])
+    rw, lw = torch.rand(3, 2), torch.rand(3, 2)
+    fn = torch.compile(
+        lambda a, b, x, y: routing_mismatch(a, b, recorded_weights=x, live_weights=y), fullgraph=True
+    )
+    got, want = (
+        fn(recorded, live, rw, lw),
+        routing_mismatch(recorded, live, recorded_weights=rw, live_weights=lw),
+    )
+    for name in ("weight_mean_abs", "weight_max_abs", "weight_num_tokens"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), equal_nan=True)

@@ -38,6 +38,15 @@ class RoutingMismatch:
     disjoint: torch.Tensor
     # (num_layers,) int64: tokens counted per layer, valid and recorded (each fraction's denominator)
     num_tokens: torch.Tensor
+    # Weight metrics, only where routing_mismatch was given recorded_weights and live_weights (else
+    # None), over the counted tokens whose expert SET matched (changed False), each recorded expert
+    # compared with the live weight of the same expert:
+    # (num_layers,) float32 >= 0: mean |recorded - live| over those tokens' experts
+    weight_mean_abs: torch.Tensor | None = None
+    # (num_layers,) float32 >= 0: the largest |recorded - live| among them
+    weight_max_abs: torch.Tensor | None = None
+    # (num_layers,) int64 <= num_tokens: the tokens compared (each weight metric's population)
+    weight_num_tokens: torch.Tensor | None = None
 
 
 def _tensor(t: Any) -> Any:
@@ -76,12 +85,31 @@ def _first_occurrence(a: torch.Tensor) -> torch.Tensor:
     return torch.stack(cols, dim=-1)
 
 
+_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_weights(name: str, t: object, ids: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or a numpy array, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(ids.shape):
+        raise ValueError(
+            f"{name} must have the ids' shape {tuple(ids.shape)} (one weight per id), got {tuple(t.shape)}"
+        )
+    if t.dtype not in _WEIGHT_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if t.device != ids.device:
+        raise ValueError(f"{name} must be on recorded_ids' device {ids.device}, got {t.device}")
+    return t
+
+
 def routing_mismatch(
     recorded_ids: torch.Tensor | np.ndarray,
     live_ids: torch.Tensor | np.ndarray,
     *,
     valid: torch.Tensor | np.ndarray | None = None,
     no_record: int = -1,
+    recorded_weights: torch.Tensor | np.ndarray | None = None,
+    live_weights: torch.Tensor | np.ndarray | None = None,
 ) -> RoutingMismatch:
     """Compares two routings of the same tokens, per layer, as sets of experts.
 
@@ -95,6 +123,13 @@ def routing_mismatch(
         valid: (n,) bool or None - tokens to count (padding False); None counts every token.
         no_record: the no-record marker of ``recorded_ids`` besides -1: -1 or 0 (all-zero rows, as
             verl and slime send them; needs ``top_k >= 2``).
+        recorded_weights, live_weights: both or neither; the ids' shape, float16/bfloat16/float32/
+            float64 - the gate weights beside each id (the rollout's recorded weights channel; the
+            trainer's router weights). Given, the result's ``weight_*`` fields say how far the
+            gates drifted where the expert set did not: per layer, over the counted tokens whose
+            set matched, each recorded expert's weight against the live weight of the same expert
+            (columns may be in any order; an id listed twice compares its first live column),
+            in float32 (float64 inputs in float64, then float32).
 
     Each argument is a torch tensor or a numpy array (taken as a CPU tensor, no copy).
 
@@ -143,6 +178,16 @@ def routing_mismatch(
             "no_record=0 needs top_k >= 2: with top_k == 1 the row [0] is expert 0, a valid choice"
         )
 
+    recorded_weights, live_weights = _tensor(recorded_weights), _tensor(live_weights)
+    if (recorded_weights is None) != (live_weights is None):
+        given = "recorded_weights" if live_weights is None else "live_weights"
+        raise ValueError(
+            f"{given} needs the other weights too: pass recorded_weights and live_weights, or neither"
+        )
+    if recorded_weights is not None:
+        _check_weights("recorded_weights", recorded_weights, recorded_ids)
+        _check_weights("live_weights", live_weights, recorded_ids)
+
     common = torch.promote_types(recorded_ids.dtype, live_ids.dtype)
     a = recorded_ids.to(common)
     b = live_ids.to(common)
@@ -168,9 +213,47 @@ def routing_mismatch(
     if valid is not None:
         weight = weight * valid.to(torch.float32)[:, None]
     count = weight.sum(0)  # (L,)
+    weight_fields = {}
+    if recorded_weights is not None:
+        weight_fields = _weight_drift(a, b, recorded_weights, live_weights, (weight > 0) & ~changed)
     return RoutingMismatch(
         changed=(changed.to(torch.float32) * weight).sum(0) / count,
         overlap=(shared.to(torch.float32) * weight).sum(0) / (count * top_k),
         disjoint=(disjoint.to(torch.float32) * weight).sum(0) / count,
         num_tokens=count.to(torch.int64),
+        **weight_fields,
+    )
+
+
+def _weight_drift(
+    a: torch.Tensor, b: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, same: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The ``weight_*`` fields: ``a``/``b`` (n, L, k) ids, ``wa``/``wb`` their weights (2-D or 3-D
+    as given), ``same`` (n, L) the counted tokens whose expert set matched. Fixed shapes, k passes."""
+    if wa.dim() == 2:
+        wa, wb = wa[:, None], wb[:, None]
+    dtype = torch.float64 if torch.float64 in (wa.dtype, wb.dtype) else torch.float32
+    wa, wb = wa.to(dtype), wb.to(dtype)
+    # the live weight of each recorded expert: of the FIRST live column holding the same id (sets
+    # match, so every recorded id has one)
+    matched = torch.zeros_like(wa)
+    found = torch.zeros(a.shape, dtype=torch.bool, device=a.device)
+    for j in range(b.shape[-1]):
+        hit = (a == b[..., j : j + 1]) & ~found
+        matched = torch.where(hit, wb[..., j : j + 1], matched)
+        found = found | hit
+    diff = (wa - matched).abs()  # (n, L, k)
+    cells = same[..., None].expand_as(diff)
+    n_tokens = same.sum(0)  # (L,)
+    total = torch.where(cells, diff, 0).sum((0, 2))
+    # max over the compared cells; NaN where a layer compared none (never a made-up 0)
+    if diff.shape[0] == 0:  # no token (a static shape): amax has nothing to reduce
+        worst = torch.full(n_tokens.shape, float("-inf"), dtype=dtype, device=diff.device)
+    else:
+        worst = torch.where(cells, diff, float("-inf")).amax((0, 2))
+    worst = torch.where(n_tokens > 0, worst, float("nan"))
+    return dict(
+        weight_mean_abs=(total / (n_tokens * a.shape[-1])).to(torch.float32),
+        weight_max_abs=worst.to(torch.float32),
+        weight_num_tokens=n_tokens.to(torch.int64),
     )
