@@ -120,7 +120,9 @@ def rule_weights(
     return w if rule.holds_scale else w * routed_scaling_factor
 
 
-def _rule_weights(x: torch.Tensor, ids: torch.Tensor, rule: WeightRule, routed_scaling_factor: float) -> torch.Tensor:
+def _rule_weights(
+    x: torch.Tensor, ids: torch.Tensor, rule: WeightRule, routed_scaling_factor: float
+) -> torch.Tensor:
     xs = x.gather(1, ids)
     if rule == WeightRule.LOGIT:
         return xs
