@@ -121,7 +121,6 @@ def test_messages_name_exactly_the_table_methods(method):
     names = {
         "bias": {m.name for m in BIAS_METHODS},
         "groups": {m.name for m in GROUP_METHODS},
-        "scaled": {m.name for m in SCALED_METHODS},
     }
     if not spec.bias:
         message = _error(method, bias=torch.zeros(8))
@@ -129,9 +128,6 @@ def test_messages_name_exactly_the_table_methods(method):
     if not spec.groups:
         message = _error(method, n_group=2, topk_group=1)
         assert _named(message, "n_group/topk_group are only used by") == names["groups"], message
-    if not spec.scaled:
-        message = _error(method, routed_scaling_factor=2.0)
-        assert _named(message, "routed_scaling_factor is only used by") == names["scaled"], message
     if spec.top_k is not None:
         wrong = spec.top_k % 8 + 1
         message = _error(method, top_k=wrong)
@@ -185,7 +181,7 @@ def test_each_rows_gradient_rule_is_the_derivative_of_its_weight_rule(method, n,
     computed weight rule, in float64: a row whose two rules disagree fails here, for any method."""
     spec = METHODS[method]
     top_k = spec.top_k or data.draw(st.integers(1, num_experts), label="top_k")
-    scale = data.draw(st.sampled_from([1.0, 2.5, 0.3])) if spec.scaled else 1.0
+    scale = data.draw(st.sampled_from([1.0, 2.5, 0.3, -1.5, 0.0]))  # every method takes the factor
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
     x = (torch.randn(n, num_experts, generator=gen, dtype=torch.float64) * 2).requires_grad_()
     ids = torch.argsort(torch.rand(n, num_experts, generator=gen), dim=1)[:, :top_k]

@@ -56,8 +56,8 @@ def _rows(tokens, positions, slots):
         (dict(top_k=17), "top_k must be <= num_experts=16"),
         (dict(routing_method=RoutingMethod.RENORMALIZE), "router_bias=True needs a biased routing method"),
         (
-            dict(routing_method=RoutingMethod.RENORMALIZE, router_bias=False, n_group=None, topk_group=None),
-            "routed_scaling_factor is only used by DEEPSEEK_V3 and MINIMAX2",
+            dict(routed_scaling_factor=float("nan")),
+            "routed_scaling_factor must be finite",
         ),
         (dict(n_group=3), "n_group=3 must divide num_experts=16"),
         (dict(dtype=torch.int32), "dtype must be float64, float32, bfloat16 or float16"),

@@ -538,7 +538,7 @@ BAD = [
     (dict(bias=torch.zeros(16)), ValueError, "bias is only used by DEEPSEEK_V3 and MINIMAX2"),
     (dict(DS, n_group=3), ValueError, "n_group=3 must divide num_experts=16"),
     (dict(DS, bias=torch.zeros(15)), ValueError, r"bias must have shape \(num_experts,\)"),
-    (dict(routed_scaling_factor=2.0), ValueError, "routed_scaling_factor is only used by"),
+    (dict(routed_scaling_factor=float("-inf")), ValueError, "routed_scaling_factor must be finite"),
     (dict(DS, routed_scaling_factor=float("inf")), ValueError, "routed_scaling_factor must be finite"),
 ]
 

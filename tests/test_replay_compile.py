@@ -84,7 +84,7 @@ def test_every_method_traces_forward_and_backward_in_one_graph(method):
     aot_eager runs the graphs without inductor's codegen."""
     spec = METHODS[method]
     top_k = spec.top_k or 4
-    kw = dict(routed_scaling_factor=2.0) if spec.scaled else {}
+    kw = dict(routed_scaling_factor=2.0)  # every method takes the factor
     if spec.bias:
         kw["bias"] = torch.randn(16) * 0.1
 

@@ -77,7 +77,7 @@ def test_compiled_interpreted_triton_without_graph_breaks():
 def test_every_method_compiles_without_graph_breaks(method):
     spec = METHODS[method]
     top_k = spec.top_k or 4
-    kw = dict(routed_scaling_factor=2.0) if spec.scaled else {}
+    kw = dict(routed_scaling_factor=2.0)  # every method takes the factor
     if spec.bias:
         kw["bias"] = torch.randn(16) * 0.1
 

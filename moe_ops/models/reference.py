@@ -74,7 +74,7 @@ class ReferenceMoEConfig:
     n_group: int | None = 4
     # DEEPSEEK_V3 groups kept per token, in [1, n_group] (None with n_group None)
     topk_group: int | None = 2
-    # DEEPSEEK_V3/MINIMAX2 weight scale (None: 1.0)
+    # routed_scaling_factor of every method's weights (None: 1.0)
     routed_scaling_factor: float | None = 2.5
     # DEEPSEEK_V3/MINIMAX2 only: the router has a selection bias (e_score_correction_bias)
     router_bias: bool = True

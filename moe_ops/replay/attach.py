@@ -55,7 +55,7 @@ class ReplayRule:
     n_group: int | None = None
     # DEEPSEEK_V3 groups kept per token (None when n_group is None)
     topk_group: int | None = None
-    # multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0); None for every other method
+    # multiplies the method's weights (None: 1.0), as replay_routing's routed_scaling_factor
     routed_scaling_factor: float | None = None
     # replay_routing's renormalize: None the method's own rule; False on DEEPSEEK_V3/MINIMAX2
     # weights s * routed_scaling_factor (norm_topk_prob=False)

@@ -35,6 +35,10 @@ and ``dot = sum(g * w)``; the gradient w.r.t. ``x[ids]`` (DEFAULT: w.r.t. every 
       with renormalize=False   scale * g * s * (1 - s)               (weights s * scale)
     SIGMOID_RENORM             (g - [sum s >= 1e-20] * dot) / max(sum s, 1e-20) * s * (1 - s)
     LLAMA4, SIGMOID, TOPK_SIGMOID   g * s * (1 - s)
+
+Every method but DEEPSEEK_V3 and MINIMAX2 (whose rules hold ``routed_scaling_factor``) weighs
+``scale * w``; its gradient is the formula above at ``g -> scale * g`` and the unscaled
+``w -> w / scale`` (``moe_ops.router.reference.unscaled_gradient_inputs``; 1 / 0 taken as 1).
 """
 
 from __future__ import annotations
@@ -243,6 +247,7 @@ if HAS_TRITON:
         gradient_column,
         gradient_rows,
         gradient_sigmoid,
+        unscaled_gradient_inputs,
     )
 
     # Triton kernels may only read globals that are constexpr.
@@ -474,18 +479,22 @@ if HAS_TRITON:
         stride_wk,
         stride_im,
         stride_ik,
+        scale,
+        inv_scale,
         METHOD: tl.constexpr,
         COMPUTE: tl.constexpr,
     ):
         """(id, g, w, s) of column ``i`` of ``BLOCK_M`` rows, each (BLOCK_M,): the expert id (-1 on
         masked rows and past ``top_k``), the incoming gradient and weight in ``COMPUTE`` (the
-        weights' dtype; 0 where masked) and, for the sigmoid methods, ``s = sigmoid(x[id])`` (the
-        weight itself where ``w = s``)."""
+        weights' dtype; 0 where masked) as the gradient rule reads them (a rule that does not hold
+        routed_scaling_factor: ``scale * g`` and the unscaled ``w``, ``unscaled_gradient_inputs``)
+        and, for the sigmoid methods, ``s = sigmoid(x[id])`` (the weight itself where ``w = s``)."""
         # (i < top_k as a tensor: the interpreter cannot broadcast a scalar bool into a mask)
         ok = row_ok & (tl.zeros_like(rows64) + i < top_k)
         id_i = tl.load(ids_ptr + rows64 * stride_im + i * stride_ik, mask=ok, other=-1)
         g_i = tl.load(grad_w_ptr + rows64 * stride_gm + i * stride_gk, mask=ok, other=0.0).to(COMPUTE)
         w_i = tl.load(weights_ptr + rows64 * stride_wm + i * stride_wk, mask=ok, other=0.0)
+        g_i, w_i = unscaled_gradient_inputs(g_i, w_i, scale, inv_scale, METHOD)
         s_i = gradient_sigmoid(logits_ptr, rows64, id_i, ok, w_i, stride_lm, stride_le, METHOD)
         return id_i, g_i, w_i, s_i
 
@@ -533,6 +542,9 @@ if HAS_TRITON:
         # the gradient rules' column (moe_ops.router._weights): UNNORM, the renormalize=False rule
         RULES: tl.constexpr = METHOD + N_METHODS * UNNORM
         scale_c = tl.full([], scale, COMPUTE)
+        # 1 / scale, once per program (1 for a scale of 0, whose weights and gradients are 0)
+        one = tl.full([], 1.0, COMPUTE)
+        inv_scale = one / tl.where(scale_c == 0, one, scale_c)
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < n_tokens
@@ -547,7 +559,7 @@ if HAS_TRITON:
             _, g_i, w_i, s_i = _backward_column(
                 grad_w_ptr, logits_ptr, weights_ptr, ids_ptr, rows64, row_ok, i, top_k,
                 stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
-                RULES, COMPUTE,
+                scale_c, inv_scale, RULES, COMPUTE,
             )  # fmt: skip
             dot += g_i * w_i
             total += s_i
@@ -566,7 +578,7 @@ if HAS_TRITON:
             id_i, g_i, w_i, s_i = _backward_column(
                 grad_w_ptr, logits_ptr, weights_ptr, ids_ptr, rows64, row_ok, i, top_k,
                 stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
-                RULES, COMPUTE,
+                scale_c, inv_scale, RULES, COMPUTE,
             )  # fmt: skip
             gs = gradient_column(g_i, w_i, s_i, dot, denom, scale_c, RULES)
             dense += tl.where(cols[None, :] == id_i[:, None], gs[:, None], 0.0)

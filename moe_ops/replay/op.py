@@ -459,7 +459,8 @@ def replay_routing(
         bias: (num_experts,) float32/bf16/fp16/float64 - DEEPSEEK_V3/MINIMAX2 selection bias,
             rounded to the compute dtype: chooses the live rows' experts, never enters a weight.
         n_group, topk_group: DEEPSEEK_V3 groups (live rows only); ``n_group`` None or <= 1: none.
-        routed_scaling_factor: multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0).
+        routed_scaling_factor: multiplies every method's weights (None: 1.0; after the rule,
+            inside DEEPSEEK_V3's/MINIMAX2's: docs/routing.md).
         renormalize: as in :func:`moe_ops.route`: None keeps the method's rule; False on
             DEEPSEEK_V3/MINIMAX2 weights ``s * routed_scaling_factor`` (no division by the sum),
             and the gradient follows.

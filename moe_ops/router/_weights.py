@@ -35,6 +35,9 @@ if HAS_TRITON:
     # Triton kernels may only read globals that are constexpr: the table's rules by method value.
     _WEIGHT_RULE = tl.constexpr(rule_table(lambda weight, gradient: int(weight)))
     _GRADIENT_RULE = tl.constexpr(rule_table(lambda weight, gradient: int(gradient)))
+    # 1 where the rule reads routed_scaling_factor itself (WeightRule.holds_scale); 0 where the
+    # helpers apply it around the rule (weights scale * rule, gradient at scale * g)
+    _HOLDS_SCALE = tl.constexpr(rule_table(lambda weight, gradient: int(weight.holds_scale)))
     # the kernels' rules column: METHOD + N_METHODS * UNNORM (methods.rule_column)
     N_METHODS = tl.constexpr(N_METHOD_VALUES)
     _W_LOGIT = tl.constexpr(int(WeightRule.LOGIT))
@@ -126,7 +129,8 @@ if HAS_TRITON:
 
         xs: (BLOCK_M, K_PAD) - the chosen experts' logits, valid where ``ok``
         row_ok: the rows' validity ((BLOCK_M,), or (BLOCK_M, K_PAD) with ``KEEP``)
-        scale: routed_scaling_factor (read by the scaled rule only)
+        scale: routed_scaling_factor: inside the rules that hold it, a product after every other
+            rule (one multiply per weight on every launch, no constexpr: ``w * 1.0 == w`` exactly)
         x_max, z: :func:`row_softmax` of the rows (read by the SOFTMAX rule only)
         """
         RULE: tl.constexpr = _WEIGHT_RULE[METHOD]
@@ -153,7 +157,25 @@ if HAS_TRITON:
             else:
                 tl.static_assert(RULE == _W_SIGMOID, "a weight rule without a Triton form")
                 w = s
+        if _HOLDS_SCALE[METHOD] == 0:
+            # after the rule (after renormalisation), as vLLM, SGLang and Megatron scale
+            w = w * scale
         return w
+
+    @triton.jit
+    def unscaled_gradient_inputs(g_i, w_i, scale, inv_scale, METHOD: tl.constexpr):
+        """(g, w) of one column as the method's gradient rule reads them: ``(scale * g, w * inv_scale)``
+        (``inv_scale``: ``1 / scale``, 1 for a scale of 0) for a rule that does not hold
+        routed_scaling_factor - the unscaled rule's gradient of ``scale * g`` at the unscaled
+        weights, ``d(scale * w)/dx . g = dw/dx . (scale * g)`` - and ``(g, w)`` for one that does.
+        A scale of 1 changes no bit (the reference's ``unscaled_gradient_inputs`` is the twin)."""
+        if _HOLDS_SCALE[METHOD]:
+            g_u = g_i
+            w_u = w_i
+        else:
+            g_u = scale * g_i
+            w_u = w_i * inv_scale
+        return g_u, w_u
 
     @triton.jit
     def gradient_sigmoid(logits_ptr, rows64, id_i, ok, w_i, stride_lm, stride_le, METHOD: tl.constexpr):
@@ -232,4 +254,5 @@ if HAS_TRITON:
         "gradient_sigmoid",
         "masked_softmax",
         "row_softmax",
+        "unscaled_gradient_inputs",
     ]

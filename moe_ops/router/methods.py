@@ -21,6 +21,12 @@ of a token, ``scale`` = ``routed_scaling_factor``)::
     8      SIGMOID            x (sigmoid order)     s
     9      TOPK_SIGMOID       x                     s
 
+``routed_scaling_factor`` applies to every method (vLLM's and SGLang's ``routed_scaling_factor``,
+Megatron's ``moe_router_topk_scaling_factor``): DEEPSEEK_V3's and MINIMAX2's rules hold it inside
+(:data:`SCALED_RULES`, as written above); every other method's weights are ``scale * weights``,
+the product taken after its rule (after renormalisation), and its gradient is the rule's gradient
+of ``scale * g``. Without it the scale is 1.0, and ``w * 1.0 == w`` exactly.
+
 :data:`METHODS` holds these rules as one :class:`MethodSpec` per method (selection key, weight
 rule, gradient rule, bias, scaling, groups, fixed top_k); everything else reads them from there.
 
@@ -123,6 +129,13 @@ class WeightRule(enum.IntEnum):
     SIGMOID_TIMES_SCALE = 7
 
     @property
+    def holds_scale(self) -> bool:
+        """Whether the rule reads ``routed_scaling_factor`` itself (:data:`SCALED_RULES`); the
+        weights of every other rule are ``scale * rule`` and its gradient the rule's gradient of
+        ``scale * g``, applied around the rule by the reference and the kernels' helpers alike."""
+        return self in SCALED_RULES
+
+    @property
     def computed(self) -> WeightRule:
         """The rule the kernels and their twins evaluate: SOFTMAX_RENORM as SOFTMAX_CHOSEN (the
         literal form reads the whole row and underflows to 0 / 0 where the other is finite), every
@@ -153,7 +166,8 @@ GRADIENT_OF: Mapping[WeightRule, GradientRule] = MappingProxyType({
     WeightRule.SIGMOID_SCALED: GradientRule.SIGMOID_SCALED,
     WeightRule.SIGMOID_TIMES_SCALE: GradientRule.SIGMOID_TIMES_SCALE,
 })  # fmt: skip
-# Weight rules that read routed_scaling_factor: exactly the rules of the scaled methods.
+# Weight rules that read routed_scaling_factor inside their formula: exactly the rules of the
+# scaled methods. Every other rule's weights are multiplied by it after the rule.
 SCALED_RULES = frozenset({WeightRule.SIGMOID_SCALED, WeightRule.SIGMOID_TIMES_SCALE})
 
 
@@ -171,7 +185,8 @@ class MethodSpec:
     gradient: GradientRule
     # takes a (num_experts,) selection bias; only with key SIGMOID_BIAS, never part of the weights
     bias: bool = False
-    # multiplies its weights by routed_scaling_factor: exactly when weight is in SCALED_RULES
+    # its weight rule holds routed_scaling_factor inside: exactly when weight is in SCALED_RULES
+    # (every method takes the factor; the others' weights are scale * rule, WeightRule.holds_scale)
     scaled: bool = False
     # takes DeepSeek-V3 expert groups (n_group, topk_group); only with key SIGMOID_BIAS
     groups: bool = False
@@ -260,7 +275,8 @@ _METHOD_VALUES = frozenset(int(m) for m in RoutingMethod)
 
 # Methods that take a selection bias (their key is sigmoid(x) + bias).
 BIAS_METHODS = frozenset(m for m, spec in METHODS.items() if spec.bias)
-# Methods that multiply their weights by routed_scaling_factor.
+# Methods whose weight rule holds routed_scaling_factor inside (WeightRule.holds_scale); every
+# method takes the factor, the others multiply their rule's weights by it.
 SCALED_METHODS = frozenset(m for m, spec in METHODS.items() if spec.scaled)
 # Methods that take DeepSeek-V3 expert groups (n_group, topk_group).
 GROUP_METHODS = frozenset(m for m, spec in METHODS.items() if spec.groups)
@@ -345,7 +361,7 @@ class RouteConfig:
     n_group: int
     # groups kept per token, 1 <= topk_group <= n_group (== n_group when there is no grouping)
     topk_group: int
-    # multiplies the weights of SCALED_METHODS (1.0 when not given); finite
+    # multiplies the weights of every method (1.0 when not given: bit-identical to no factor); finite
     routed_scaling_factor: float
     # renormalize=False on a method of UNNORMALIZED_METHODS: its unnormalized weight rule
     unnormalized: bool = False
@@ -459,11 +475,6 @@ def validate_route_args(
 
     scale = 1.0
     if routed_scaling_factor is not None:
-        if not spec.scaled:
-            raise ValueError(
-                f"routed_scaling_factor is only used by {method_names(SCALED_METHODS)}, "
-                f"not {method.name}; pass None"
-            )
         if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
             raise ValueError(f"routed_scaling_factor must be a float, got {routed_scaling_factor!r}")
         scale = float(routed_scaling_factor)

@@ -215,7 +215,8 @@ def route(
             :mod:`moe_ops.router.methods`).
         bias: (num_experts,) float - DEEPSEEK_V3/MINIMAX2 selection bias (None: no bias).
         n_group, topk_group: DEEPSEEK_V3 groups; ``n_group`` None or <= 1 means no grouping.
-        routed_scaling_factor: multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0).
+        routed_scaling_factor: multiplies every method's weights (None: 1.0; after the rule,
+            inside DEEPSEEK_V3's/MINIMAX2's: docs/routing.md).
         renormalize: None keeps the method's own rule; False on DEEPSEEK_V3/MINIMAX2 weights the
             chosen experts ``s * routed_scaling_factor``, without the division by their sum
             (vLLM's/SGLang's ``renormalize=False``, transformers' ``norm_topk_prob=False``); the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .methods import METHODS, GradientRule, RoutingMethod, SelectionKey, WeightRule
+from .methods import GRADIENT_OF, METHODS, GradientRule, RoutingMethod, SelectionKey, WeightRule
 
 __all__ = [
     "SUM_EPSILON",
@@ -26,8 +26,12 @@ __all__ = [
     "rule_weights",
     "select_experts",
     "selection_keys",
+    "unscaled_gradient_inputs",
     "weights_for_ids",
 ]
+
+# The gradient rules of the weight rules that hold routed_scaling_factor (WeightRule.holds_scale).
+_HOLDS_SCALE = frozenset(GRADIENT_OF[rule.computed] for rule in WeightRule if rule.holds_scale)
 
 # Added to (WeightRule.SIGMOID_SCALED) or the floor of (SIGMOID_RENORM) the sum of the chosen weights,
 # as FlashInfer's runners and Hugging Face's DeepSeek-V3 do: a guard against 0/0, invisible otherwise.
@@ -103,12 +107,22 @@ def rule_weights(
     routed_scaling_factor: float = 1.0,
 ) -> torch.Tensor:
     """The weight rule ``rule`` (:class:`moe_ops.router.methods.WeightRule`) at the experts ``ids``,
-    computed literally in ``x``'s dtype.
+    computed literally in ``x``'s dtype, times ``routed_scaling_factor`` (inside the rule where it
+    holds the factor, ``WeightRule.holds_scale``; after it otherwise).
 
     x: (n, E) float - logits in the compute dtype
     ids: (n, k) int64 - chosen experts
     Returns (n, k) in ``x``'s dtype.
     """
+    w = _rule_weights(x, ids, rule, routed_scaling_factor)
+    # one product after the rule (after renormalisation), as vLLM, SGLang and Megatron apply it;
+    # exact for the default 1.0
+    return w if rule.holds_scale else w * routed_scaling_factor
+
+
+def _rule_weights(
+    x: torch.Tensor, ids: torch.Tensor, rule: WeightRule, routed_scaling_factor: float
+) -> torch.Tensor:
     xs = x.gather(1, ids)
     if rule == WeightRule.LOGIT:
         return xs
@@ -141,15 +155,22 @@ def rule_gradient(
 ) -> torch.Tensor:
     """The gradient rule ``rule`` (:class:`moe_ops.router.methods.GradientRule`): the gradient of
     the loss w.r.t. every logit, from the gradient ``g`` of the weights ``w`` of the experts ``ids``
-    (the backward of ``rule_weights`` with that rule's weight rule), in ``w``'s dtype.
+    (the backward of ``rule_weights`` with that rule's weight rule and ``routed_scaling_factor``),
+    in ``w``'s dtype.
 
     g: (n, k) float - gradient w.r.t. the weights, in ``w``'s dtype
-    w: (n, k) float - the weights (the compute dtype)
+    w: (n, k) float - the weights (the compute dtype), scaled as ``rule_weights`` returns them
     x: (n, E) float - the logits, in ``w``'s dtype
     ids: (n, k) int64 - the experts, distinct per row
     Returns (n, E): zero outside ``ids`` except for the SOFTMAX rule, whose softmax couples every
     expert.
+
+    A rule that does not hold the factor (``scale * rule``, ``WeightRule.holds_scale``) is
+    differentiated as the rule's gradient of ``scale * g`` at the unscaled weights
+    ``w * (1 / scale)`` (:func:`unscaled_gradient_inputs`).
     """
+    if rule not in _HOLDS_SCALE:
+        g, w = unscaled_gradient_inputs(g, w, routed_scaling_factor)
     dot = (g * w).sum(-1, keepdim=True)
     dense = torch.zeros(x.shape, dtype=w.dtype, device=x.device)
     if rule == GradientRule.LOGIT:
@@ -176,6 +197,21 @@ def rule_gradient(
             raise ValueError(f"rule must be a GradientRule, got {rule!r}")
         gs = gs_s * s * (1 - s)
     return dense.scatter_add(1, ids, gs)
+
+
+def unscaled_gradient_inputs(
+    g: torch.Tensor, w: torch.Tensor, routed_scaling_factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale * g, w * (1 / scale))``: the incoming gradient and the weights of ``scale * rule`` as
+    the unscaled rule's gradient reads them (``d(scale * w)/dx . g = dw/dx . (scale * g)``). A
+    scale of 0 takes the reciprocal 1 (the weights are 0, ``0 / 0`` would be NaN; the gradient is
+    0 either way), and a scale of 1 returns ``g`` and ``w`` unchanged, bit for bit. The kernels'
+    helper (``moe_ops.router._weights.unscaled_gradient_inputs``) computes the same.
+
+    g, w: (n, k) float - the incoming gradient and the scaled weights, in the compute dtype
+    """
+    inverse = 1.0 / (routed_scaling_factor if routed_scaling_factor != 0 else 1.0)
+    return g * routed_scaling_factor, w * inverse
 
 
 def weights_for_ids(

@@ -21,12 +21,14 @@ __all__ = [
     "LOGIT_DTYPES",
     "MODEL_ROUTERS",
     "REPLAY_LOGIT_DTYPES",
+    "ROUTED_SCALES",
     "RouterCase",
     "RouterConfig",
     "knob_configs",
     "routed_capture_cases",
     "router_cases",
     "router_configs",
+    "scaled_router_cases",
 ]
 
 
@@ -113,7 +115,7 @@ def router_configs(draw, methods=tuple(RoutingMethod), max_experts: int = 520, m
         num_experts = draw(st.integers(1, max_experts))
         top_k = spec.top_k or draw(st.integers(1, min(max_top_k, num_experts)))
         n_group = topk_group = None
-    scale = draw(st.sampled_from([None, 1.0, 2.5, 0.3])) if spec.scaled else None
+    scale = draw(st.sampled_from([None, 1.0, 2.5, 0.3]))  # every method takes the factor
     return RouterConfig(
         f"random-{method.name}",
         method,
@@ -228,3 +230,25 @@ GPU_CAPTURE_ROUTERS = dict(
     capture_kw=dict(buffer_dtypes=(torch.int32, torch.int16)),
     dtypes=(torch.bfloat16,),
 )
+
+
+# routed_scaling_factor values other than 1: DeepSeek-V3's 2.5, below 1, large, negative, and 0
+# (every weight and every gradient 0)
+ROUTED_SCALES = (2.5, 0.3, 16.0, -1.5, 0.0)
+
+
+@st.composite
+def scaled_router_cases(
+    draw,
+    methods=tuple(RoutingMethod),
+    max_tokens: int = 12,
+    max_experts: int = 40,
+    dtypes=LOGIT_DTYPES,
+    kinds=("normal", "ties", "special"),
+):
+    """A batch of router logits of any of ``methods`` with a routed_scaling_factor from
+    :data:`ROUTED_SCALES` (small shapes: interpreted Triton runs them)."""
+    config = draw(router_configs(methods, max_experts=max_experts, max_top_k=8))
+    scale = draw(st.sampled_from(ROUTED_SCALES))
+    config = dataclasses.replace(config, name=f"{config.name} scale={scale}", routed_scaling_factor=scale)
+    return draw(router_cases(st.just(config), max_tokens, dtypes, kinds))
