@@ -12,6 +12,7 @@ from strategies import POISON
 from moe_ops import RoutingCapturer, RoutingMethod
 from moe_ops.graphs import count_graph_breaks
 from moe_ops.models import PRESETS, ReferenceMoEModel, reference_config
+from moe_ops.router.methods import SCALED_METHODS, method_names
 
 # 3 layers (1 dense), 16 experts: small enough for many eager examples
 SMALL = reference_config("tiny", num_layers=3, max_requests=4, max_seq_len=24)
@@ -57,7 +58,7 @@ def _rows(tokens, positions, slots):
         (dict(routing_method=RoutingMethod.RENORMALIZE), "router_bias=True needs a biased routing method"),
         (
             dict(routing_method=RoutingMethod.RENORMALIZE, router_bias=False, n_group=None, topk_group=None),
-            "routed_scaling_factor is only used by DEEPSEEK_V3 and MINIMAX2",
+            f"routed_scaling_factor is only used by {method_names(SCALED_METHODS)}",
         ),
         (dict(n_group=3), "n_group=3 must divide num_experts=16"),
         (dict(dtype=torch.int32), "dtype must be float64, float32, bfloat16 or float16"),

@@ -72,12 +72,18 @@ if HAS_TRITON:
     def sqrt_softplus(x):
         """``sqrt(softplus(x))`` in ``x``'s dtype: the operations of
         :func:`moe_ops.router.reference.sqrt_softplus`, in its order (log1p written with log: the
-        interpreter has no libdevice). IEEE-rounded division and square root (``div_rn``,
-        ``sqrt_rn``), as torch's ``/`` and ``sqrt``; ``/`` and ``tl.sqrt`` are approximate on CUDA."""
+        interpreter has no libdevice). IEEE-rounded division and square root, as torch's ``/`` and
+        ``sqrt``: float32 ``/`` and ``tl.sqrt`` are approximate on CUDA (``div_rn``, ``sqrt_rn``
+        take float32 only; float64 ``/`` and ``tl.sqrt`` are IEEE-rounded)."""
         u = tl.exp(x)
         v = 1.0 + u
-        log1p = tl.where(v == 1.0, u, tl.div_rn(tl.log(v) * u, v - 1.0))
-        return tl.sqrt_rn(tl.where(x > _SOFTPLUS_THRESHOLD, x, log1p))
+        sp = tl.log(v) * u
+        if x.dtype == tl.float64:
+            log1p = tl.where(v == 1.0, u, sp / (v - 1.0))
+            return tl.sqrt(tl.where(x > _SOFTPLUS_THRESHOLD, x, log1p))
+        else:
+            log1p = tl.where(v == 1.0, u, tl.div_rn(sp, v - 1.0))
+            return tl.sqrt_rn(tl.where(x > _SOFTPLUS_THRESHOLD, x, log1p))
 
     @triton.jit
     def ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD: tl.constexpr, HAS_BIAS: tl.constexpr):
