@@ -45,10 +45,10 @@ def test_method_sets_are_what_the_table_says():
     assert {m for m, s in METHODS.items() if s.scaled} == SCALED_METHODS
     assert {m for m, s in METHODS.items() if s.groups} == GROUP_METHODS
     assert {m for m, s in METHODS.items() if s.unnormalized is not None} == M.UNNORMALIZED_METHODS
-    # a bias and groups are only taken where the key is sigmoid(x) + bias (what the kernels key on)
-    assert {
-        m for m, s in METHODS.items() if s.key == SelectionKey.SIGMOID_BIAS
-    } >= BIAS_METHODS | GROUP_METHODS
+    # a bias is only taken where the key adds one, groups where it is sigmoid(x) + bias (what the
+    # kernels key groups on)
+    assert {m for m, s in METHODS.items() if s.key in M.BIAS_KEYS} >= BIAS_METHODS
+    assert {m for m, s in METHODS.items() if s.key == SelectionKey.SIGMOID_BIAS} >= GROUP_METHODS
 
 
 def test_rows_are_consistent():
@@ -93,6 +93,7 @@ def test_triton_helpers_read_the_table():
         assert _weights._WEIGHT_RULE[int(method)] == int(spec.weight.computed)
         assert _weights._GRADIENT_RULE[int(method)] == int(spec.gradient)
         assert _select._SIGMOID_BIAS_KEY[int(method)] == (spec.key == SelectionKey.SIGMOID_BIAS)
+        assert _select._SQRTSOFTPLUS_BIAS_KEY[int(method)] == (spec.key == SelectionKey.SQRTSOFTPLUS_BIAS)
         # the renormalize=False column: the unnormalised rule, or the row's own where it has none
         off = M.rule_column(method, True)
         weight = spec.weight if spec.unnormalized is None else spec.unnormalized

@@ -209,6 +209,9 @@ def _padded_weight(method: RoutingMethod, value: float, k: int) -> float:
         return s / max(k * s, 1e-20) if s == s else NAN
     if method in (RoutingMethod.DEEPSEEK_V3, RoutingMethod.MINIMAX2):
         return s * PAD_SCALE / (k * s + 1e-20)
+    if method == RoutingMethod.SQRTSOFTPLUS:
+        q = INF if value == INF else 0.0 if value == -INF else NAN  # sqrt(softplus(value))
+        return q * PAD_SCALE / (k * q + 1e-20) if q != INF else NAN  # inf / inf
     return s  # LLAMA4, SIGMOID, TOPK_SIGMOID
 
 
@@ -218,7 +221,7 @@ def _padded_kwargs(method: RoutingMethod, device) -> tuple[int, dict]:
     if method == RoutingMethod.DEEPSEEK_V3:
         kw = dict(n_group=4, topk_group=2, routed_scaling_factor=PAD_SCALE)
         return 3, {**kw, "bias": torch.zeros(PAD_EXPERTS, device=device)}
-    if method == RoutingMethod.MINIMAX2:
+    if method in (RoutingMethod.MINIMAX2, RoutingMethod.SQRTSOFTPLUS):
         return 3, {"bias": torch.zeros(PAD_EXPERTS, device=device), "routed_scaling_factor": PAD_SCALE}
     return 3, {}
 

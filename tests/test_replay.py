@@ -23,7 +23,7 @@ from moe_ops._runtime import faults
 from moe_ops._runtime.triton import triton_runs_on
 from moe_ops.replay import ReplayFaultError, check_replay_errors, replay_fault_counter
 from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, replay_weights
-from moe_ops.router.methods import BIAS_METHODS
+from moe_ops.router.methods import BIAS_METHODS, method_names
 from moe_ops.router.methods import METHODS as METHOD_TABLE
 from moe_ops.router.reference import route_reference
 
@@ -535,7 +535,7 @@ BAD = [
     (dict(router_logits="logits"), TypeError, "router_logits must be a torch.Tensor"),
     (dict(method=len(RoutingMethod) + 1), ValueError, "method must be a RoutingMethod"),
     (dict(backend="flashinfer"), ValueError, "backend must be one of 'auto', 'triton', 'torch'"),
-    (dict(bias=torch.zeros(16)), ValueError, "bias is only used by DEEPSEEK_V3 and MINIMAX2"),
+    (dict(bias=torch.zeros(16)), ValueError, f"bias is only used by {method_names(BIAS_METHODS)}"),
     (dict(DS, n_group=3), ValueError, "n_group=3 must divide num_experts=16"),
     (dict(DS, bias=torch.zeros(15)), ValueError, r"bias must have shape \(num_experts,\)"),
     (dict(routed_scaling_factor=float("-inf")), ValueError, "routed_scaling_factor must be finite"),

@@ -7,7 +7,7 @@ import torch
 from strategies import POISON
 
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
-from moe_ops.router.methods import OWN_METHODS_START
+from moe_ops.router.methods import BIAS_METHODS, OWN_METHODS_START, method_names
 
 
 def test_routing_method_values_match_flashinfer():
@@ -34,6 +34,7 @@ def test_routing_method_values():
         ("MINIMAX2", 7),
         ("SIGMOID", 8),
         ("TOPK_SIGMOID", 9),
+        ("SQRTSOFTPLUS", 34),
     ]
 
 
@@ -96,7 +97,7 @@ BAD = [
     (
         dict(bias=torch.zeros(16)),
         ValueError,
-        "bias is only used by DEEPSEEK_V3 and MINIMAX2, not RENORMALIZE",
+        f"bias is only used by {method_names(BIAS_METHODS)}, not RENORMALIZE",
     ),
     (dict(n_group=2, topk_group=1), ValueError, "n_group/topk_group are only used by DEEPSEEK_V3"),
     (dict(routed_scaling_factor=float("inf")), ValueError, "routed_scaling_factor must be finite"),

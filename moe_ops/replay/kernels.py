@@ -35,6 +35,9 @@ and ``dot = sum(g * w)``; the gradient w.r.t. ``x[ids]`` (DEFAULT: w.r.t. every 
       with renormalize=False   scale * g * s * (1 - s)               (weights s * scale)
     SIGMOID_RENORM             (g - [sum s >= 1e-20] * dot) / max(sum s, 1e-20) * s * (1 - s)
     LLAMA4, SIGMOID, TOPK_SIGMOID   g * s * (1 - s)
+    SQRTSOFTPLUS               (scale * g - dot) / (sum q + 1e-20) * dq/dx,  q = sqrt(softplus(xs)),
+                               dq/dx = softplus'(xs) / (2 q), 0 where q == 0
+      with renormalize=False   scale * g * dq/dx                     (weights q * scale)
 
 Every method but DEEPSEEK_V3 and MINIMAX2 (whose rules hold ``routed_scaling_factor``) weighs
 ``scale * w``; its gradient is the formula above at ``g -> scale * g`` and the unscaled
@@ -484,19 +487,21 @@ if HAS_TRITON:
         METHOD: tl.constexpr,
         COMPUTE: tl.constexpr,
     ):
-        """(id, g, w, s) of column ``i`` of ``BLOCK_M`` rows, each (BLOCK_M,): the expert id (-1 on
-        masked rows and past ``top_k``), the incoming gradient and weight in ``COMPUTE`` (the
+        """(id, g, w, s, ds) of column ``i`` of ``BLOCK_M`` rows, each (BLOCK_M,): the expert id (-1
+        on masked rows and past ``top_k``), the incoming gradient and weight in ``COMPUTE`` (the
         weights' dtype; 0 where masked) as the gradient rule reads them (a rule that does not hold
         routed_scaling_factor: ``scale * g`` and the unscaled ``w``, ``unscaled_gradient_inputs``)
-        and, for the sigmoid methods, ``s = sigmoid(x[id])`` (the weight itself where ``w = s``)."""
+        and, for the sigmoid methods, ``s = sigmoid(x[id])`` (the weight itself where ``w = s``);
+        for SQRTSOFTPLUS ``s = sqrt(softplus(x[id]))`` and ``ds`` its derivative
+        (``gradient_sigmoid``)."""
         # (i < top_k as a tensor: the interpreter cannot broadcast a scalar bool into a mask)
         ok = row_ok & (tl.zeros_like(rows64) + i < top_k)
         id_i = tl.load(ids_ptr + rows64 * stride_im + i * stride_ik, mask=ok, other=-1)
         g_i = tl.load(grad_w_ptr + rows64 * stride_gm + i * stride_gk, mask=ok, other=0.0).to(COMPUTE)
         w_i = tl.load(weights_ptr + rows64 * stride_wm + i * stride_wk, mask=ok, other=0.0)
         g_i, w_i = unscaled_gradient_inputs(g_i, w_i, scale, inv_scale, METHOD)
-        s_i = gradient_sigmoid(logits_ptr, rows64, id_i, ok, w_i, stride_lm, stride_le, METHOD)
-        return id_i, g_i, w_i, s_i
+        s_i, ds_i = gradient_sigmoid(logits_ptr, rows64, id_i, ok, w_i, stride_lm, stride_le, METHOD)
+        return id_i, g_i, w_i, s_i, ds_i
 
     # Like the forward: nothing that changes per step or per layer is a specialisation key (the token
     # count and the row strides of the incoming gradient, which autograd may hand over expanded, and
@@ -556,7 +561,7 @@ if HAS_TRITON:
         dot = tl.zeros([BLOCK_M], dtype=COMPUTE)
         total = tl.zeros([BLOCK_M], dtype=COMPUTE)
         for i in tl.static_range(K_PAD):
-            _, g_i, w_i, s_i = _backward_column(
+            _, g_i, w_i, s_i, _ = _backward_column(
                 grad_w_ptr, logits_ptr, weights_ptr, ids_ptr, rows64, row_ok, i, top_k,
                 stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
                 scale_c, inv_scale, RULES, COMPUTE,
@@ -575,12 +580,12 @@ if HAS_TRITON:
         # store and a scatter store to the same addresses would race between threads). The loads
         # repeat pass 1's (L1 hits) rather than keep 4 * K_PAD values per row live in registers.
         for i in tl.static_range(K_PAD):
-            id_i, g_i, w_i, s_i = _backward_column(
+            id_i, g_i, w_i, s_i, ds_i = _backward_column(
                 grad_w_ptr, logits_ptr, weights_ptr, ids_ptr, rows64, row_ok, i, top_k,
                 stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
                 scale_c, inv_scale, RULES, COMPUTE,
             )  # fmt: skip
-            gs = gradient_column(g_i, w_i, s_i, dot, denom, scale_c, RULES)
+            gs = gradient_column(g_i, w_i, s_i, ds_i, dot, denom, scale_c, RULES)
             dense += tl.where(cols[None, :] == id_i[:, None], gs[:, None], 0.0)
         dst = grad_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oe
         tl.store(dst, dense.to(grad_ptr.dtype.element_ty), mask=ok2)

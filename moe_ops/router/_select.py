@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .._runtime.triton import HAS_TRITON
 from .methods import SelectionKey, table_column
+from .reference import SOFTPLUS_THRESHOLD
 
 __all__: list[str] = []
 
@@ -26,6 +27,11 @@ if HAS_TRITON:
     # Triton kernels may only read globals that are constexpr: per method value, whether its key
     # is sigmoid(x) + bias (the method table's SelectionKey.SIGMOID_BIAS).
     _SIGMOID_BIAS_KEY = tl.constexpr(table_column(lambda spec: spec.key == SelectionKey.SIGMOID_BIAS))
+    # per method value, whether its key is sqrt(softplus(x)) + bias (SelectionKey.SQRTSOFTPLUS_BIAS)
+    _SQRTSOFTPLUS_BIAS_KEY = tl.constexpr(
+        table_column(lambda spec: spec.key == SelectionKey.SQRTSOFTPLUS_BIAS)
+    )
+    _SOFTPLUS_THRESHOLD = tl.constexpr(SOFTPLUS_THRESHOLD)
     NONE = tl.constexpr(-2147483648)  # INT32_MIN: knocked out / masked (below every valid key)
     NONE64 = tl.constexpr(-9223372036854775808)  # INT64_MIN: the same for float64 keys
     NO_EXPERT = tl.constexpr(1 << 30)  # above every expert index (min-reduction identity)
@@ -63,11 +69,31 @@ if HAS_TRITON:
         return tl.where(key == 0.0, 0.0, key)
 
     @triton.jit
+    def sqrt_softplus(x):
+        """``sqrt(softplus(x))`` in ``x``'s dtype: the operations of
+        :func:`moe_ops.router.reference.sqrt_softplus`, in its order (log1p written with log: the
+        interpreter has no libdevice). IEEE-rounded division and square root, as torch's ``/`` and
+        ``sqrt``: float32 ``/`` and ``tl.sqrt`` are approximate on CUDA (``div_rn``, ``sqrt_rn``
+        take float32 only; float64 ``/`` and ``tl.sqrt`` are IEEE-rounded)."""
+        u = tl.exp(x)
+        v = 1.0 + u
+        sp = tl.log(v) * u
+        if x.dtype == tl.float64:
+            log1p = tl.where(v == 1.0, u, sp / (v - 1.0))
+            return tl.sqrt(tl.where(x > _SOFTPLUS_THRESHOLD, x, log1p))
+        else:
+            log1p = tl.where(v == 1.0, u, tl.div_rn(sp, v - 1.0))
+            return tl.sqrt_rn(tl.where(x > _SOFTPLUS_THRESHOLD, x, log1p))
+
+    @triton.jit
     def ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD: tl.constexpr, HAS_BIAS: tl.constexpr):
         """(BLOCK_M, NG_PAD, G_PAD) ordered int32 selection keys of float32 logits ``x`` (int64 keys
         of float64 logits; the bias is rounded to the logits' dtype, as the twin does)."""
-        if _SIGMOID_BIAS_KEY[METHOD]:
-            key = tl.sigmoid(x)
+        if _SIGMOID_BIAS_KEY[METHOD] or _SQRTSOFTPLUS_BIAS_KEY[METHOD]:
+            if _SIGMOID_BIAS_KEY[METHOD]:  # noqa: SIM108 - a constexpr branch: only its key is compiled
+                key = tl.sigmoid(x)
+            else:
+                key = sqrt_softplus(x)
             if HAS_BIAS:
                 b = tl.load(bias_ptr + expert, mask=expert_ok, other=0.0).to(x.dtype)
                 key = key + b[None, :, :]
@@ -128,4 +154,12 @@ if HAS_TRITON:
             okey = tl.where(expert3 == win[:, None, None], none, okey)
         return ids
 
-    __all__ += ["canonical", "keep_groups", "ordered", "ordered_keys", "topk_rounds", "unordered"]
+    __all__ += [
+        "canonical",
+        "keep_groups",
+        "ordered",
+        "ordered_keys",
+        "sqrt_softplus",
+        "topk_rounds",
+        "unordered",
+    ]

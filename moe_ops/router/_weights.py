@@ -30,7 +30,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .reference import SUM_EPSILON
+    from ._select import sqrt_softplus
+    from .reference import SOFTPLUS_THRESHOLD, SUM_EPSILON
 
     # Triton kernels may only read globals that are constexpr: the table's rules by method value.
     _WEIGHT_RULE = tl.constexpr(rule_table(lambda weight, gradient: int(weight)))
@@ -47,6 +48,8 @@ if HAS_TRITON:
     _W_SIGMOID_RENORM = tl.constexpr(int(WeightRule.SIGMOID_RENORM))
     _W_SIGMOID_SCALED = tl.constexpr(int(WeightRule.SIGMOID_SCALED))
     _W_SIGMOID_TIMES_SCALE = tl.constexpr(int(WeightRule.SIGMOID_TIMES_SCALE))
+    _W_SQRTSOFTPLUS_SCALED = tl.constexpr(int(WeightRule.SQRTSOFTPLUS_SCALED))
+    _W_SQRTSOFTPLUS_TIMES_SCALE = tl.constexpr(int(WeightRule.SQRTSOFTPLUS_TIMES_SCALE))
     _G_LOGIT = tl.constexpr(int(GradientRule.LOGIT))
     _G_SOFTMAX = tl.constexpr(int(GradientRule.SOFTMAX))
     _G_SOFTMAX_CHOSEN = tl.constexpr(int(GradientRule.SOFTMAX_CHOSEN))
@@ -54,7 +57,10 @@ if HAS_TRITON:
     _G_SIGMOID_RENORM = tl.constexpr(int(GradientRule.SIGMOID_RENORM))
     _G_SIGMOID_SCALED = tl.constexpr(int(GradientRule.SIGMOID_SCALED))
     _G_SIGMOID_TIMES_SCALE = tl.constexpr(int(GradientRule.SIGMOID_TIMES_SCALE))
+    _G_SQRTSOFTPLUS_SCALED = tl.constexpr(int(GradientRule.SQRTSOFTPLUS_SCALED))
+    _G_SQRTSOFTPLUS_TIMES_SCALE = tl.constexpr(int(GradientRule.SQRTSOFTPLUS_TIMES_SCALE))
     _SUM_EPSILON = tl.constexpr(SUM_EPSILON)
+    _SOFTPLUS_THRESHOLD = tl.constexpr(SOFTPLUS_THRESHOLD)
 
     @triton.jit
     def _row_max(v, KEEP: tl.constexpr):
@@ -142,6 +148,14 @@ if HAS_TRITON:
         elif RULE == _W_SOFTMAX_CHOSEN:
             # softmax over the chosen (== softmax, pick, renormalise)
             w = masked_softmax(xs, ok, row_ok, KEEP)
+        elif (RULE == _W_SQRTSOFTPLUS_SCALED) or (RULE == _W_SQRTSOFTPLUS_TIMES_SCALE):  # noqa: SIM109
+            q = sqrt_softplus(xs)
+            if RULE == _W_SQRTSOFTPLUS_SCALED:
+                total = _row_sum(tl.where(ok, q, 0.0), KEEP)
+                eps = tl.full([], _SUM_EPSILON, xs.dtype)  # 1e-20 in float64 too
+                w = q * scale / _column(total + eps, KEEP)
+            else:
+                w = q * scale
         else:
             s = tl.sigmoid(xs)
             total = _row_sum(tl.where(ok, s, 0.0), KEEP)
@@ -179,17 +193,31 @@ if HAS_TRITON:
 
     @triton.jit
     def gradient_sigmoid(logits_ptr, rows64, id_i, ok, w_i, stride_lm, stride_le, METHOD: tl.constexpr):
-        """(BLOCK_M,) ``s = sigmoid(x[id_i])`` of one column in ``w_i``'s dtype, as the gradient
-        reads it: the normalised and the scaled sigmoid rules load the logit (an L2 hit: the forward read it);
-        the SIGMOID rule's weight is s itself, and the other rules never read it (``w_i`` too)."""
+        """(s, ds), each (BLOCK_M,) in ``w_i``'s dtype: the score of one column as the gradient
+        reads it, and its derivative w.r.t. the logit where the rule needs that apart from ``s``.
+
+        The normalised and the scaled sigmoid rules load the logit (an L2 hit: the forward read it)
+        for ``s = sigmoid(x[id_i])``; the SIGMOID rule's weight is s itself, and the other rules
+        never read it (``w_i`` too). The sqrtsoftplus rules: ``s = q = sqrt(softplus(x))`` and
+        ``ds = dq/dx = softplus'(x) / (2 q)``, 0 where ``q == 0`` (the twin's
+        ``sqrt_softplus_slope``); ``ds`` is ``s`` (unread) for every other rule."""
         GRAD: tl.constexpr = _GRADIENT_RULE[METHOD]
         # the weight is not s itself: s comes from the logit (no `in` in Triton)
         if (GRAD == _G_SIGMOID_SCALED) or (GRAD == _G_SIGMOID_RENORM) or (GRAD == _G_SIGMOID_TIMES_SCALE):  # noqa: SIM109
             x_i = tl.load(logits_ptr + rows64 * stride_lm + id_i.to(tl.int64) * stride_le, mask=ok, other=0.0)
             s_i = tl.where(ok, tl.sigmoid(x_i.to(w_i.dtype)), 0.0)
+            ds_i = s_i
+        elif (GRAD == _G_SQRTSOFTPLUS_SCALED) or (GRAD == _G_SQRTSOFTPLUS_TIMES_SCALE):  # noqa: SIM109
+            x_i = tl.load(logits_ptr + rows64 * stride_lm + id_i.to(tl.int64) * stride_le, mask=ok, other=0.0)
+            x_i = x_i.to(w_i.dtype)
+            q_i = tl.where(ok, sqrt_softplus(x_i), 0.0)
+            slope = tl.where(x_i > _SOFTPLUS_THRESHOLD, 1.0, tl.sigmoid(x_i))
+            s_i = q_i
+            ds_i = tl.where(q_i > 0.0, slope / (2.0 * q_i), 0.0)
         else:
             s_i = w_i
-        return s_i
+            ds_i = w_i
+        return s_i, ds_i
 
     @triton.jit
     def gradient_rows(
@@ -211,7 +239,7 @@ if HAS_TRITON:
         else:
             dense = tl.zeros([BLOCK_M, E_PAD], dtype=COMPUTE)
         eps = tl.full([], _SUM_EPSILON, COMPUTE)  # 1e-20 in float64 too (a literal is float32)
-        if GRAD == _G_SIGMOID_SCALED:
+        if (GRAD == _G_SIGMOID_SCALED) or (GRAD == _G_SQRTSOFTPLUS_SCALED):  # noqa: SIM109
             denom = total + eps
         elif GRAD == _G_SIGMOID_RENORM:
             # d max(S, eps) / dS is 1 where S >= eps, as torch.clamp's backward has it (a NaN sum
@@ -224,9 +252,10 @@ if HAS_TRITON:
         return dense, dot, denom
 
     @triton.jit
-    def gradient_column(g_i, w_i, s_i, dot, denom, scale, METHOD: tl.constexpr):
+    def gradient_column(g_i, w_i, s_i, ds_i, dot, denom, scale, METHOD: tl.constexpr):
         """(BLOCK_M,): the gradient w.r.t. the logit of one chosen column (module doc of
-        ``moe_ops.replay.kernels``; SOFTMAX: its part at the chosen expert)."""
+        ``moe_ops.replay.kernels``; SOFTMAX: its part at the chosen expert); ``s_i``, ``ds_i``:
+        :func:`gradient_sigmoid`'s."""
         GRAD: tl.constexpr = _GRADIENT_RULE[METHOD]
         if GRAD == _G_LOGIT:
             gs = g_i
@@ -240,6 +269,10 @@ if HAS_TRITON:
             gs = (g_i - dot) / denom * s_i * (1.0 - s_i)
         elif GRAD == _G_SIGMOID_TIMES_SCALE:
             gs = scale * g_i * s_i * (1.0 - s_i)
+        elif GRAD == _G_SQRTSOFTPLUS_SCALED:
+            gs = (scale * g_i - dot) / denom * ds_i
+        elif GRAD == _G_SQRTSOFTPLUS_TIMES_SCALE:
+            gs = scale * g_i * ds_i
         else:
             tl.static_assert(GRAD == _G_SIGMOID, "a gradient rule without a Triton form")
             gs = g_i * s_i * (1.0 - s_i)

@@ -20,6 +20,7 @@ of a token, ``scale`` = ``routed_scaling_factor``)::
     7      MINIMAX2           s + bias              s * scale / (sum s + 1e-20)
     8      SIGMOID            x (sigmoid order)     s
     9      TOPK_SIGMOID       x                     s
+    34     SQRTSOFTPLUS       q + bias              q * scale / (sum q + 1e-20), q = sqrt(softplus(x))
 
 ``routed_scaling_factor`` applies to every method (vLLM's and SGLang's ``routed_scaling_factor``,
 Megatron's ``moe_router_topk_scaling_factor``): DEEPSEEK_V3's and MINIMAX2's rules hold it inside
@@ -39,6 +40,13 @@ index wins**, and the chosen experts are listed by descending score, equal score
 index. Groups tie the same way. Methods without a bias choose on the raw logits (softmax and
 sigmoid keep their order), so rounding inside a softmax or a saturating sigmoid never merges two
 different logits into a tie; NaN scores rank below every number (as -inf), and -0.0 equals 0.0.
+
+SQRTSOFTPLUS (DeepSeek-V4) chooses on ``q + bias``, ``q = sqrt(softplus(x))`` in float32 (float64
+in replay's float64 path), softplus with torch's threshold: ``x`` where ``x > 20``, else
+``log1p(exp(x))``. The same rule orders the keys: equal keys go to the lowest index. The key is
+not order-preserving in ``x``: with a bias two experts' order is the bias's as much as the
+logits', and without one, ``q`` rounds different logits to one key (every ``x`` below about -104
+gives ``q = 0`` in float32); those are ties, decided by the index. NaN logits key as -inf.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "BIAS_KEYS",
     "BIAS_METHODS",
     "GRADIENT_OF",
     "GROUP_METHODS",
@@ -100,6 +109,9 @@ class RoutingMethod(enum.IntEnum):
     MINIMAX2 = 7  # sigmoid + bias chooses top-k; weights unbiased sigmoid, normalised, scaled
     SIGMOID = 8  # sigmoid, top-k, no renormalisation
     TOPK_SIGMOID = 9  # top-k on raw logits, then sigmoid
+    # moe-ops' own (OWN_METHODS_START on)
+    # DeepSeek-V4: sqrt(softplus(x)) + bias chooses; weights unbiased q, normalised, scaled
+    SQRTSOFTPLUS = 34
 
 
 class SelectionKey(enum.IntEnum):
@@ -108,7 +120,8 @@ class SelectionKey(enum.IntEnum):
     LOGIT = 0  # x
     SOFTMAX_ORDER = 1  # softmax(x): sorted as x, whose order it keeps
     SIGMOID_ORDER = 2  # sigmoid(x): sorted as x, whose order it keeps (no saturation ties)
-    SIGMOID_BIAS = 3  # sigmoid(x) + bias (bias optional): the only key not sorted as x
+    SIGMOID_BIAS = 3  # sigmoid(x) + bias (bias optional): not sorted as x
+    SQRTSOFTPLUS_BIAS = 4  # sqrt(softplus(x)) + bias (bias optional): not sorted as x
 
 
 class WeightRule(enum.IntEnum):
@@ -127,6 +140,10 @@ class WeightRule(enum.IntEnum):
     # s * scale: SIGMOID_SCALED with renormalize=False (vLLM's and SGLang's biased sigmoid with
     # renormalize off, transformers' DeepSeek-V3 with norm_topk_prob=False)
     SIGMOID_TIMES_SCALE = 7
+    # q * scale / (sum q + eps), q = sqrt(softplus(x[sel])) (DeepSeek-V4's router)
+    SQRTSOFTPLUS_SCALED = 8
+    # q * scale: SQRTSOFTPLUS_SCALED with renormalize=False (vLLM's sqrtsoftplus with renormalize off)
+    SQRTSOFTPLUS_TIMES_SCALE = 9
 
     @property
     def holds_scale(self) -> bool:
@@ -154,6 +171,10 @@ class GradientRule(enum.IntEnum):
     SIGMOID_RENORM = 4  # (g - [S >= eps] * dot) / max(S, eps) * s * (1 - s)
     SIGMOID_SCALED = 5  # (scale * g - dot) / (S + eps) * s * (1 - s)
     SIGMOID_TIMES_SCALE = 6  # scale * g * s * (1 - s)
+    # q = sqrt(softplus(x)), Q = sum q, dq/dx = sigmoid(x) / (2 q), taken as 0 where q == 0 (its
+    # limit e^(x/2) / 2 as x -> -inf; q is 0 only below about x = -104 in float32, -745 in float64)
+    SQRTSOFTPLUS_SCALED = 7  # (scale * g - dot) / (Q + eps) * dq/dx
+    SQRTSOFTPLUS_TIMES_SCALE = 8  # scale * g * dq/dx
 
 
 # The gradient of each computed weight rule (WeightRule.computed): what MethodSpec checks.
@@ -165,10 +186,19 @@ GRADIENT_OF: Mapping[WeightRule, GradientRule] = MappingProxyType({
     WeightRule.SIGMOID_RENORM: GradientRule.SIGMOID_RENORM,
     WeightRule.SIGMOID_SCALED: GradientRule.SIGMOID_SCALED,
     WeightRule.SIGMOID_TIMES_SCALE: GradientRule.SIGMOID_TIMES_SCALE,
+    WeightRule.SQRTSOFTPLUS_SCALED: GradientRule.SQRTSOFTPLUS_SCALED,
+    WeightRule.SQRTSOFTPLUS_TIMES_SCALE: GradientRule.SQRTSOFTPLUS_TIMES_SCALE,
 })  # fmt: skip
 # Weight rules that read routed_scaling_factor inside their formula: exactly the rules of the
 # scaled methods. Every other rule's weights are multiplied by it after the rule.
-SCALED_RULES = frozenset({WeightRule.SIGMOID_SCALED, WeightRule.SIGMOID_TIMES_SCALE})
+SCALED_RULES = frozenset({
+    WeightRule.SIGMOID_SCALED,
+    WeightRule.SIGMOID_TIMES_SCALE,
+    WeightRule.SQRTSOFTPLUS_SCALED,
+    WeightRule.SQRTSOFTPLUS_TIMES_SCALE,
+})  # fmt: skip
+# Selection keys that add the optional (num_experts,) bias (the others sort the raw logits).
+BIAS_KEYS = frozenset({SelectionKey.SIGMOID_BIAS, SelectionKey.SQRTSOFTPLUS_BIAS})
 
 
 @dataclass(frozen=True)
@@ -176,14 +206,14 @@ class MethodSpec:
     """One routing method: everything validation, the references, the router kernel and the replay
     kernels and twins need to know about it (one row of :data:`METHODS`)."""
 
-    # what selection sorts; SIGMOID_BIAS alone is sorted as something other than the raw logits
+    # what selection sorts; BIAS_KEYS are sorted as something other than the raw logits
     key: SelectionKey
     # the weights of the chosen experts (the reference's literal rule; the kernels and twins
     # evaluate weight.computed)
     weight: WeightRule
     # the backward of weight.computed: GRADIENT_OF[weight.computed]
     gradient: GradientRule
-    # takes a (num_experts,) selection bias; only with key SIGMOID_BIAS, never part of the weights
+    # takes a (num_experts,) selection bias; only with a key of BIAS_KEYS, never part of the weights
     bias: bool = False
     # its weight rule holds routed_scaling_factor inside: exactly when weight is in SCALED_RULES
     # (every method takes the factor; the others' weights are scale * rule, WeightRule.holds_scale)
@@ -219,8 +249,10 @@ class MethodSpec:
             raise ValueError(f"gradient must be {GRADIENT_OF[self.weight.computed]!r}, got {self.gradient!r}")
         if self.scaled != (self.weight in SCALED_RULES):
             raise ValueError(f"scaled must be {self.weight in SCALED_RULES} for {self.weight!r}")
-        if (self.bias or self.groups) and self.key != SelectionKey.SIGMOID_BIAS:
-            raise ValueError("bias and groups need key SIGMOID_BIAS (the kernels key groups on it)")
+        if self.bias and self.key not in BIAS_KEYS:
+            raise ValueError(f"bias needs a key of {sorted(k.name for k in BIAS_KEYS)}")
+        if self.groups and self.key != SelectionKey.SIGMOID_BIAS:
+            raise ValueError("groups need key SIGMOID_BIAS (the kernels key groups on it)")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be None or >= 1, got {self.top_k}")
         if self.unnormalized is not None:
@@ -264,6 +296,11 @@ METHODS: Mapping[RoutingMethod, MethodSpec] = {
     _M.MINIMAX2: MethodSpec(SelectionKey.SIGMOID_BIAS, **_SIGMOID_SCALED, bias=True),
     _M.SIGMOID: MethodSpec(SelectionKey.SIGMOID_ORDER, **_SIGMOID, **_PLAIN),
     _M.TOPK_SIGMOID: MethodSpec(SelectionKey.LOGIT, **_SIGMOID, **_PLAIN),
+    # no groups: no peer groups sqrtsoftplus scores but Megatron (docs/routing.md)
+    _M.SQRTSOFTPLUS: MethodSpec(
+        SelectionKey.SQRTSOFTPLUS_BIAS, WeightRule.SQRTSOFTPLUS_SCALED, GradientRule.SQRTSOFTPLUS_SCALED,
+        bias=True, scaled=True, renormalizes=True, unnormalized=WeightRule.SQRTSOFTPLUS_TIMES_SCALE,
+    ),
 }  # fmt: skip
 del _M, _SIGMOID, _SIGMOID_SCALED, _RENORM, _PLAIN
 if set(METHODS) != set(RoutingMethod):
@@ -273,7 +310,7 @@ if set(METHODS) != set(RoutingMethod):
 N_METHOD_VALUES = max(RoutingMethod) + 1
 _METHOD_VALUES = frozenset(int(m) for m in RoutingMethod)
 
-# Methods that take a selection bias (their key is sigmoid(x) + bias).
+# Methods that take a selection bias (their key is one of BIAS_KEYS).
 BIAS_METHODS = frozenset(m for m, spec in METHODS.items() if spec.bias)
 # Methods whose weight rule holds routed_scaling_factor inside (WeightRule.holds_scale); every
 # method takes the factor, the others multiply their rule's weights by it.

@@ -8,17 +8,19 @@ captures in CUDA graphs.
 Selection follows the package's tie-break rule (see :mod:`moe_ops.router.methods`): a stable
 descending sort, so among equal scores the lowest expert index wins (``torch.topk`` promises no
 order among ties). Every rule comes from the method table (:data:`moe_ops.router.methods.METHODS`):
-keys of ``SelectionKey.SIGMOID_BIAS`` sort ``sigmoid(x) + bias``, every other key the raw logits;
-:func:`rule_weights` writes each weight rule once.
+keys of ``SelectionKey.SIGMOID_BIAS`` sort ``sigmoid(x) + bias``, ``SQRTSOFTPLUS_BIAS``
+``sqrt_softplus(x) + bias``, every other key the raw logits; :func:`rule_weights` writes each
+weight rule once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .methods import GRADIENT_OF, METHODS, GradientRule, RoutingMethod, SelectionKey, WeightRule
+from .methods import BIAS_KEYS, GRADIENT_OF, METHODS, GradientRule, RoutingMethod, SelectionKey, WeightRule
 
 __all__ = [
+    "SOFTPLUS_THRESHOLD",
     "SUM_EPSILON",
     "group_scores",
     "route_reference",
@@ -26,6 +28,8 @@ __all__ = [
     "rule_weights",
     "select_experts",
     "selection_keys",
+    "sqrt_softplus",
+    "sqrt_softplus_slope",
     "unscaled_gradient_inputs",
     "weights_for_ids",
 ]
@@ -33,9 +37,13 @@ __all__ = [
 # The gradient rules of the weight rules that hold routed_scaling_factor (WeightRule.holds_scale).
 _HOLDS_SCALE = frozenset(GRADIENT_OF[rule.computed] for rule in WeightRule if rule.holds_scale)
 
-# Added to (WeightRule.SIGMOID_SCALED) or the floor of (SIGMOID_RENORM) the sum of the chosen weights,
-# as FlashInfer's runners and Hugging Face's DeepSeek-V3 do: a guard against 0/0, invisible otherwise.
+# Added to (WeightRule.SIGMOID_SCALED, SQRTSOFTPLUS_SCALED) or the floor of (SIGMOID_RENORM) the sum
+# of the chosen weights, as FlashInfer's runners and Hugging Face's DeepSeek-V3 and -V4 do: a guard
+# against 0/0, invisible otherwise.
 SUM_EPSILON = 1e-20
+# softplus(x) is x above this (torch.nn.functional.softplus's default threshold, which transformers'
+# DeepSeek-V4, Megatron and SGLang call, and vLLM's kernels write out)
+SOFTPLUS_THRESHOLD = 20.0
 
 
 def _canonical(keys: torch.Tensor) -> torch.Tensor:
@@ -44,16 +52,44 @@ def _canonical(keys: torch.Tensor) -> torch.Tensor:
     return torch.where(keys == 0, torch.zeros_like(keys), keys)
 
 
+def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
+    """``q = sqrt(softplus(x))`` (DeepSeek-V4's router score), in ``x``'s dtype, with the operations
+    of the Triton helper ``moe_ops.router._weights.sqrt_softplus`` in the same order, so that the
+    kernels and this twin round alike (ids decided by one rounding agree).
+
+    softplus is ``x`` above :data:`SOFTPLUS_THRESHOLD` (torch's rule), else ``log1p(exp(x))``,
+    written as ``log(v) * u / (v - 1)`` with ``u = exp(x)``, ``v = 1 + u`` (``u`` where ``v``
+    rounds to 1): Triton has no log1p the interpreter runs. Measured against float64
+    ``F.softplus(x).sqrt()``: 1.5e-7 relative in float32 (torch's own float32 softplus: 1.1e-7),
+    3.2e-16 in float64. ``x = -inf`` gives 0, ``+inf`` gives inf, NaN gives NaN.
+    """
+    u = torch.exp(x)
+    v = 1 + u
+    log1p = torch.where(v == 1, u, torch.log(v) * u / (v - 1))
+    return torch.sqrt(torch.where(x > SOFTPLUS_THRESHOLD, x, log1p))
+
+
+def sqrt_softplus_slope(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``dq/dx = softplus'(x) / (2 q)`` of :func:`sqrt_softplus` (``softplus'`` is ``sigmoid(x)``,
+    1 above the threshold), 0 where ``q == 0``: the limit ``e^(x/2) / 2`` as ``x -> -inf`` (``q``
+    is 0 only where softplus underflows, ``x`` below about -104 in float32 and -745 in float64:
+    the true slope there is below 1.2e-23 and 4e-162). In ``x``'s dtype.
+    """
+    slope = torch.where(x > SOFTPLUS_THRESHOLD, torch.ones_like(x), torch.sigmoid(x))
+    return torch.where(q > 0, slope / (2 * q), torch.zeros_like(q))
+
+
 def selection_keys(x: torch.Tensor, method: RoutingMethod, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The per-expert score that selection sorts, in ``x``'s dtype.
 
     x: (n, E) float - logits already in the compute dtype
-    bias: (E,) float or None - DEEPSEEK_V3/MINIMAX2 selection bias
-    Returns (n, E): ``sigmoid(x) + bias`` for the key ``SIGMOID_BIAS``, ``x`` otherwise
-    (canonicalised).
+    bias: (E,) float or None - the selection bias of BIAS_METHODS
+    Returns (n, E): ``sigmoid(x) + bias`` for the key ``SIGMOID_BIAS``, ``sqrt_softplus(x) + bias``
+    for ``SQRTSOFTPLUS_BIAS``, ``x`` otherwise (canonicalised).
     """
-    if METHODS[method].key == SelectionKey.SIGMOID_BIAS:
-        keys = torch.sigmoid(x)
+    key = METHODS[method].key
+    if key in BIAS_KEYS:
+        keys = torch.sigmoid(x) if key == SelectionKey.SIGMOID_BIAS else sqrt_softplus(x)
         if bias is not None:
             keys = keys + bias.to(x.dtype)
     else:
@@ -133,6 +169,11 @@ def _rule_weights(
     if rule == WeightRule.SOFTMAX_RENORM:
         probs = torch.softmax(x, dim=-1).gather(1, ids)
         return probs / probs.sum(-1, keepdim=True)
+    if rule in (WeightRule.SQRTSOFTPLUS_SCALED, WeightRule.SQRTSOFTPLUS_TIMES_SCALE):
+        q = sqrt_softplus(xs)
+        if rule == WeightRule.SQRTSOFTPLUS_SCALED:
+            return q * routed_scaling_factor / (q.sum(-1, keepdim=True) + SUM_EPSILON)
+        return q * routed_scaling_factor
     s = torch.sigmoid(xs)
     if rule == WeightRule.SIGMOID_SCALED:
         return s * routed_scaling_factor / (s.sum(-1, keepdim=True) + SUM_EPSILON)
@@ -181,6 +222,14 @@ def rule_gradient(
         p = torch.softmax(x, dim=-1)
         dense = -p * dot
         gs = g * p.gather(1, ids)
+    elif rule in (GradientRule.SQRTSOFTPLUS_SCALED, GradientRule.SQRTSOFTPLUS_TIMES_SCALE):
+        xs = x.gather(1, ids)
+        q = sqrt_softplus(xs)
+        if rule == GradientRule.SQRTSOFTPLUS_SCALED:
+            gs_q = (routed_scaling_factor * g - dot) / (q.sum(-1, keepdim=True) + SUM_EPSILON)
+        else:
+            gs_q = routed_scaling_factor * g
+        gs = gs_q * sqrt_softplus_slope(xs, q)
     else:
         s = torch.sigmoid(x.gather(1, ids))
         total = s.sum(-1, keepdim=True)
@@ -246,7 +295,7 @@ def route_reference(
     """Routes every token; arguments as validated by :func:`validate_route_args`.
 
     router_logits: (n, E) float - router outputs
-    bias: (E,) float or None - DEEPSEEK_V3/MINIMAX2 selection bias
+    bias: (E,) float or None - the selection bias of BIAS_METHODS
     dtype: compute dtype (default: float32, or float64 for float64 logits)
     unnormalized: the method's renormalize=False rule (``RouteConfig.unnormalized``)
     Returns ``(weights (n, top_k) dtype, ids (n, top_k) int64)``.

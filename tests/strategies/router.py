@@ -29,6 +29,7 @@ __all__ = [
     "router_cases",
     "router_configs",
     "scaled_router_cases",
+    "sqrtsoftplus_cases",
 ]
 
 
@@ -89,6 +90,8 @@ MODEL_ROUTERS = (
     RouterConfig("topk", M.TOPK, 64, 6),
     RouterConfig("sigmoid", M.SIGMOID, 160, 6),
     RouterConfig("topk-sigmoid", M.TOPK_SIGMOID, 32, 4),
+    # transformers' DeepseekV4Config defaults (n_routed_experts, num_experts_per_tok, scale)
+    RouterConfig("DeepSeek-V4", M.SQRTSOFTPLUS, 256, 6, routed_scaling_factor=1.5, has_bias=True),
 )
 del M
 
@@ -252,3 +255,55 @@ def scaled_router_cases(
     scale = draw(st.sampled_from(ROUTED_SCALES))
     config = dataclasses.replace(config, name=f"{config.name} scale={scale}", routed_scaling_factor=scale)
     return draw(router_cases(st.just(config), max_tokens, dtypes, kinds))
+
+
+@dataclass(frozen=True)
+class SqrtSoftplusCase:
+    """One SQRTSOFTPLUS routing problem: logits (possibly a strided or sliced view), bias, knobs."""
+
+    logits: torch.Tensor
+    bias: torch.Tensor | None
+    top_k: int
+    routed_scaling_factor: float | None
+    renormalize: bool | None
+    # how the logits were built: "random", "exact-ties" or "near-ties"; and their layout
+    ties: str
+    layout: str
+
+
+@st.composite
+def sqrtsoftplus_cases(draw, max_tokens: int = 12, max_experts: int = 40):
+    """SQRTSOFTPLUS (DeepSeek-V4) problems: logits over the whole range softplus treats differently
+    (below -104 its float32 value underflows, above 20 it is ``x``), exact ties (equal logits and
+    biases) and near ties (keys one float32 ulp apart), contiguous, column-strided (a transposed
+    buffer) or sliced (every other column of a wider row) logits."""
+    n = draw(st.integers(0, max_tokens), label="n_tokens")
+    num_experts = draw(st.integers(1, max_experts), label="num_experts")
+    top_k = draw(st.integers(1, min(8, num_experts)), label="top_k")
+    ties = draw(st.sampled_from(["random", "exact-ties", "near-ties"]), label="ties")
+    layout = draw(st.sampled_from(["contiguous", "strided", "sliced"]), label="layout")
+    has_bias = draw(st.booleans(), label="bias")
+    scale = draw(st.sampled_from([None, 1.0, 1.5, 2.5]), label="scale")
+    renormalize = draw(st.sampled_from([None, True, False]), label="renormalize")
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1), label="seed"))
+    spread = draw(st.sampled_from([1.0, 4.0, 40.0]), label="spread")
+    x = (rng.standard_normal((n, num_experts)) * spread).astype(np.float32)
+    if ties == "exact-ties" and num_experts > 1:
+        x = rng.integers(-2, 3, (n, num_experts)).astype(np.float32)
+    elif ties == "near-ties" and num_experts > 1:
+        # pairs one ulp apart: their keys round together or one ulp apart
+        x[:, 1::2] = np.nextafter(x[:, 0::2][:, : x[:, 1::2].shape[1]], np.float32(np.inf))
+    bias = None
+    if has_bias:
+        b = (rng.standard_normal(num_experts) * 0.05).astype(np.float32)
+        if ties == "exact-ties":
+            b = np.zeros(num_experts, dtype=np.float32)
+        bias = torch.from_numpy(b)
+    logits = torch.from_numpy(x)
+    if layout == "strided":
+        logits = logits.t().contiguous().t()  # column stride 1 -> row stride 1
+    elif layout == "sliced":
+        wide = torch.full((n, 2 * num_experts), float("nan"))  # the skipped columns must not be read
+        wide[:, ::2] = logits
+        logits = wide[:, ::2]
+    return SqrtSoftplusCase(logits, bias, top_k, scale, renormalize, ties, layout)
