@@ -3,7 +3,13 @@
 Each number is a ratio against a floor or peer measured in the same run:
 
 - bytes per step of 8192 tokens x 61 layers x 8 ids: int32 vs the narrow dtype (uint8 for 256
-  experts).
+  experts); with the weights channel on (``--weights``, default on: a float16 channel beside the
+  ids in the ring, bfloat16 on moe-ops' wire, float32 in vLLM's ``routed_expert_weights``), the
+  bytes of ids + weights per step on the ring and on each wire.
+- D2H with the weights channel (CUDA): the snapshot pipeline carrying narrow ids + float16 weights
+  (from a bfloat16 router buffer) against plain pinned copies of the same narrow bytes, and against
+  the ids-only pipeline (``weights_cost``: its time over the ids-only time, against the bytes
+  ratio: 2.0 with uint16 ids at 256 experts, 3.0 with uint8).
 - D2H bandwidth of the snapshot pipeline (narrow on the device + pinned copy, ring of 4) against a
   plain ``pinned.copy_(device, non_blocking=True)`` of the same narrow bytes (peer), with the
   narrowing graphs (default) and without (``graphs=False``). Targets: >= 0.5 of the peer at 1,024
@@ -50,7 +56,9 @@ Without a GPU only the CPU sections run.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 import os
 import queue
 import statistics
@@ -74,9 +82,12 @@ from moe_ops import (
     TransferPipeline,
     decode_routing,
     decode_routing_bytes,
+    decode_routing_weights,
     encode_routing,
     encode_routing_bytes,
+    encode_routing_weights,
 )
+from moe_ops.channels import IDS, Channel
 from moe_ops.wire import HAS_PYBASE64
 
 LAYERS, TOP_K, EXPERTS, STEP_TOKENS, REQUEST_TOKENS = 61, 8, 256, 8192, 32768
@@ -99,14 +110,127 @@ def _median_s(fn, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def bytes_per_step() -> Table:
+# the weights channel the benchmark carries beside the ids: float16 rows in the ring and the store
+# (2 bytes an entry, as bfloat16 on moe-ops' wire; a bfloat16 router buffer is cast on the device)
+WEIGHTS = Channel("weights", np.float16)
+
+
+def bytes_per_step(weights: bool = True) -> Table:
+    """Bytes of one step's rows; with ``weights``, the weights channel's bytes beside the ids (ring:
+    the channel's dtype; wire: bfloat16 in moe-ops' own, float32 in vLLM's field), counted from the
+    arrays the pipeline and the wire produce for a small step (scaled per entry), not from a
+    formula alone."""
     table = Table(
         f"bytes per step ({STEP_TOKENS} tokens x {LAYERS} layers x {TOP_K} ids, {EXPERTS} experts)",
-        ["dtype", "bytes", "MiB", "ratio_vs_int32"],
+        ["payload", "bytes", "MiB", "ratio_vs_int32", "ratio_vs_ids"],
     )
-    ids = STEP_TOKENS * LAYERS * TOP_K
-    for name, size in (("int32", 4), (str(SHAPE.id_dtype), SHAPE.id_dtype.itemsize)):
-        table.add(name, ids * size, ids * size / 2**20, size / 4)
+    entries = STEP_TOKENS * LAYERS * TOP_K
+    narrow = SHAPE.id_dtype.itemsize
+    for name, size in (("ids int32", 4), (f"ids {SHAPE.id_dtype}", narrow)):
+        table.add(name, entries * size, entries * size / 2**20, size / 4, size / narrow)
+    if not weights:
+        return table
+    # one small step through the real objects: the ring's per-entry bytes, and the wire's
+    n = 4
+    ids = torch.randint(0, EXPERTS, (n, LAYERS, TOP_K), dtype=torch.int32)
+    src = torch.rand(n, LAYERS, TOP_K).to(torch.bfloat16)
+    pipe = TransferPipeline(ids, SHAPE.id_dtype, extra_channels=[(WEIGHTS, src)])
+    with pipe.snapshot(n) as handle:
+        rows = handle.results()
+    assert np.array_equal(rows["weights"], src.float().numpy().astype(np.float16)), "weights rows wrong"
+    ring = sum(a.nbytes for a in rows.values()) / (n * LAYERS * TOP_K)
+    table.add(
+        f"ring: ids + {WEIGHTS.dtype} weights",
+        entries * ring,
+        entries * ring / 2**20,
+        ring / 4,
+        ring / narrow,
+    )
+    for dtype in ("bfloat16", "float32"):
+        raw = np.load(io.BytesIO(base64.b64decode(encode_routing_weights(rows["weights"], dtype=dtype))))
+        per = narrow + raw.nbytes / raw.size
+        table.add(f"wire: ids + {dtype} weights", entries * per, entries * per / 2**20, per / 4, per / narrow)
+    return table
+
+
+def d2h_with_weights(sizes: list[int], reps: int, trials: int) -> Table:
+    """The snapshot pipeline with the weights channel on (narrow ids + float16 weights from a
+    bfloat16 source) against plain pinned copies of the same narrow bytes (two copies, one per
+    channel: the peer), and against the ids-only pipeline (``weights_cost``: its time over the
+    ids-only time, beside ``bytes_ratio``)."""
+    dev = torch.device("cuda")
+    table = Table(
+        "D2H with the weights channel: snapshot pipeline vs plain pinned copies (GB/s of narrow bytes)",
+        [
+            "tokens",
+            "MB/step",
+            "peer_GBps",
+            "pipeline_GBps",
+            "ratio",
+            "ids_only_GBps",
+            "weights_cost",
+            "target",
+        ],
+    )
+    max_tokens = max(sizes)
+    source = torch.randint(0, EXPERTS, (max_tokens, LAYERS, TOP_K), dtype=torch.int32, device=dev)
+    weights = torch.rand(max_tokens, LAYERS, TOP_K, device=dev).to(torch.bfloat16)
+    pipe = TransferPipeline(source, SHAPE.id_dtype, depth=4, extra_channels=[(WEIGHTS, weights)])
+    ids_only = TransferPipeline(source, SHAPE.id_dtype, depth=4)
+    # the peer copies the same bytes: the id dtype's width as a signed torch dtype (torch's uint16
+    # has few kernels); values < 256 read the same in either
+    id_width = SHAPE.id_dtype.itemsize
+    peer_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[id_width]
+    narrow_dev, half_dev = source.to(peer_dtype), weights.to(torch.float16)
+    narrow_host = torch.empty(narrow_dev.shape, dtype=peer_dtype, pin_memory=True)
+    half_host = torch.empty(half_dev.shape, dtype=torch.float16, pin_memory=True)
+    copy_stream = torch.cuda.Stream()
+    for n in sizes:
+        ids_bytes = n * LAYERS * TOP_K * id_width
+        nbytes = ids_bytes + n * LAYERS * TOP_K * 2
+
+        def plain():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.cuda.stream(copy_stream):
+                for _ in range(reps):
+                    narrow_host[:n].copy_(narrow_dev[:n], non_blocking=True)
+                    half_host[:n].copy_(half_dev[:n], non_blocking=True)
+            copy_stream.synchronize()
+            return time.perf_counter() - start
+
+        def pipeline(p):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            held = []
+            for _ in range(reps):
+                if len(held) == p.depth:
+                    held.pop(0).release()
+                held.append(p.snapshot(n))
+            p.synchronize()
+            for h in held:
+                h.release()
+            return time.perf_counter() - start
+
+        peer = statistics.median(plain() for _ in range(trials))
+        ours = statistics.median(pipeline(pipe) for _ in range(trials))
+        alone = statistics.median(pipeline(ids_only) for _ in range(trials))
+        with pipe.snapshot(n) as h:
+            got = h.results(copy=False)
+            assert np.array_equal(got[IDS], source[:n].cpu().numpy()), "snapshot ids wrong"
+            assert np.array_equal(got["weights"], half_dev[:n].cpu().numpy()), "snapshot weights wrong"
+        peer_gbs, ours_gbs = nbytes * reps / peer / 1e9, nbytes * reps / ours / 1e9
+        table.add(
+            n,
+            nbytes / 1e6,
+            peer_gbs,
+            ours_gbs,
+            ours_gbs / peer_gbs,
+            ids_bytes * reps / alone / 1e9,
+            ours / alone,
+            nbytes / ids_bytes,
+            f">= {D2H_SMALL_TARGETS.get(n, D2H_TARGET)}",
+        )
     return table
 
 
@@ -595,14 +719,43 @@ def snapshot_host_state(sizes: list[int], reps: int) -> Table:
     return table
 
 
+def dry_run(cases, run) -> list[Table]:
+    """The bytes table with the weights channel through a real CPU ring and the wire (tiny,
+    untimed, rows checked), and one snapshot of ids + weights landed in a ledger and encoded."""
+    tables = [bytes_per_step(weights=True)]
+    table = Table("bench_transfer dry run (cpu, ids + weights, not timed)", ["tokens", "checked"])
+    for n in (1, 5):
+        ids = torch.randint(0, EXPERTS, (8, LAYERS, TOP_K), dtype=torch.int32)
+        w = torch.rand(8, LAYERS, TOP_K).to(torch.bfloat16)
+        pipe = TransferPipeline(ids, SHAPE.id_dtype, extra_channels=[(WEIGHTS, w)])
+        ledger = RoutingLedger(SlotStore(16, SHAPE, extra_channels=[WEIGHTS]), 16)
+        ledger.add_request("r")
+        ledger.append_blocks("r", [0])
+        step = ledger.schedule([("r", n)])
+        with pipe.snapshot(n) as handle:
+            ledger.land(step.seq, handle.results())
+        ledger.finish("r")
+        (done,) = ledger.collect()
+        assert np.array_equal(
+            decode_routing(encode_routing(done.routing)), ids[:n].numpy().astype(SHAPE.id_dtype)
+        )
+        back = decode_routing_weights(encode_routing_weights(done.channels["weights"], dtype="float32"))
+        assert np.array_equal(back, w[:n].float().numpy()), "weights through the host path wrong"
+        table.add(n, "ids exact, weights exact")
+    tables.append(table)
+    return tables
+
+
 @benchmark(
     "transfer",
     cases=BENCH_CASES["transfer"],
     needs="cpu",
     options=[sizes_option("--d2h-sizes", BENCH_SIZES["transfer"], "D2H copy sizes in tokens")],
+    dry_run=dry_run,
 )
 def transfer(cases, run) -> list[Table]:
-    """Bytes per step, D2H bandwidth, snapshot() host time, compute slowdown, store, wire, ledger."""
+    """Bytes per step (ids, and ids + weights), D2H bandwidth (ids, and ids + weights), snapshot()
+    host time, compute slowdown, store, wire, ledger."""
     for case in cases:  # the module's constants are the measured shape: the case's test covers it
         if case.shape != SHAPE:
             raise ValueError(f"case {case.name}: shape {case.shape} is not the benchmark's {SHAPE}")
@@ -610,6 +763,7 @@ def transfer(cases, run) -> list[Table]:
     tables = [bytes_per_step()]
     if torch.cuda.is_available():
         tables.append(d2h_bandwidth(list(run.d2h_sizes), reps=reps, trials=5 if run.quick else 9))
+        tables.append(d2h_with_weights(list(run.d2h_sizes), reps=reps, trials=5 if run.quick else 9))
         tables.extend(snapshot_host_time(torch.device("cuda"), SNAPSHOT_SIZES, reps=25 if run.quick else 100))
         tables.append(snapshot_host_state([1024, REQUEST_TOKENS], reps=100 if run.quick else 400))
         tables.append(narrow_kernel())

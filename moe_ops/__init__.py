@@ -39,7 +39,14 @@ _EXPORTS = {
     "moe_ops.shapes": ("RoutingShape", "narrow_dtype", "resolve_routing_shape"),
     "moe_ops.store": ("FinishedRouting", "RoutingLedger", "ScheduledStep", "SlotStore"),
     "moe_ops.transfer": ("RingFullError", "SnapshotHandle", "TransferPipeline"),
-    "moe_ops.wire": ("decode_routing", "decode_routing_bytes", "encode_routing", "encode_routing_bytes"),
+    "moe_ops.wire": (
+        "decode_routing",
+        "decode_routing_bytes",
+        "decode_routing_weights",
+        "encode_routing",
+        "encode_routing_bytes",
+        "encode_routing_weights",
+    ),
     # optional integrations
     "moe_ops.integrations.hf": ("attach_capture", "attach_replay"),
     "moe_ops.backend_report": ("backends",),
@@ -71,7 +78,14 @@ if TYPE_CHECKING:  # what static tools read; at run time __getattr__ resolves th
     from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
     from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
     from .transfer import RingFullError, SnapshotHandle, TransferPipeline
-    from .wire import decode_routing, decode_routing_bytes, encode_routing, encode_routing_bytes
+    from .wire import (
+        decode_routing,
+        decode_routing_bytes,
+        decode_routing_weights,
+        encode_routing,
+        encode_routing_bytes,
+        encode_routing_weights,
+    )
 
 
 # the modules an eager `import moe_ops` used to import: the first public name used loads them all, so
@@ -127,8 +141,10 @@ __all__ = [
     "check_capture_errors",
     "decode_routing",
     "decode_routing_bytes",
+    "decode_routing_weights",
     "encode_routing",
     "encode_routing_bytes",
+    "encode_routing_weights",
     "infer_layout",
     "narrow_dtype",
     "replay_batch",

@@ -9,6 +9,11 @@ new format is one new module (docs/wire.md has the table of formats and clients,
 a wire format" the steps). The engine layouts live with their formats (``npy.vllm_layout``,
 ``sglang.sglang_layout``, ...).
 
+Routing weights ride as a second text of the same format (:func:`encode_routing_weights` /
+:func:`decode_routing_weights`): float32 as vLLM returns them, or bfloat16 (2 bytes an entry) in
+moe-ops' own; a format's :attr:`WireFormat.weights` says how it carries them, or its
+``no_weights`` why it cannot.
+
 Raw bytes (``encode_routing_bytes`` / ``decode_routing_bytes``, the ``MOER`` form, :mod:`._raw`)
 are for clients that skip base64.
 
@@ -30,12 +35,17 @@ import numpy as np
 from ._base import (
     HAS_PYBASE64,
     LAYER_AXES,
+    WEIGHT_WIRE_DTYPES,
+    WeightsCodec,
     WireFormat,
     as_text,
+    bfloat16_bits,
     check_count,
     check_dtype_arg,
     check_layer_axis,
+    from_bfloat16_bits,
     integer_array,
+    weight_array,
 )
 from ._raw import RAW_MAGIC, RAW_VERSION, decode_routing_bytes, encode_routing_bytes
 from .sglang import SGLANG_DTYPES
@@ -47,13 +57,19 @@ __all__ = [
     "RAW_MAGIC",
     "RAW_VERSION",
     "SGLANG_DTYPES",
+    "WEIGHT_WIRE_DTYPES",
     "WIRE_FORMATS",
+    "WeightsCodec",
     "WireFormat",
+    "bfloat16_bits",
     "check_layer_axis",
     "decode_routing",
     "decode_routing_bytes",
+    "decode_routing_weights",
     "encode_routing",
     "encode_routing_bytes",
+    "encode_routing_weights",
+    "from_bfloat16_bits",
     "sniff_format",
     "wire_format",
 ]
@@ -155,3 +171,66 @@ def decode_routing(
     dtype = check_dtype_arg(dtype)
     max_elements = check_count("max_elements", max_elements, minimum=0)
     return fmt.decode(as_text(s), num_layers=num_layers, top_k=top_k, dtype=dtype, max_elements=max_elements)
+
+
+def _weights_codec(format: Any) -> tuple[WireFormat, WeightsCodec]:
+    fmt = wire_format(format)
+    if fmt.weights is None:
+        raise ValueError(fmt.no_weights)
+    return fmt, fmt.weights
+
+
+def encode_routing_weights(weights: np.ndarray, *, format: str = "npy", dtype: str = "bfloat16") -> str:
+    """Base64 text of a routing-weights array, the second text beside :func:`encode_routing`'s ids.
+
+    Args:
+        weights: float16 / float32 array (any shape; ``(n, num_layers, top_k)`` beside the ids), NaN
+            where no weight was recorded (a layer not captured, a dropped step: the channel's fill).
+        format: a name in :data:`WIRE_FORMATS` whose :attr:`WireFormat.weights` is set: ``"npy"``.
+        dtype: one of :data:`WEIGHT_WIRE_DTYPES` - ``"bfloat16"`` (default, moe-ops' own, 2 bytes an
+            entry: each value rounded to the nearest bfloat16, ties to even, NaN kept NaN
+            (:func:`bfloat16_bits`); a ``.npy`` of uint16, the bfloat16's bits) or ``"float32"``
+            (vLLM's ``routed_expert_weights``: a float32 ``.npy``, exact; build its layer axis with
+            :func:`moe_ops.wire.npy.vllm_weights_layout`).
+
+    Raises ValueError for a dtype other than float16 / float32, an unknown ``format`` or
+    ``dtype``, or a format with no place for weights (``"sglang"``, ``"nemo_rl"``: the message
+    names the format and what to use instead).
+    """
+    fmt, codec = _weights_codec(format)
+    if not isinstance(dtype, str) or dtype not in codec.dtypes:
+        raise ValueError(f"dtype must be one of {codec.dtypes} for format={fmt.name!r}, got {dtype!r}")
+    return codec.encode(weight_array(weights), dtype)
+
+
+def decode_routing_weights(
+    s: str | bytes,
+    *,
+    format: str = "npy",
+    num_layers: int | None = None,
+    top_k: int | None = None,
+    max_elements: int | None = None,
+) -> np.ndarray:
+    """The float32 weights of a text from :func:`encode_routing_weights` (or vLLM's
+    ``routed_expert_weights``).
+
+    Args:
+        s: the text (str or ASCII bytes, bytearray or memoryview).
+        format: as for :func:`encode_routing_weights`.
+        num_layers: optional; the shape must then be ``(n, num_layers, top_k)``.
+        top_k: see ``num_layers``.
+        max_elements: refuse arrays with more elements than this (from the header, before the
+            array is allocated). None: no limit.
+
+    Returns a new, writable, C-order float32 array: float32 texts as sent, float16 widened, uint16
+    texts read as bfloat16 bits and widened exactly (NaN stays NaN).
+
+    Raises ValueError for every malformed text, a dtype other than float32, float16 or uint16 in the
+    header, a shape other than the one asked for, too many elements, or a format with no place for
+    weights; TypeError when ``s`` is not str or bytes. Never unpickles.
+    """
+    _, codec = _weights_codec(format)
+    num_layers = check_count("num_layers", num_layers, minimum=1)
+    top_k = check_count("top_k", top_k, minimum=1)
+    max_elements = check_count("max_elements", max_elements, minimum=0)
+    return codec.decode(as_text(s), num_layers=num_layers, top_k=top_k, max_elements=max_elements)

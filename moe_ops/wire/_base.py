@@ -24,15 +24,60 @@ except ImportError:
     _b64 = base64
     HAS_PYBASE64 = False
 
-__all__ = ["HAS_PYBASE64", "LAYER_AXES", "WireFormat", "check_layer_axis"]
+__all__ = [
+    "HAS_PYBASE64",
+    "LAYER_AXES",
+    "WEIGHT_WIRE_DTYPES",
+    "WeightsCodec",
+    "WireFormat",
+    "bfloat16_bits",
+    "check_layer_axis",
+    "from_bfloat16_bits",
+]
 
 # The layer axes a client's arrays use: "moe" - the MoE layers only, in model order
 # (RoutingShape.num_layers columns: moe-ops' own arrays, NeMo-RL's); "model" - a column per decoder
 # layer, dense layers' columns 0 (RoutingShape.num_model_layers: vLLM's and SGLang's clients).
 LAYER_AXES = ("moe", "model")
 
+# The dtypes routing weights travel in (``encode_routing_weights(..., dtype=)``): "float32", 4 bytes an
+# entry, exact (vLLM's routed_expert_weights); "bfloat16", 2 bytes an entry, rounded to nearest even
+# (moe-ops' own). numpy has no bfloat16: its 16 bits travel as uint16 (bfloat16_bits).
+WEIGHT_WIRE_DTYPES = ("float32", "bfloat16")
+
 # numpy refuses arrays whose byte size does not fit a signed pointer-sized int
 _MAX_NBYTES = np.iinfo(np.intp).max
+
+
+@dataclass(frozen=True)
+class WeightsCodec:
+    """How a format carries routing weights beside its ids: a second text of the same format (vLLM's
+    ``routed_expert_weights`` beside ``routed_experts``).
+
+    Called by :func:`~moe_ops.wire.encode_routing_weights` / :func:`~moe_ops.wire.decode_routing_weights`
+    with their arguments checked: ``encode(weights, dtype)`` gets a float16 / float32 ndarray and a
+    name in ``dtypes``; ``decode(text, *, num_layers, top_k, max_elements)`` returns a new, writable
+    float32 array (bfloat16 widened exactly).
+    """
+
+    # the names of WEIGHT_WIRE_DTYPES this format writes
+    dtypes: tuple[str, ...]
+    # (weights, dtype) -> str
+    encode: Callable[[np.ndarray, str], str]
+    # (text, *, num_layers, top_k, max_elements) -> (n, num_layers, top_k)-checked float32 array
+    decode: Callable[..., np.ndarray]
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.dtypes, tuple)
+            or not self.dtypes
+            or any(d not in WEIGHT_WIRE_DTYPES for d in self.dtypes)
+        ):
+            raise ValueError(
+                f"WeightsCodec.dtypes must be a non-empty tuple of {WEIGHT_WIRE_DTYPES}, got {self.dtypes!r}"
+            )
+        if not callable(self.encode) or not callable(self.decode):
+            raise ValueError("WeightsCodec.encode and WeightsCodec.decode must be callable")
 
 
 @dataclass(frozen=True)
@@ -62,6 +107,11 @@ class WireFormat:
     # (text, *, num_layers, top_k, dtype, max_elements) -> a new, writable, native-order array;
     # ValueError for every malformed text, sizes checked before anything is allocated
     decode: Callable[..., np.ndarray]
+    # how the format carries routing weights beside the ids; None: it has no place for them, and
+    # no_weights says so (the ValueError encode_routing_weights / decode_routing_weights raise)
+    weights: WeightsCodec | None = None
+    # with weights None: why the format cannot carry weights and what to use instead
+    no_weights: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
@@ -84,6 +134,13 @@ class WireFormat:
             raise ValueError(f"WireFormat.magic must be None or non-empty ASCII text, got {self.magic!r}")
         if not callable(self.encode) or not callable(self.decode):
             raise ValueError("WireFormat.encode and WireFormat.decode must be callable")
+        if self.weights is not None and not isinstance(self.weights, WeightsCodec):
+            raise ValueError(f"WireFormat.weights must be None or a WeightsCodec, got {self.weights!r}")
+        if (self.weights is None) == (not isinstance(self.no_weights, str) or not self.no_weights):
+            raise ValueError(
+                "WireFormat.no_weights must say why the format has no place for weights (and what to "
+                "use instead) exactly when WireFormat.weights is None"
+            )
 
     def matches(self, s: str | bytes | bytearray | memoryview) -> bool:
         """True when ``s`` starts with this format's ``magic`` (always False without one)."""
@@ -107,6 +164,45 @@ def dtype_names(dtypes: tuple[np.dtype, ...], last: str = ", ") -> str:
     """'int32, uint16, uint8' (or with ``last=" or "``: 'int32, uint16 or uint8')."""
     names = [d.name for d in dtypes]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + last + names[-1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Routing weights: bfloat16 as 16 bits
+# ---------------------------------------------------------------------------------------------------
+
+
+def weight_array(weights: Any, what: str = "weights") -> np.ndarray:
+    """``weights`` as a float16 / float32 ndarray; ValueError naming ``what`` otherwise (float64 is
+    refused rather than rounded twice: routers return float32 at most)."""
+    weights = np.asarray(weights)
+    if weights.dtype.newbyteorder("=") not in (np.dtype(np.float16), np.dtype(np.float32)):
+        raise ValueError(f"{what} must be a float16 or float32 array, got dtype {weights.dtype}")
+    return weights
+
+
+def bfloat16_bits(weights: np.ndarray) -> np.ndarray:
+    """The bfloat16 nearest to each float16 / float32 value, as its 16 bits in a new uint16 array.
+
+    Rounding is to nearest, ties to even (what a device's ``float -> bfloat16`` cast does): the
+    float32 bits plus ``0x7FFF`` plus the lowest kept bit, shifted right 16. float16 widens to
+    float32 exactly first. Finite values past bfloat16's largest round to +-inf, subnormals are kept
+    (bfloat16 has float32's exponent range, so none flush to 0), -0.0 stays -0.0, and a NaN stays a
+    NaN of the same sign (its payload's top 7 bits kept, the quiet bit set, so that no NaN rounds
+    to inf).
+    """
+    bits = np.ascontiguousarray(weights, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(
+        np.uint16
+    )
+    nan = (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+    return rounded
+
+
+def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    """The float32 values of bfloat16 bits (uint16), exactly: each is the top half of a float32."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -187,4 +187,9 @@ FORMAT = WireFormat(
     magic=_MAGIC,
     encode=encode,
     decode=decode,
+    no_weights=(
+        "format='nemo_rl' has no place for routing weights: the nrlre1 envelope holds int8 / int16 / "
+        "int32 ids only; send them as format='npy' (dtype='bfloat16', 2 bytes an entry) in a field of "
+        "your own"
+    ),
 )

@@ -21,9 +21,20 @@ from typing import Any
 import numpy as np
 import numpy.lib.format as npy_format
 
-from ._base import WireFormat, b64decode, b64encode, check_declared, check_size, engine_layout
+from ._base import (
+    WeightsCodec,
+    WireFormat,
+    b64decode,
+    b64encode,
+    bfloat16_bits,
+    check_declared,
+    check_size,
+    engine_layout,
+    from_bfloat16_bits,
+    weight_array,
+)
 
-__all__ = ["FORMAT", "vllm_dtype", "vllm_layout"]
+__all__ = ["FORMAT", "vllm_dtype", "vllm_layout", "vllm_weights_layout"]
 
 # .npy headers that numpy itself writes are well under this; larger ones are refused unread
 _MAX_NPY_HEADER = 10_000
@@ -32,6 +43,9 @@ _NPY_MAX_NDIM = 32
 _NPY_MAGIC = b"\x93NUMPY"
 # what np.save writes for integer arrays: byte order, kind, width ('|u1', '<i4', '>u2', ...)
 _INT_DESCR = re.compile(r"[<>|=]?[iu][1248]")
+# what a weights text may hold: float32 (vLLM's routed_expert_weights), float16, and uint16: the
+# bits of bfloat16 (moe-ops' own, 2 bytes an entry; numpy has no bfloat16 dtype)
+_WEIGHT_DESCR = re.compile(r"[<>=]?(f4|f2|u2)")
 _NPY_KEYS = {"descr", "fortran_order", "shape"}
 # Text Python's tokenizer warns about (invalid escape sequences; a number run into a letter, "1if"),
 # refused before ast.literal_eval sees it: decoding must not print warnings. No header numpy writes
@@ -75,9 +89,35 @@ def vllm_layout(shape: Any, routing: np.ndarray) -> np.ndarray:
     return engine_layout(shape, routing, vllm_dtype(shape.num_experts))
 
 
-def encode(array: np.ndarray) -> str:
-    if array.ndim > _NPY_MAX_NDIM:
-        raise ValueError(f"array must have at most {_NPY_MAX_NDIM} dims, got {array.ndim}")
+def vllm_weights_layout(shape: Any, weights: np.ndarray) -> np.ndarray:
+    """The array vLLM returns as a choice's ``routed_expert_weights`` (before ``.npy`` + base64),
+    beside :func:`vllm_layout`'s ids.
+
+    vLLM's capturer keeps the weights in float32 beside the ids (``topk_weights.float()``), on the
+    same ``num_hidden_layers`` axis; a dense layer's column is NaN here (no weight is NaN; vLLM's
+    capturer never writes it: a client must not read it, as it must not read the ids' 0 there).
+
+    Args:
+        shape: the model's RoutingShape.
+        weights: (n, num_layers, top_k) float16 / float32 - weights on the shape's (MoE-only) layer
+            axis; NaN where a layer was not captured (the channel's fill), kept.
+
+    Returns a new (n, num_model_layers, top_k) float32 array (float16 widened exactly).
+
+    Raises ValueError for a wrong shape or a dtype other than float16 / float32.
+    """
+    weights = weight_array(weights)
+    if weights.ndim != 3 or weights.shape[1:] != (shape.num_layers, shape.top_k):
+        raise ValueError(
+            f"weights must have shape (n, {shape.num_layers}, {shape.top_k}), got {weights.shape}"
+        )
+    out = np.full((weights.shape[0], shape.num_model_layers, shape.top_k), np.nan, dtype=np.float32)
+    out[:, shape._moe_columns] = weights
+    return out
+
+
+def _npy_text(array: np.ndarray) -> str:
+    """Base64 of ``array``'s ``.npy`` bytes (C order)."""
     # ascontiguousarray makes a 0-d array 1-d: the header would record shape (1,)
     array = np.ascontiguousarray(array).reshape(array.shape)
     header = io.BytesIO()
@@ -92,13 +132,25 @@ def encode(array: np.ndarray) -> str:
     return b64encode(buf)
 
 
-def decode(s, *, num_layers, top_k, dtype, max_elements) -> np.ndarray:
+def encode(array: np.ndarray) -> str:
+    if array.ndim > _NPY_MAX_NDIM:
+        raise ValueError(f"array must have at most {_NPY_MAX_NDIM} dims, got {array.ndim}")
+    return _npy_text(array)
+
+
+def _read_npy(s, max_elements, descr: re.Pattern):
+    """(raw bytes, shape, fortran, dtype, count, offset) of a base64 ``.npy`` text whose dtype
+    matches ``descr``."""
     if len(s) > _HEADER_B64_CHARS:
         # Decode just the head first, so the header (shape, dtype) is checked before the whole
         # payload is decoded and allocated.
-        _parse_npy_header(b64decode(s[:_HEADER_B64_CHARS]), max_elements, complete=False)
+        _parse_npy_header(b64decode(s[:_HEADER_B64_CHARS]), max_elements, complete=False, descr=descr)
     raw = b64decode(s)
-    shape, fortran, file_dtype, count, offset = _parse_npy_header(raw, max_elements, complete=True)
+    return (raw, *_parse_npy_header(raw, max_elements, complete=True, descr=descr))
+
+
+def decode(s, *, num_layers, top_k, dtype, max_elements) -> np.ndarray:
+    raw, shape, fortran, file_dtype, count, offset = _read_npy(s, max_elements, _INT_DESCR)
     check_declared("the .npy data", shape, file_dtype, num_layers, top_k, dtype)
     flat = np.frombuffer(raw, dtype=file_dtype, count=count, offset=offset)
     native = file_dtype.newbyteorder("=")
@@ -116,15 +168,21 @@ def _npy_literal(text: str) -> Any:
         ) from None
 
 
-def _npy_dtype(descr: Any) -> np.dtype:
+def _npy_dtype(descr: Any, allowed: re.Pattern = _INT_DESCR) -> np.dtype:
     if isinstance(descr, str) and "O" in descr:
         raise ValueError(f"object dtypes are refused (they would need unpickling), got {descr!r}")
-    if not isinstance(descr, str) or not _INT_DESCR.fullmatch(descr):
+    if not isinstance(descr, str) or not allowed.fullmatch(descr):
+        if allowed is _WEIGHT_DESCR:
+            raise ValueError(
+                "routing weights must be float32, float16 or uint16 (bfloat16 bits), got descr " + repr(descr)
+            )
         raise ValueError(f"routing arrays must have an integer dtype, got descr {descr!r}")
     return np.dtype(descr)
 
 
-def _parse_npy_header(raw: bytes, max_elements: int | None, *, complete: bool):
+def _parse_npy_header(
+    raw: bytes, max_elements: int | None, *, complete: bool, descr: re.Pattern = _INT_DESCR
+):
     """(shape, fortran, dtype, count, data offset) of ``.npy`` bytes; ``complete``: ``raw`` is the
     whole file, so its length must match the header.
 
@@ -161,7 +219,7 @@ def _parse_npy_header(raw: bytes, max_elements: int | None, *, complete: bool):
         raise ValueError(f"malformed .npy data: {len(shape)} dims (at most {_NPY_MAX_NDIM} are read)")
     if type(fortran) is not bool:
         raise ValueError(f"malformed .npy data: fortran_order must be True or False, got {fortran!r}")
-    dtype = _npy_dtype(header["descr"])
+    dtype = _npy_dtype(header["descr"], descr)
     count = check_size(shape, dtype.itemsize, max_elements)
     size = count * dtype.itemsize
     if complete and len(raw) - offset != size:
@@ -170,6 +228,24 @@ def _parse_npy_header(raw: bytes, max_elements: int | None, *, complete: bool):
             f"got {len(raw) - offset}"
         )
     return shape, fortran, dtype, count, offset
+
+
+def encode_weights(weights: np.ndarray, dtype: str) -> str:
+    if weights.ndim > _NPY_MAX_NDIM:
+        raise ValueError(f"weights must have at most {_NPY_MAX_NDIM} dims, got {weights.ndim}")
+    if dtype == "float32":  # vLLM's routed_expert_weights: '<f4', float16 widened exactly
+        return _npy_text(np.asarray(weights, dtype=np.dtype("<f4")))
+    return _npy_text(bfloat16_bits(weights).astype("<u2", copy=False))
+
+
+def decode_weights(s, *, num_layers, top_k, max_elements) -> np.ndarray:
+    raw, shape, fortran, file_dtype, count, offset = _read_npy(s, max_elements, _WEIGHT_DESCR)
+    check_declared("the .npy weights", shape, file_dtype, num_layers, top_k, None)
+    flat = np.frombuffer(raw, dtype=file_dtype, count=count, offset=offset)
+    array = flat.reshape(shape, order="F" if fortran else "C")
+    if file_dtype.kind == "u":  # bfloat16 bits: each the top half of a float32
+        return np.ascontiguousarray(from_bfloat16_bits(array.astype(np.uint16)))
+    return array.astype(np.float32, order="C", copy=True)
 
 
 FORMAT = WireFormat(
@@ -182,4 +258,6 @@ FORMAT = WireFormat(
     magic="k05VTVBZ",
     encode=encode,
     decode=decode,
+    # vLLM's routed_expert_weights (float32 .npy) and moe-ops' own (bfloat16 bits as uint16 .npy)
+    weights=WeightsCodec(dtypes=("float32", "bfloat16"), encode=encode_weights, decode=decode_weights),
 )

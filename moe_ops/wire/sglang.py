@@ -112,4 +112,9 @@ FORMAT = WireFormat(
     magic=None,
     encode=encode,
     decode=decode,
+    no_weights=(
+        "format='sglang' has no place for routing weights: SGLang's meta_info['routed_experts'] is bare "
+        "ids with no header, and SGLang returns no weights field; send them as format='npy' (dtype="
+        "'bfloat16', 2 bytes an entry) in a field of your own"
+    ),
 )

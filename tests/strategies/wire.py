@@ -13,6 +13,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 __all__ = [
+    "BF16_EDGE_BITS",
     "NEMO_RL_DTYPE_TEXTS",
     "NEMO_RL_NAMES",
     "NEMO_RL_NP_DTYPES",
@@ -28,6 +29,7 @@ __all__ = [
     "npy_payloads",
     "raw_routing_payloads",
     "routing_arrays",
+    "weight_arrays",
 ]
 
 
@@ -288,3 +290,42 @@ def nemo_rl_hostile_envelopes(draw) -> str:
         payload = payload[:at] + junk + payload[at:]
     colons = draw(st.sampled_from([":"] * 8 + ["", "::"]))
     return f"{magic}:{name}:{sep.join(sizes)}{colons}{payload}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Routing weights on the wire
+# ---------------------------------------------------------------------------------------------------
+
+# float32 bit patterns where rounding to bfloat16 is decided: exact ties with an even and an odd kept
+# half, one ulp either side of a tie, the largest finite value (rounds to inf), the largest that
+# does not, subnormals, -0.0, +-inf, quiet and signalling NaNs of either sign (a signalling NaN whose
+# payload sits in the low 16 bits only would round to inf if it were rounded as a number)
+BF16_EDGE_BITS = (
+    0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x3F818001, 0x3F817FFF,
+    0x7F7FFFFF, 0x7F7F7FFF, 0x7F7F8000, 0xFF7FFFFF, 0x00000001, 0x00008000, 0x00018000, 0x807FFFFF,
+    0x80000000, 0x00000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 0xFF80FFFF,
+    0x3DCCCCCD, 0x3E4CCCCD,
+)  # fmt: skip
+
+
+@st.composite
+def weight_arrays(draw, max_rows: int = 6, dtypes=(np.float16, np.float32)) -> np.ndarray:
+    """(n, num_layers, top_k) float16 / float32 weights, in native or big-endian byte order and C or
+    Fortran order: drawn as raw bit patterns (NaNs of any payload, +-inf, subnormals, -0.0) mixed
+    with :data:`BF16_EDGE_BITS` (float32) and softmax-like values in [0, 1]."""
+    dtype = np.dtype(draw(st.sampled_from(dtypes)))
+    shape = (draw(st.integers(0, max_rows)), draw(st.integers(1, 4)), draw(st.integers(1, 4)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    bits = np.dtype(f"u{dtype.itemsize}")
+    out = rng.integers(0, 2 ** (8 * dtype.itemsize), size=shape, dtype=np.uint64).astype(bits).view(dtype)
+    mix = rng.random(shape)
+    out[mix < 0.3] = rng.random(shape).astype(dtype)[mix < 0.3]
+    if dtype == np.float32:
+        edges = np.array(BF16_EDGE_BITS, np.uint32).view(np.float32)
+        pick = mix > 0.7
+        out[pick] = edges[rng.integers(0, edges.size, size=shape)][pick]
+    if draw(st.booleans()):
+        out = out.astype(dtype.newbyteorder(">"))
+    if draw(st.booleans()):
+        out = np.asfortranarray(out)
+    return out
