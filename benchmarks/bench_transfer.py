@@ -3,7 +3,7 @@
 Each number is a ratio against a floor or peer measured in the same run:
 
 - bytes per step of 8192 tokens x 61 layers x 8 ids: int32 vs the narrow dtype (uint8 for 256
-  experts); with the weights channel on (``--weights``, default on: a float16 channel beside the
+  experts); with the weights channel on (always measured: a float16 channel beside the
   ids in the ring, bfloat16 on moe-ops' wire, float32 in vLLM's ``routed_expert_weights``), the
   bytes of ids + weights per step on the ring and on each wire.
 - D2H with the weights channel (CUDA): the snapshot pipeline carrying narrow ids + float16 weights
