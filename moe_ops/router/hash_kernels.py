@@ -13,7 +13,7 @@ bias and groups play no part. A faulty row (a token id outside ``[0, vocab)`` or
 ``[0, num_experts)``; :mod:`moe_ops.router._hash`) gets ids ``-1`` and weights ``0`` and is counted
 in ``faults`` ([faulty rows, OR of HASH_FAULT_* bits]); nothing is read at a bad address. With a
 capture destination the ids (``-1`` on faulty rows: "no record, route live" for replay) are recorded
-exactly as ``capture_routing`` would record them.
+exactly as ``capture_routing`` would record them (its FAULT_BAD_ID count of the -1 ids included).
 
 Why a kernel of its own rather than a HASH branch in the router kernel: the router kernel holds a
 ``(BLOCK_M, NG_PAD, G_PAD)`` tile of every logit for its selection rounds; a hash row needs its
@@ -61,7 +61,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ..capture.kernels import record_faults, record_stamp
+    from ..capture.kernels import record_bad_ids, record_faults, record_stamp
     from ..capture.window import rows_window
     from ._hash import hash_ids
     from ._weights import N_METHODS, chosen_weights, gathered_row_softmax
@@ -173,6 +173,9 @@ if HAS_TRITON:
             dst = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + (rows64 - start) * stride_bm
             dst += kcol * stride_bk
             tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mine & k_ok)
+            # a faulty row's -1 ids count as the capture op counts a negative id (FAULT_BAD_ID):
+            # the fused record equals routing, then capture_routing, fault bits included
+            record_bad_ids(errors_ptr, mine & k_ok & (ids < 0))
         # Last: one atomic pair per program that saw a faulty row (column 0 counts the rows).
         n_faulty = tl.sum(tl.where((kcol == 0) & row_ok, faulty, False).to(tl.int32))
         if n_faulty > 0:
