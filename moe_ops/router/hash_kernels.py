@@ -61,10 +61,13 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ..capture.kernels import record_bad_ids, record_faults, record_stamp
+    from ..capture.errors import FAULT_BAD_ID, FAULT_SLOT
+    from ..capture.kernels import record_faults, record_stamp
     from ..capture.window import rows_window
     from ._hash import hash_ids
     from ._weights import N_METHODS, chosen_weights, gathered_row_softmax
+
+    _BAD_ID_SLOT = tl.constexpr(FAULT_SLOT[FAULT_BAD_ID])
 
     # As the router: nothing that changes per step or per layer is a specialisation key.
     @triton.jit(
@@ -174,8 +177,13 @@ if HAS_TRITON:
             dst += kcol * stride_bk
             tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mine & k_ok)
             # a faulty row's -1 ids count as the capture op counts a negative id (FAULT_BAD_ID):
-            # the fused record equals routing, then capture_routing, fault bits included
-            record_bad_ids(errors_ptr, mine & k_ok & (ids < 0))
+            # the fused record equals routing, then capture_routing, fault bits included. One
+            # atomic under a branch, not capture's masked per-id atomic: an address or mask that
+            # depends on the table's values makes torch's mutation analysis of the traced kernel
+            # report the table and the token ids as written (inductor would clone them per call)
+            n_bad_ids = tl.sum(tl.sum((mine & k_ok & faulty).to(tl.int32), axis=1), axis=0)
+            if n_bad_ids > 0:
+                tl.atomic_add(errors_ptr + _BAD_ID_SLOT, n_bad_ids)
         # Last: one atomic pair per program that saw a faulty row (column 0 counts the rows).
         n_faulty = tl.sum(tl.where((kcol == 0) & row_ok, faulty, False).to(tl.int32))
         if n_faulty > 0:
