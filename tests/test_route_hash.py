@@ -440,3 +440,54 @@ def test_table_on_another_device_is_refused():
     meta = torch.zeros(5, 2, dtype=torch.int64, device="meta")
     with pytest.raises(ValueError, match="hash_table must be on router_logits' device cpu"):
         route(torch.randn(3, 4), 2, hash_table=meta, token_ids=torch.zeros(3, dtype=torch.int64))
+
+
+class _Rows:
+    """A replayer holding one layer's recorded rows (the ``layer_ids`` protocol of
+    ``replaying_forward``; moe_ops.RoutingReplayer is one)."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def layer_ids(self, layer: int, n: int) -> torch.Tensor:
+        return self.rows[:n]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_replay_rule_of_transformers_hash_router(backend):
+    """ReplayRule(hash_table_attr="tid2eid", token_ids_arg=1) around transformers' own
+    DeepseekV4HashRouter: recorded rows forced, a -1 row keeps the model's output, a faulty record
+    takes the table's ids (not a top-k of the logits), weights by the model's formula."""
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter
+
+    from moe_ops.replay.attach import ReplayRule, replaying_forward
+
+    backend, device = backend
+    _skip_unavailable(backend, device)
+    config = DeepseekV4Config(
+        vocab_size=20, hidden_size=8, num_local_experts=6, num_experts_per_tok=2, scoring_func="sigmoid",
+        routed_scaling_factor=1.5,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    router = DeepseekV4HashRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        router.tid2eid.copy_(torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(20)]))
+    hidden = torch.randn(1, 4, 8, generator=g)
+    input_ids = torch.tensor([[5, 9, 5, 13]])
+    with torch.no_grad():
+        logits, hf_w, hf_ids = router(hidden, input_ids)
+    recorded = torch.tensor([[4, 1], [-1, -1], [2, 2], [0, 3]])  # row 2: an expert twice (faulty)
+    rule = ReplayRule(M.DEEPSEEK_V3, routed_scaling_factor=1.5, hash_table_attr="tid2eid", token_ids_arg=1)
+    check_replay_errors(device, raise_error=False)
+    forward = replaying_forward(router.forward, _Rows(recorded), 0, rule, router, backend=backend)
+    with torch.no_grad():
+        _, w, ids = forward(hidden, input_ids)
+    table_row = router.tid2eid[13].tolist()
+    assert ids.tolist() == [[4, 1], hf_ids[1].tolist(), hf_ids[2].tolist(), [0, 3]]
+    assert ids[2].tolist() == router.tid2eid[5].tolist() and ids[3].tolist() != table_row
+    torch.testing.assert_close(w[1:3], hf_w[1:3])  # the model's own rows (-1, and the table's ids)
+    s = torch.sigmoid(logits[[0, 3]].gather(1, torch.tensor([[4, 1], [0, 3]])))
+    torch.testing.assert_close(w[[0, 3]], s / (s.sum(-1, keepdim=True) + 1e-20) * 1.5)
+    assert check_replay_errors(device, raise_error=False) == 1  # the faulty record
