@@ -491,3 +491,59 @@ def test_replay_rule_of_transformers_hash_router(backend):
     s = torch.sigmoid(logits[[0, 3]].gather(1, torch.tensor([[4, 1], [0, 3]])))
     torch.testing.assert_close(w[[0, 3]], s / (s.sum(-1, keepdim=True) + 1e-20) * 1.5)
     assert check_replay_errors(device, raise_error=False) == 1  # the faulty record
+
+
+@pytest.mark.gpu
+def test_route_hash_in_a_cuda_graph(cuda_device):
+    """A captured hashed route with fused capture, replayed after the token ids and the logits
+    changed in place: the graph's ids, weights, buffer and fault count follow the new values."""
+    logits, table, tokens = _replay_case(cuda_device)
+    buffer = torch.full((6, 1, 2), POISON, dtype=torch.int32, device=cuda_device)
+    counts = torch.tensor([6], dtype=torch.int32, device=cuda_device)
+    target = CaptureTarget(buffer, 0, token_counts=counts, dp_rank=0, layout=BatchLayout.LOCAL)
+
+    def step():
+        return route(logits, 2, M.SIGMOID_RENORM, hash_table=table, token_ids=tokens, capture=target)
+
+    step()  # warm-up: compiles the kernel, allocates the counters
+    check_hash_errors(cuda_device, raise_error=False)
+    moe_ops.check_capture_errors(cuda_device, raise_error=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w, ids = step()
+    tokens.copy_(torch.tensor([4, 4, 0, 9, 1, 2], device=cuda_device))  # row 3 now faulty, row 4 not
+    logits.mul_(2.0)
+    graph.replay()
+    ref_w, ref_ids = hash_route_reference(logits.double(), table, tokens, M.SIGMOID_RENORM)
+    assert torch.equal(ids.long(), ref_ids) and torch.equal(buffer[:, 0].long(), ref_ids)
+    torch.testing.assert_close(w, ref_w.float(), rtol=1e-5, atol=1e-6)
+    assert check_hash_errors(cuda_device, raise_error=False) == 1
+    moe_ops.check_capture_errors(cuda_device, raise_error=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", list(RoutingMethod))
+def test_replay_with_hash_table_triton_equals_twin_gpu(cuda_device, method):
+    """On CUDA, replay_routing with a table (recorded, -1, faulty-record and unroutable rows): the
+    Triton kernels' ids, weights and float32 gradients against the twins'."""
+    k = METHODS[method].top_k or 2
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 32, generator=g).to(cuda_device)
+    table = torch.stack([torch.randperm(32, generator=g)[:k] for _ in range(50)]).to(cuda_device)
+    tokens = torch.randint(0, 52, (64,), generator=g).to(cuda_device)  # 50, 51: unroutable
+    recorded = torch.full((64, k), -1, dtype=torch.int32)
+    recorded[::3] = torch.stack([torch.randperm(32, generator=g)[:k] for _ in range(22)]).int()
+    recorded[1::7, 0] = 40  # faulty
+    recorded = recorded.to(cuda_device)
+    kw = dict(routed_scaling_factor=2.5) if METHODS[method].scaled else {}
+    results = []
+    for backend in ("triton", "torch"):
+        xb = x.clone().requires_grad_()
+        w, ids = replay_routing(xb, recorded, method, hash_table=table, token_ids=tokens, backend=backend, **kw)
+        (w * torch.linspace(-1, 1, w.numel(), device=cuda_device).view_as(w)).sum().backward()
+        results.append((w.detach(), ids, xb.grad))
+    (tw, tids, tgrad), (rw, rids, rgrad) = results
+    assert torch.equal(tids, rids)
+    torch.testing.assert_close(tw, rw, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tgrad, rgrad, rtol=1e-5, atol=1e-6)
+    check_replay_errors(cuda_device, raise_error=False)
