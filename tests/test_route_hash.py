@@ -539,7 +539,8 @@ def test_replay_with_hash_table_triton_equals_twin_gpu(cuda_device, method):
     results = []
     for backend in ("triton", "torch"):
         xb = x.clone().requires_grad_()
-        w, ids = replay_routing(xb, recorded, method, hash_table=table, token_ids=tokens, backend=backend, **kw)
+        hashed = dict(hash_table=table, token_ids=tokens, backend=backend, **kw)
+        w, ids = replay_routing(xb, recorded, method, **hashed)
         (w * torch.linspace(-1, 1, w.numel(), device=cuda_device).view_as(w)).sum().backward()
         results.append((w.detach(), ids, xb.grad))
     (tw, tids, tgrad), (rw, rids, rgrad) = results
