@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from moe_ops.router.methods import UNNORMALIZED_METHODS, RoutingMethod
+from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS, RoutingMethod
 
 pytest.importorskip("triton")
 
@@ -62,8 +62,13 @@ for ft in ("fp64", "fp32"):
                    ids_ptr="*i32", errors_ptr="*i32", row_count_ptr="*i32", scale="fp64")
         # CHECK_ROWS on: the replayer's row-count check (loaded first, branched on last) compiles too
         ce = dict(METHOD=int(m), UNNORM=unnorm, HAS_BIAS=biased, GROUPED=grouped, BLOCK_M=2,
-                  NG_PAD=4 if grouped else 1, G_PAD=8 if grouped else 32, K_PAD=k_pad, CHECK_ROWS=True)
+                  NG_PAD=4 if grouped else 1, G_PAD=8 if grouped else 32, K_PAD=k_pad, CHECK_ROWS=True,
+                  HASH=False)
         build(f"forward {ft} {name}", _replay_kernel, fwd, ce, 4)
+        if not grouped and not unnorm:
+            # a hash layer's table lookup in the live rows (HASH), an int64 table and token ids
+            hashed = dict(fwd, table_ptr="*i64", tok_ptr="*i64")
+            build(f"hash-forward {ft}:{name}", _replay_kernel, hashed, dict(ce, HASH=True), 4)
         bwd = dict(grad_w_ptr="*" + ft, logits_ptr="*" + ft, weights_ptr="*" + ft, ids_ptr="*i32",
                    grad_ptr="*" + ft, scale="fp64")
         ce = dict(num_experts=32, top_k=k_pad, METHOD=int(m), UNNORM=unnorm, BLOCK_M=2, E_PAD=32,
@@ -76,6 +81,14 @@ ce = dict(METHOD=int(M.SIGMOID_RENORM), UNNORM=False, HAS_BIAS=False, GROUPED=Fa
           BLOCK_M=1,
           NG_PAD=1, G_PAD=32, K_PAD=4, S_PAD=1, HAS_OFFSET=False, STAMP=False)
 build("route fp32 SIGMOID_RENORM", _route_kernel, ptrs, ce, 1)
+from moe_ops.router.hash_kernels import _route_hash_kernel
+hash_ptrs = dict(logits_ptr="*fp32", table_ptr="*i64", tok_ptr="*i32", weights_ptr="*fp32", scale="fp32",
+                 **{n: "*i32" for n in ("ids_ptr", "faults_ptr", "buf_ptr", "counts_ptr", "sizes_ptr",
+                                        "errors_ptr", "stamps_ptr", "step_ptr")})
+for m in M:
+    ce = dict(METHOD=int(m), UNNORM=False, CAPTURE=True, BLOCK_M=2, E_PAD=32, K_PAD=METHODS[m].top_k or 4,
+              S_PAD=1, HAS_OFFSET=False, STAMP=True)
+    build(f"hash-route fp32:{m.name}", _route_hash_kernel, hash_ptrs, ce, 4)
 print(json.dumps(out))
 """
 
@@ -103,6 +116,17 @@ def test_float64_replay_kernels_compile_for_sm90_every_method(compiled):
     # only converted)
     assert all(v["f64_math"] for v in cases.values()), {k: v for k, v in cases.items() if not v["f64_math"]}
     assert not any(compiled[f"{p} fp32 SIGMOID_RENORM"]["f64_math"] for p in ("forward", "backward"))
+
+
+def test_hash_kernels_compile_for_sm90_every_method(compiled):
+    """The hash router kernel (every method, fused capture) and the replay forward's HASH branch
+    (float64 and float32, every method without groups) compile to a cubin."""
+    route = {k: v for k, v in compiled.items() if k.startswith("hash-route")}
+    assert len(route) == len(RoutingMethod)
+    replay = {k: v for k, v in compiled.items() if k.startswith("hash-forward")}
+    assert len(replay) == sum(1 for m in RoutingMethod if not METHODS[m].groups) + 1  # + fp32 SIGMOID_RENORM
+    failed = {k: v for k, v in {**route, **replay}.items() if not isinstance(v, dict) or v["cubin"] == 0}
+    assert not failed, failed
 
 
 def test_sigmoid_renorm_max_keeps_nan_in_machine_code(compiled):

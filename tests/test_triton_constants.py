@@ -78,17 +78,31 @@ for (method, unnorm), capture, const in itertools.product(variants, (True, False
               HAS_OFFSET=True, STAMP=True)
     build(f"route {method.name} unnorm={unnorm} capture={capture} constants={const}", _route_kernel,
           route_ptrs, sc, ce, const)
+from moe_ops.router.hash_kernels import _route_hash_kernel
+hash_ptrs = dict(logits_ptr="*fp32", table_ptr="*i64", tok_ptr="*i64", weights_ptr="*fp32",
+    ids_ptr="*i32", faults_ptr="*i32", buf_ptr="*i32", counts_ptr="*i32", sizes_ptr="*i32",
+    errors_ptr="*i32", stamps_ptr="*i32", step_ptr="*i32")
+hash_scalars = dict(n_tokens=10, num_experts=32, vocab=100, top_k=4, scale=2.5, stride_lm=32,
+    stride_le=1, stride_hv=4, stride_hk=1, stride_t=1, stride_wm=4, stride_wk=1, stride_im=4,
+    stride_ik=1, n_dst=8, layer_id=1, dp_rank=1, n_first=2, stride_bm=12, stride_bl=4, stride_bk=1,
+    stride_c=1, stride_s=1)
+for method, capture, const in itertools.product(
+        (RoutingMethod.DEEPSEEK_V3, RoutingMethod.DEFAULT), (True, False), (True, False)):
+    ce = dict(METHOD=int(method), UNNORM=False, CAPTURE=capture, BLOCK_M=2, E_PAD=32, K_PAD=4, S_PAD=4,
+              HAS_OFFSET=True, STAMP=True)
+    build(f"hash {method.name} capture={capture} constants={const}", _route_hash_kernel, hash_ptrs,
+          hash_scalars, ce, const)
 # what the compile caches' keys hash for each traced op: its kernels' source, helpers included
 import moe_ops  # noqa: F401,E402 - registers the ops
 from torch._library.triton import get_triton_kernels_for_op
 from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
 cache_sources = {}
-for op in ("capture_routing_", "route_", "route_capture_"):
+for op in ("capture_routing_", "route_", "route_capture_", "route_hash_", "route_hash_capture_"):
     found = get_triton_kernels_for_op(f"moe_ops::{op}")
     source = "".join(user_defined_triton_kernel_transitive_closure_source_code(k) for k in found)
     cache_sources[op] = dict(kernels=[k.fn.__name__ for k in found],
                              helpers=[h for h in ("rows_window", "record_faults", "checked_ids",
-                                                  "topk_rounds") if f"def {h}(" in source])
+                                                  "topk_rounds", "hash_ids") if f"def {h}(" in source])
 print(json.dumps({"compiled": results, "written": written, "cache": cache_sources}))
 """
 
@@ -160,4 +174,28 @@ def test_traced_ops_register_their_kernels_for_the_compile_cache_keys(ttir_resul
     for op in ("route_", "route_capture_"):
         assert cache[op] == dict(
             kernels=["_route_kernel"], helpers=["rows_window", "record_faults", "topk_rounds"]
+        )
+
+
+def test_hash_kernel_compiles_with_constant_scalars_and_writes_only_its_outputs(compiled, written):
+    """The hash router kernel: with and without capture, scalars as constants or not; it writes
+    the weights, the ids and the hash fault counter (and, capturing, the capture's buffer, counter
+    and stamps), never the table, the token ids or the logits."""
+    cases = {k: v for k, v in compiled.items() if k.startswith("hash ")}
+    assert len(cases) == 8
+    failed = {k: v for k, v in cases.items() if v is not True}
+    assert not failed, failed
+    expected = {
+        True: ["buf_ptr", "errors_ptr", "faults_ptr", "ids_ptr", "stamps_ptr", "weights_ptr"],
+        False: ["faults_ptr", "ids_ptr", "weights_ptr"],
+    }
+    wrong = {k: v for k, v in written.items() if k.startswith("hash ") and v != expected["capture=True" in k]}
+    assert not wrong, wrong
+
+
+def test_hash_ops_register_their_kernel_for_the_compile_cache_keys(ttir_results):
+    cache = ttir_results["cache"]
+    for op in ("route_hash_", "route_hash_capture_"):
+        assert cache[op] == dict(
+            kernels=["_route_hash_kernel"], helpers=["rows_window", "record_faults", "hash_ids"]
         )

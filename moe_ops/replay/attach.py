@@ -71,6 +71,12 @@ class ReplayRule:
     capture_kwarg: str | None = None
     # the architecture's weight rule in words (docs, handle.rules, error messages)
     description: str = ""
+    # a hash layer (docs/routing.md, "Hash routing"): the attribute of the router module holding
+    # its (vocab, top_k) token-id table, read at every call (DeepseekV4HashRouter: "tid2eid"), and
+    # the position of the router's forward argument carrying the token ids (its input_ids: 1),
+    # flattened; rows without a usable record take the table's ids. None: not a hash layer
+    hash_table_attr: str | None = None
+    token_ids_arg: int | None = None
 
 
 def replay_router_output(
@@ -83,6 +89,8 @@ def replay_router_output(
     bias: torch.Tensor | None = None,
     backend: str = "auto",
     row_count: torch.Tensor | None = None,
+    hash_table: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The replayed ``(weights, ids)`` of one router call.
 
@@ -98,6 +106,8 @@ def replay_router_output(
         backend: ``replay_routing``'s backend.
         row_count: ``replay_routing``'s ``row_count`` (the replayer's; its check fused into the
             forward kernel), or None.
+        hash_table, token_ids: a hash layer's table and token ids (``replay_routing``'s): a faulty
+            row takes the table's ids instead of the method's live routing.
 
     Returns:
         weights: (n, k) ``live_weights.dtype`` - the rule's weights at the recorded ids; on a row of
@@ -131,6 +141,8 @@ def replay_router_output(
         renormalize=rule.renormalize,
         backend=backend,
         row_count=row_count,
+        hash_table=hash_table,
+        token_ids=token_ids,
     )
     if rule.weights_fn is not None:
         weights = rule.weights_fn(router_logits, ids.to(torch.int64))
@@ -233,6 +245,18 @@ def replaying_forward(
         current = rule if isinstance(rule, ReplayRule) else rule(module)
         logits = output[logits_at]
         bias = getattr(module, current.bias_attr) if current.bias_attr is not None else None
+        hashed = {}
+        if current.hash_table_attr is not None:
+            if current.token_ids_arg is None or current.token_ids_arg >= len(args):
+                raise ValueError(
+                    f"{where} is a hash layer (ReplayRule.hash_table_attr={current.hash_table_attr!r}) "
+                    f"but its call has no token ids at argument {current.token_ids_arg!r} "
+                    "(ReplayRule.token_ids_arg)"
+                )
+            hashed = dict(
+                hash_table=getattr(module, current.hash_table_attr),
+                token_ids=args[current.token_ids_arg].reshape(-1),
+            )
         weights, ids = replay_router_output(
             logits.reshape(n, logits.shape[-1]),
             output[weights_at],
@@ -242,6 +266,7 @@ def replaying_forward(
             bias=bias,
             backend=backend,
             row_count=row_count,
+            **hashed,
         )
         if capture is not None:
             capture_into(capture, ids)

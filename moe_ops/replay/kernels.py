@@ -21,6 +21,12 @@ Forward contract (both). A row of ``recorded_ids`` is
   ``errors[1] |=`` its :data:`REPLAY_FAULT_OUT_OF_RANGE` / :data:`REPLAY_FAULT_REPEATED` bits. A
   faulty id is never used as an address.
 
+With a hash table (``hash_table``, ``token_ids``: a hash layer), "routed live" means the table's ids,
+``hash_table[token_ids[t]]``, as ``moe_ops.route`` gives them; a live or faulty row whose token id or
+table entry is out of range gets ids ``-1`` and weights ``0`` and is counted once with
+:data:`REPLAY_FAULT_HASH` (:mod:`moe_ops.router._hash`). The backward gives such a row a zero
+gradient (no ``-1`` is ever an address).
+
 ``weights[t]`` is the method's weight rule evaluated at ``ids[t]`` from the live logits, gathered
 from the dense scores (:func:`replay_weights`). The backward writes the whole dense gradient row:
 zero for experts outside ``ids[t]`` except for DEFAULT, whose full softmax couples every expert.
@@ -52,11 +58,13 @@ from .._runtime.faults import cpu_counter_lock
 from .._runtime.library import identity
 from .._runtime.triton import HAS_TRITON, interpreting, next_power_of_2
 from ..capture.kernels import size_hint
+from ..router._hash import hash_ids_torch
 from ..router.kernels import launch_config, tile_shape
 from ..router.methods import METHODS, RoutingMethod
 from ..router.reference import rule_gradient, rule_weights, select_experts, selection_keys
 
 __all__ = [
+    "REPLAY_FAULT_HASH",
     "REPLAY_FAULT_OUT_OF_RANGE",
     "REPLAY_FAULT_REPEATED",
     "REPLAY_FAULT_ROW_COUNT",
@@ -75,6 +83,9 @@ REPLAY_FAULT_REPEATED = 2  # an id twice in one row
 # a router read a different number of rows than the replayer's batch holds (RoutingReplayer's
 # device-side check, in compiled and CUDA-graphed steps); counted per router call, not per row
 REPLAY_FAULT_ROW_COUNT = 4
+# a hash layer's row that needed the table (live or faulty record) had a token id outside
+# [0, vocab) or a table entry outside [0, num_experts): ids -1, weights 0 (moe_ops.router._hash)
+REPLAY_FAULT_HASH = 8
 
 # Backward tile: 1024 logits per program, 4 warps. The output tile's layout gives each thread 8
 # contiguous experts of one row (one 16-byte bf16 store), so 1024 logits are one row per thread:
@@ -159,6 +170,8 @@ def replay_rows_torch(
     routed_scaling_factor: float,
     row_count: torch.Tensor | None = None,
     unnormalized: bool = False,
+    hash_table: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> None:
     """PyTorch twin of :func:`replay_rows_triton`: same arguments, same writes, same fault record.
 
@@ -171,6 +184,9 @@ def replay_rows_torch(
     unnormalized: the method's renormalize=False weight rule (``RouteConfig.unnormalized``)
     row_count: (1,) int32 or None - the rows the recorded batch holds (a ``RoutingReplayer``'s
         ``row_count``); when it is not ``n``, one faulty call with :data:`REPLAY_FAULT_ROW_COUNT`
+    hash_table: (vocab, k) integer or None - a hash layer's table: live and faulty rows take
+        ``hash_table[token_ids]`` (module doc)
+    token_ids: (n,) integer or None - each row's token id (with ``hash_table``)
 
     Live ids are :func:`moe_ops.router.reference.select_experts` of every row in the compute dtype
     (the route twin's rule, so equal to ``route(backend="torch")`` bit for bit), used where needed.
@@ -183,14 +199,23 @@ def replay_rows_torch(
     rec = recorded_ids.to(torch.int64)
     live, out_of_range, repeated = _classify(rec, num_experts)
     faulty = out_of_range | repeated
-    live_ids = select_experts(selection_keys(x, method, bias), k, n_group, topk_group)
+    if hash_table is None:
+        live_ids = select_experts(selection_keys(x, method, bias), k, n_group, topk_group)
+        hash_bad = torch.zeros_like(live)
+    else:
+        live_ids, table_bad, _ = hash_ids_torch(hash_table, token_ids, num_experts)
+        hash_bad = table_bad & (live | faulty)
     final = torch.where((live | faulty)[:, None], live_ids, rec)
-    weights.copy_(replay_weights(x, final, method, routed_scaling_factor, unnormalized))
+    # a bad hash row's -1 ids are never an address: row 0's experts stand in, weighed 0
+    safe = torch.where(hash_bad[:, None], 0, final)
+    w = replay_weights(x, safe, method, routed_scaling_factor, unnormalized)
+    weights.copy_(torch.where(hash_bad[:, None], 0.0, w))
     ids.copy_(final)
     flags = torch.where(out_of_range.any(), REPLAY_FAULT_OUT_OF_RANGE, 0) | torch.where(
         repeated.any(), REPLAY_FAULT_REPEATED, 0
     )
-    count = faulty.sum()
+    flags = flags | torch.where(hash_bad.any(), REPLAY_FAULT_HASH, 0)
+    count = (faulty | hash_bad).sum()
     if row_count is not None:
         wrong_rows = (row_count[0] != router_logits.shape[0]).to(count.dtype)
         count = count + wrong_rows
@@ -228,20 +253,24 @@ def replay_backward_torch(
     grad_weights: (n, k) float - gradient of the loss w.r.t. the forward's weights (any strides)
     router_logits: (n, E) float - the forward's logits
     weights: (n, k) float32, or float64 for float64 logits - the forward's weights; the compute dtype
-    ids: (n, k) int32 - the forward's ids (distinct, in range)
-    grad_logits: (n, E) router_logits' dtype - written, every element
+    ids: (n, k) int32 - the forward's ids (distinct, in range; a bad hash row's all -1)
+    grad_logits: (n, E) router_logits' dtype - written, every element (0 on a row of -1 ids)
     """
     dtype = weights.dtype
     g = grad_weights.to(dtype)
     x = router_logits.to(dtype)
     _, rule = METHODS[RoutingMethod(method)].computed(unnormalized)
-    grad_logits.copy_(rule_gradient(g, weights, x, ids.long(), rule, routed_scaling_factor))
+    ids = ids.long()
+    dead = (ids < 0).any(1, keepdim=True)  # a bad hash row (forward: ids -1, weights 0)
+    grad = rule_gradient(g, weights, x, torch.where(dead, 0, ids), rule, routed_scaling_factor)
+    grad_logits.copy_(torch.where(dead, 0.0, grad))
 
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from ..router._hash import hash_ids
     from ..router._select import keep_groups, ordered_keys, topk_rounds
     from ..router._weights import (
         N_METHODS,
@@ -257,6 +286,7 @@ if HAS_TRITON:
     _OUT_OF_RANGE = tl.constexpr(REPLAY_FAULT_OUT_OF_RANGE)
     _REPEATED = tl.constexpr(REPLAY_FAULT_REPEATED)
     _ROW_COUNT = tl.constexpr(REPLAY_FAULT_ROW_COUNT)
+    _HASH = tl.constexpr(REPLAY_FAULT_HASH)
 
     # The live routing below runs the router's own selection helpers (moe_ops.router._select) and
     # both paths the router's weight helpers (moe_ops.router._weights), so a live row's ids equal
@@ -342,6 +372,9 @@ if HAS_TRITON:
             "stride_rk",
             "stride_wm",
             "stride_im",
+            "vocab",
+            "stride_hv",
+            "stride_t",
         ]
     )
     def _replay_kernel(
@@ -352,6 +385,8 @@ if HAS_TRITON:
         ids_ptr,
         errors_ptr,
         row_count_ptr,
+        table_ptr,
+        tok_ptr,
         n_tokens,
         group_size,
         n_group,
@@ -366,6 +401,10 @@ if HAS_TRITON:
         stride_wk,
         stride_im,
         stride_ik,
+        vocab,
+        stride_hv,
+        stride_hk,
+        stride_t,
         METHOD: tl.constexpr,
         UNNORM: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -375,6 +414,7 @@ if HAS_TRITON:
         G_PAD: tl.constexpr,
         K_PAD: tl.constexpr,
         CHECK_ROWS: tl.constexpr,
+        HASH: tl.constexpr,
     ):
         # The recorded rows' path works in the layout of one (BLOCK_M, K_PAD) tile: every per-row
         # value is a keep_dims reduction of it broadcast over the columns, so the path has one load
@@ -434,19 +474,39 @@ if HAS_TRITON:
         # Live rows, only where a block holds one: the full row, the keys and the top-k rounds are
         # skipped for fully recorded blocks (the common case of a replay).
         if tl.max(need_live.to(tl.int32)) > 0:
-            live_rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-            live_ids = _live_topk(
-                logits_ptr, bias_ptr, live_rows.to(tl.int64) * stride_lm, live_rows < n_tokens,
-                group_size, n_group, topk_group, stride_le,
-                METHOD, HAS_BIAS, GROUPED, BLOCK_M, NG_PAD, G_PAD, K_PAD, COMPUTE,
-            )  # fmt: skip
-            live_ok = need_live & k_ok
-            lw = _gathered_weights(
-                logits_ptr, row_off, live_ids, live_ok, need_live, group_size, n_group, scale_c,
-                stride_le, RULES, NG_PAD, G_PAD, COMPUTE,
-            )  # fmt: skip
-            tl.store(w_dst, lw, mask=live_ok)
-            tl.store(ids_dst, live_ids, mask=live_ok)
+            if HASH:
+                # a hash layer: the table's ids (moe_ops.router._hash), in the recorded tile's
+                # layout; a bad row gets ids -1 and weights 0 and is counted once
+                live_ids, hash_bad, _ = hash_ids(
+                    table_ptr, tok_ptr, rows64, need_live, kcol, k_ok, vocab, num_experts,
+                    stride_t, stride_hv, stride_hk,
+                )  # fmt: skip
+                live_ok = need_live & k_ok & ~hash_bad
+                lw = _gathered_weights(
+                    logits_ptr, row_off, live_ids, live_ok, need_live & ~hash_bad, group_size, n_group,
+                    scale_c, stride_le, RULES, NG_PAD, G_PAD, COMPUTE,
+                )  # fmt: skip
+                tl.store(w_dst, tl.where(live_ok, lw, 0.0), mask=need_live & k_ok)
+                tl.store(ids_dst, live_ids, mask=need_live & k_ok)
+                if tl.max(hash_bad.to(tl.int32)) > 0:
+                    # rows a faulty record already counts are not counted again
+                    n_hash = tl.sum(tl.where((kcol == 0) & ~faulty, hash_bad, False).to(tl.int32))
+                    tl.atomic_add(errors_ptr, n_hash)
+                    tl.atomic_or(errors_ptr + 1, _HASH)
+            else:
+                live_rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+                live_ids = _live_topk(
+                    logits_ptr, bias_ptr, live_rows.to(tl.int64) * stride_lm, live_rows < n_tokens,
+                    group_size, n_group, topk_group, stride_le,
+                    METHOD, HAS_BIAS, GROUPED, BLOCK_M, NG_PAD, G_PAD, K_PAD, COMPUTE,
+                )  # fmt: skip
+                live_ok = need_live & k_ok
+                lw = _gathered_weights(
+                    logits_ptr, row_off, live_ids, live_ok, need_live, group_size, n_group, scale_c,
+                    stride_le, RULES, NG_PAD, G_PAD, COMPUTE,
+                )  # fmt: skip
+                tl.store(w_dst, lw, mask=live_ok)
+                tl.store(ids_dst, live_ids, mask=live_ok)
         # Last: a branch with atomics, one pair per program that saw a faulty row. The per-row values
         # are repeated over the K_PAD columns: column 0 counts the rows.
         n_faulty = tl.sum(tl.where(kcol == 0, faulty, False).to(tl.int32))
@@ -497,6 +557,7 @@ if HAS_TRITON:
         # (i < top_k as a tensor: the interpreter cannot broadcast a scalar bool into a mask)
         ok = row_ok & (tl.zeros_like(rows64) + i < top_k)
         id_i = tl.load(ids_ptr + rows64 * stride_im + i * stride_ik, mask=ok, other=-1)
+        ok = ok & (id_i >= 0)  # a bad hash row's -1: never an address, weighed 0
         g_i = tl.load(grad_w_ptr + rows64 * stride_gm + i * stride_gk, mask=ok, other=0.0).to(COMPUTE)
         w_i = tl.load(weights_ptr + rows64 * stride_wm + i * stride_wk, mask=ok, other=0.0)
         g_i, w_i = unscaled_gradient_inputs(g_i, w_i, scale, inv_scale, METHOD)
@@ -560,14 +621,17 @@ if HAS_TRITON:
         # Pass 1: the row sums, dot = sum(g * w) and (sigmoid methods) total = sum(s).
         dot = tl.zeros([BLOCK_M], dtype=COMPUTE)
         total = tl.zeros([BLOCK_M], dtype=COMPUTE)
+        # rows with an expert (a bad hash row has none: its gradient is 0, as the twin's)
+        has_id = tl.zeros([BLOCK_M], dtype=tl.int32)
         for i in tl.static_range(K_PAD):
-            _, g_i, w_i, s_i, _ = _backward_column(
+            id_i, g_i, w_i, s_i, _ = _backward_column(
                 grad_w_ptr, logits_ptr, weights_ptr, ids_ptr, rows64, row_ok, i, top_k,
                 stride_gm, stride_gk, stride_lm, stride_le, stride_wm, stride_wk, stride_im, stride_ik,
                 scale_c, inv_scale, RULES, COMPUTE,
             )  # fmt: skip
             dot += g_i * w_i
             total += s_i
+            has_id = tl.maximum(has_id, (id_i >= 0).to(tl.int32))
 
         # DEFAULT's dense part (its full softmax couples every expert), dot and the denominator
         dense, dot, denom = gradient_rows(
@@ -587,6 +651,7 @@ if HAS_TRITON:
             )  # fmt: skip
             gs = gradient_column(g_i, w_i, s_i, ds_i, dot, denom, scale_c, RULES)
             dense += tl.where(cols[None, :] == id_i[:, None], gs[:, None], 0.0)
+        dense = tl.where(has_id[:, None] > 0, dense, 0.0)
         dst = grad_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oe
         tl.store(dst, dense.to(grad_ptr.dtype.element_ty), mask=ok2)
 
@@ -604,6 +669,8 @@ def replay_rows_triton(
     routed_scaling_factor: float,
     row_count: torch.Tensor | None = None,
     unnormalized: bool = False,
+    hash_table: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     num_warps: int | None = None,
@@ -638,6 +705,9 @@ def replay_rows_triton(
     traced = wrap is not identity
     bias_arg = bias if bias is not None else (router_logits.new_empty(0) if traced else router_logits)
     rows_arg = row_count if row_count is not None else (errors.new_empty(0) if traced else errors)
+    hashed = hash_table is not None
+    table_arg = hash_table if hashed else (recorded_ids.new_empty(0) if traced else recorded_ids)
+    tok_arg = token_ids if hashed else (recorded_ids.new_empty(0) if traced else recorded_ids)
     wrap(_replay_kernel)[(programs,)](
         router_logits,
         recorded_ids,
@@ -646,6 +716,8 @@ def replay_rows_triton(
         ids,
         errors,
         rows_arg,
+        table_arg,
+        tok_arg,
         n_tokens,
         num_experts // n_group,
         n_group,
@@ -660,6 +732,10 @@ def replay_rows_triton(
         weights.stride(1),
         ids.stride(0),
         ids.stride(1),
+        hash_table.shape[0] if hashed else 0,
+        hash_table.stride(0) if hashed else 0,
+        hash_table.stride(1) if hashed else 0,
+        token_ids.stride(0) if hashed else 0,
         METHOD=int(method),
         UNNORM=bool(unnormalized),
         HAS_BIAS=bias is not None,
@@ -669,6 +745,7 @@ def replay_rows_triton(
         G_PAD=g_pad,
         K_PAD=next_power_of_2(top_k),
         CHECK_ROWS=row_count is not None,
+        HASH=hashed,
         num_warps=num_warps,
     )
 

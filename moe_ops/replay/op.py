@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 from .._runtime.faults import DeviceCounter, cpu_counter_lock, device_counter, existing_counter
 from .._runtime.library import destination_op, eager_caller, identity, reference_op
 from .._runtime.triton import HAS_TRITON
+from ..router.hash import check_hash_args
 from ..router.methods import (
     METHODS,
     REPLAY_LOGIT_DTYPES,
@@ -40,6 +41,7 @@ from ..router.methods import (
 )
 from ..router.op import choose_triton
 from .kernels import (
+    REPLAY_FAULT_HASH,
     REPLAY_FAULT_OUT_OF_RANGE,
     REPLAY_FAULT_REPEATED,
     REPLAY_FAULT_ROW_COUNT,
@@ -79,6 +81,8 @@ _FAULT_NAMES = {
     REPLAY_FAULT_REPEATED: "an expert recorded twice in one row",
     REPLAY_FAULT_ROW_COUNT: "a router read a different number of rows than the replayer's batch holds "
     "(counted once per router call)",
+    REPLAY_FAULT_HASH: "a hash layer's row with a token id outside hash_table's vocabulary or a table "
+    "entry outside [0, num_experts) (ids -1, weights 0)",
 }
 
 
@@ -92,8 +96,13 @@ class ReplayFaultError(RuntimeError):
     def __init__(self, device: torch.device, rows: int, flags: int):
         self.device, self.rows, self.flags = device, rows, flags
         names = "; ".join(name for bit, name in _FAULT_NAMES.items() if flags & bit) or "no fault bits"
-        id_faults = flags & ~REPLAY_FAULT_ROW_COUNT
-        if id_faults or not flags:
+        id_faults = flags & ~(REPLAY_FAULT_ROW_COUNT | REPLAY_FAULT_HASH)
+        if flags & REPLAY_FAULT_HASH and not id_faults:
+            message = (
+                f"{rows} replayed row(s) on {device} were hash rows that the table could not route "
+                f"({names}); their ids were written as -1 and their weights as 0."
+            )
+        elif id_faults or not flags:
             message = (
                 f"{rows} replayed row(s) on {device} had bad recorded ids ({names}); those rows were "
                 "routed live from the trainer's logits instead of replayed. The recorded routing does "
@@ -168,6 +177,8 @@ def _forward_twin(
     routed_scaling_factor: float,
     row_count: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
     unnormalized: bool = False,
+    hash_table: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
+    token_ids: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
 ) -> None:
     """Writes every row's replayed (or live) ``weights`` and ``ids``; counts faulty rows (and a
     call whose row count is not ``row_count``) in ``errors`` (contract in kernels.py)."""
@@ -184,6 +195,8 @@ def _forward_twin(
         routed_scaling_factor,
         row_count,
         unnormalized,
+        hash_table,
+        token_ids,
     )
 
 
@@ -216,19 +229,22 @@ def _forward_triton(
     routed_scaling_factor: float,
     row_count: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
     unnormalized: bool = False,
+    hash_table: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
+    token_ids: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
     *,
     wrap=identity,
 ) -> None:
     """The forward kernel's launcher as the op calls it (``wrap``: see moe_ops._runtime.library)."""
     args = (router_logits, recorded_ids, bias, weights, ids, errors, method, n_group, topk_group)
+    rest = (routed_scaling_factor, row_count, unnormalized, hash_table, token_ids)
     if errors.device.type == "cpu":
         # interpreted Triton updates the fault counter in Python: the CPU counters' lock makes the
         # launch atomic with respect to a check's read-and-subtract (moe_ops._runtime.faults); on
         # CUDA the kernel's atomics need no lock
         with cpu_counter_lock(errors.device):
-            replay_rows_triton(*args, routed_scaling_factor, row_count, unnormalized, wrap=wrap)
+            replay_rows_triton(*args, *rest, wrap=wrap)
     else:
-        replay_rows_triton(*args, routed_scaling_factor, row_count, unnormalized, wrap=wrap)
+        replay_rows_triton(*args, *rest, wrap=wrap)
 
 
 _FORWARD_MUTATES = ("weights", "ids", "errors")
@@ -274,7 +290,7 @@ replay_routing_backward_reference_op = reference_op(
 # Forward: the logits, the recorded ids, the bias and the row count are checked; the outputs were
 # made on the logits' device and the counter is that device's. Backward: the incoming gradient and
 # the logits; weights, ids and grad_logits are the forward's and this call's own.
-_forward_call = eager_caller("replay_routing_", checked=(0, 1, 2, 10))
+_forward_call = eager_caller("replay_routing_", checked=(0, 1, 2, 10, 12, 13))
 _backward_call = eager_caller("replay_routing_backward_", checked=(0, 1))
 _reference_forward = torch.ops.moe_ops.replay_routing_reference_
 _reference_backward = torch.ops.moe_ops.replay_routing_backward_reference_
@@ -299,6 +315,8 @@ def _forward(
     use_triton,
     dtype,
     row_count,
+    hash_table=None,
+    token_ids=None,
 ):
     """Allocates the outputs and runs the forward op (``dtype``: the compute dtype, float32 or
     float64)."""
@@ -319,6 +337,8 @@ def _forward(
         scale,
         row_count,
         unnormalized,
+        hash_table,
+        token_ids,
     )
     return weights, ids
 
@@ -328,8 +348,8 @@ class ReplayRoutingFunction(torch.autograd.Function):
     non-differentiable and the bias only chooses live rows, a piecewise-constant choice).
 
     ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, unnormalized,
-    use_triton, dtype, row_count)`` with validated arguments; ``dtype`` is the compute and weights dtype (in
-    :func:`replay_routing`: float64 for float64 logits, else float32).
+    use_triton, dtype, row_count, hash_table, token_ids)`` with validated arguments; ``dtype`` is the
+    compute and weights dtype (in :func:`replay_routing`: float64 for float64 logits, else float32).
     """
 
     @staticmethod
@@ -346,6 +366,8 @@ class ReplayRoutingFunction(torch.autograd.Function):
         use_triton,
         dtype,
         row_count,
+        hash_table=None,
+        token_ids=None,
     ):
         weights, ids = _forward(
             router_logits,
@@ -359,6 +381,8 @@ class ReplayRoutingFunction(torch.autograd.Function):
             use_triton,
             dtype,
             row_count,
+            hash_table,
+            token_ids,
         )
         ctx.save_for_backward(router_logits, weights, ids)
         ctx.mark_non_differentiable(ids)
@@ -374,13 +398,13 @@ class ReplayRoutingFunction(torch.autograd.Function):
     def backward(ctx, grad_weights, grad_ids):
         router_logits, weights, ids = ctx.saved_tensors
         if grad_weights is None:  # no gradient reached the weights (grads are not materialised)
-            return None, None, None, None, None, None, None, None, None, None, None
+            return (None,) * 13
         grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
         backward_ = _backward_call if ctx.use_triton else _reference_backward
         backward_(
             grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale, ctx.unnormalized
         )
-        return grad_logits, None, None, None, None, None, None, None, None, None, None
+        return (grad_logits, *(None,) * 12)
 
 
 def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor, method) -> None:
@@ -445,6 +469,8 @@ def replay_routing(
     renormalize: bool | None = None,
     backend: str = "auto",
     row_count: torch.Tensor | None = None,
+    hash_table: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token through the experts the rollout recorded, weighted from the live logits.
 
@@ -471,6 +497,12 @@ def replay_routing(
             whose ``n`` differs counts one fault (``REPLAY_FAULT_ROW_COUNT``) for
             :func:`check_replay_errors`. The check runs inside the forward kernel, so a compiled or
             CUDA-graphed step pays nothing for it (what ``attach_replay`` passes).
+        hash_table, token_ids: a hash layer's table and each row's token id, as in
+            :func:`moe_ops.route`: the replay of a hash layer is a forced replay (the recorded ids
+            are the table's), and a row without a record (or with a faulty one) takes
+            ``hash_table[token_ids]``, as ``route`` does; a row the table cannot route gets ids -1
+            and weights 0 and is counted (``REPLAY_FAULT_HASH``). Gradients reach the logits
+            through the method's weight rule only (the table chooses; nothing to differentiate).
 
     Returns:
         weights: (n, top_k) float32 (float64 for float64 logits) - the method's weight rule
@@ -502,6 +534,7 @@ def replay_routing(
         renormalize=renormalize,
         logit_dtypes=REPLAY_LOGIT_DTYPES,
     )
+    hashed = check_hash_args(router_logits, top_k, hash_table, token_ids, bias, n_group, topk_group)
     # the router's rule: a block routed live holds the router's tile
     use_triton = choose_triton(backend, router_logits.device, cfg)
     compute = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
@@ -517,6 +550,8 @@ def replay_routing(
         use_triton,
         compute,
         _check_row_count(row_count, router_logits),
+        hash_table if hashed else None,
+        token_ids if hashed else None,
     )
     if torch.is_grad_enabled() and router_logits.requires_grad:
         return ReplayRoutingFunction.apply(*args)

@@ -19,6 +19,7 @@ from ..capture.op import capture_into
 from ..capture.spec import OpArgs, parse_args
 from ..capture.target import CaptureTarget
 from ..layout import BatchLayout
+from .hash import check_hash_args, route_hashed
 from .kernels import TRITON_MAX_TILE, route_rows_torch, route_rows_triton, tile_shape
 
 if HAS_TRITON:
@@ -203,6 +204,8 @@ def route(
     renormalize: bool | None = None,
     capture: CaptureTarget | None = None,
     backend: str = "auto",
+    hash_table: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token to ``top_k`` experts and, with ``capture``, records the ids for replay.
 
@@ -231,6 +234,16 @@ def route(
             ``moe_ops.flashinfer``), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
             reference), "flashinfer" (``moe_ops.flashinfer.routing.route_flashinfer``; its column
             order is the kernel's).
+        hash_table: (vocab, top_k) integer on the logits' device, with ``token_ids`` - hash
+            routing (DeepSeek-V4's hash layers, docs/routing.md "Hash routing"): the ids are
+            ``hash_table[token_ids]``, no selection, and the weights the method's weight rule at
+            those ids (its ``routed_scaling_factor`` and ``renormalize`` as usual); ``bias`` and
+            groups are refused. A row whose token id is outside ``[0, vocab)`` or whose entries
+            are outside ``[0, num_experts)`` gets ids -1 and weights 0 and is counted on the device
+            (:func:`moe_ops.router.hash.check_hash_errors`); nothing is read out of bounds.
+            Not on backend "flashinfer".
+        token_ids: (n,) integer on the logits' device - each row's token id (the model's
+            ``input_ids``, flattened); only with ``hash_table``.
 
     Returns:
         weights: (n, top_k) float32 - routing weights, in the order of ``ids``. They carry no
@@ -256,6 +269,7 @@ def route(
         routed_scaling_factor,
         renormalize=renormalize,
     )
+    hashed = check_hash_args(router_logits, top_k, hash_table, token_ids, bias, n_group, topk_group)
     device = router_logits.device
     if capture is not None:
         if not isinstance(capture, CaptureTarget):
@@ -265,6 +279,10 @@ def route(
                 f"router_logits must be on the capture buffer's device {capture.buffer.device}, got {device}"
             )
     if backend == "flashinfer":
+        if hashed:
+            raise ValueError(
+                "backend='flashinfer' has no hash routing; hash_table runs on 'auto', 'triton' or 'torch'"
+            )
         if cfg.unnormalized:
             raise ValueError(
                 f"backend='flashinfer' always renormalises {cfg.method.name}; renormalize=False "
@@ -274,6 +292,8 @@ def route(
             router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, capture
         )
     use_triton = choose_triton(backend, device, cfg)
+    if hashed:
+        return route_hashed(router_logits, hash_table, token_ids, cfg, capture, use_triton)
 
     n_tokens = router_logits.shape[0]
     weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=device)

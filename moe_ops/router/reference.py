@@ -23,6 +23,7 @@ __all__ = [
     "SOFTPLUS_THRESHOLD",
     "SUM_EPSILON",
     "group_scores",
+    "hash_route_reference",
     "route_reference",
     "rule_gradient",
     "rule_weights",
@@ -306,3 +307,33 @@ def route_reference(
     keys = selection_keys(x, method, bias)
     ids = select_experts(keys, top_k, n_group, topk_group)
     return weights_for_ids(x, ids, method, routed_scaling_factor, unnormalized), ids
+
+
+def hash_route_reference(
+    router_logits: torch.Tensor,
+    hash_table: torch.Tensor,
+    token_ids: torch.Tensor,
+    method: RoutingMethod,
+    routed_scaling_factor: float = 1.0,
+    dtype: torch.dtype | None = None,
+    unnormalized: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hash routing (``route(..., hash_table=, token_ids=)``), literally: ``ids = hash_table[token_ids]``
+    and the method's literal weight rule at them (:func:`weights_for_ids`). Faulty rows (a token id
+    outside ``[0, vocab)``, an entry outside ``[0, num_experts)``) get ids -1 and weights 0.
+
+    router_logits: (n, E) float; hash_table: (vocab, k) integer; token_ids: (n,) integer
+    dtype: compute dtype (default: float32, or float64 for float64 logits)
+    Returns ``(weights (n, k) dtype, ids (n, k) int64)``.
+    """
+    if dtype is None:
+        dtype = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
+    x = router_logits.to(dtype)
+    vocab, num_experts = hash_table.shape[0], x.shape[1]
+    tok = token_ids.to(torch.int64)
+    token_ok = (tok >= 0) & (tok < vocab)
+    rows = hash_table[tok.clamp(0, vocab - 1)].to(torch.int64)
+    ok = token_ok & ((rows >= 0) & (rows < num_experts)).all(1)
+    ids = torch.where(ok[:, None], rows, -1)
+    w = weights_for_ids(x, ids.clamp(min=0), method, routed_scaling_factor, unnormalized)
+    return torch.where(ok[:, None], w, 0.0), ids

@@ -22,8 +22,10 @@ __all__ = [
     "MODEL_ROUTERS",
     "REPLAY_LOGIT_DTYPES",
     "ROUTED_SCALES",
+    "HashCase",
     "RouterCase",
     "RouterConfig",
+    "hash_cases",
     "knob_configs",
     "routed_capture_cases",
     "router_cases",
@@ -307,3 +309,99 @@ def sqrtsoftplus_cases(draw, max_tokens: int = 12, max_experts: int = 40):
         wide[:, ::2] = logits
         logits = wide[:, ::2]
     return SqrtSoftplusCase(logits, bias, top_k, scale, renormalize, ties, layout)
+
+
+@dataclass
+class HashCase:
+    """A hash layer's batch: logits, a token-id table and token ids, some of them faulty."""
+
+    method: RoutingMethod
+    num_experts: int
+    top_k: int
+    # rows of the table (the vocabulary)
+    vocab: int
+    # tokens (rows of the logits)
+    n: int
+    dtype: torch.dtype
+    seed: int
+    routed_scaling_factor: float | None
+    table_dtype: torch.dtype
+    token_dtype: torch.dtype
+    # "contiguous"; "row_padded" (rows of E + 3, the tail NaN); "column_strided" (every other column)
+    logits_view: str
+    # rows whose token id is outside [0, vocab), and rows with a table entry outside [0, E)
+    bad_tokens: int
+    bad_entries: int
+
+    def route_kwargs(self) -> dict:
+        return dict(routed_scaling_factor=self.routed_scaling_factor)
+
+    def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(router_logits (n, E) in ``logits_view``, hash_table (vocab, top_k), token_ids (n,)) on
+        ``device``. The table is rows 1..vocab of a (vocab + 2, top_k) tensor whose first and last
+        rows hold valid ids: a read of token id -1 or vocab would show up as ids, not -1. A logits
+        view's gaps hold NaN: a read there shows up as NaN weights."""
+        rng = np.random.default_rng(self.seed)
+        e, k = self.num_experts, self.top_k
+        x = torch.from_numpy(rng.standard_normal((self.n, e)).astype(np.float32)).to(self.dtype)
+        if self.logits_view == "row_padded":
+            base = torch.full((self.n, e + 3), float("nan"), dtype=self.dtype)
+            logits = base[:, :e]
+        elif self.logits_view == "column_strided":
+            base = torch.full((self.n, 2 * e), float("nan"), dtype=self.dtype)
+            logits = base[:, ::2]
+        else:
+            base = logits = torch.empty((self.n, e), dtype=self.dtype)
+        logits.copy_(x)
+        table = np.stack([rng.permutation(e)[:k] for _ in range(self.vocab + 2)])
+        tokens = rng.integers(0, self.vocab, size=self.n)
+        rows = rng.permutation(self.n)
+        for r in rows[: self.bad_entries]:
+            table[tokens[r] + 1, rng.integers(0, k)] = rng.choice([-1, e, e + 7] if self._signed else [e])
+        for r in rows[self.bad_entries : self.bad_entries + self.bad_tokens]:
+            tokens[r] = rng.choice([-1, self.vocab, self.vocab + 1] if self._signed_tokens else [self.vocab])
+        full = torch.from_numpy(table).to(self.table_dtype)
+        hash_table = full.to(device)[1 : self.vocab + 1]
+        token_ids = torch.from_numpy(tokens).to(self.token_dtype).to(device)
+        return logits.to(device), hash_table, token_ids
+
+    @property
+    def _signed(self) -> bool:
+        return self.table_dtype != torch.uint8
+
+    @property
+    def _signed_tokens(self) -> bool:
+        return self.token_dtype != torch.uint8
+
+
+@st.composite
+def hash_cases(draw, methods=tuple(RoutingMethod), max_experts: int = 64, max_tokens: int = 24, faults=True):
+    """A :class:`HashCase` of any method (what it takes from the method table), random shapes,
+    table and token dtypes, logits layouts and (with ``faults``) faulty rows."""
+    method = draw(st.sampled_from(methods))
+    spec = METHODS[method]
+    num_experts = draw(st.integers(1, max_experts))
+    top_k = spec.top_k or draw(st.integers(1, min(8, num_experts)))
+    vocab = draw(st.integers(1, 200))
+    n = draw(st.integers(0, max_tokens))
+    bad_entries = draw(st.integers(0, n // 3)) if faults else 0
+    bad_tokens = draw(st.integers(0, n // 3)) if faults else 0
+    # uint8 tables hold ids up to 255 (an entry of num_experts stands for "too large")
+    table_dtypes = [torch.int32, torch.int64, torch.int16] + ([torch.uint8] if num_experts < 248 else [])
+    return HashCase(
+        method=method,
+        num_experts=num_experts,
+        top_k=top_k,
+        vocab=vocab,
+        n=n,
+        dtype=draw(st.sampled_from(LOGIT_DTYPES)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        routed_scaling_factor=draw(st.sampled_from([None, 1.0, 2.5])) if spec.scaled else None,
+        table_dtype=draw(st.sampled_from(table_dtypes)),
+        token_dtype=draw(
+            st.sampled_from([torch.int64, torch.int32] + ([torch.uint8] if vocab < 250 else []))
+        ),
+        logits_view=draw(st.sampled_from(["contiguous", "row_padded", "column_strided"])),
+        bad_tokens=bad_tokens,
+        bad_entries=bad_entries,
+    )
