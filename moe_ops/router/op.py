@@ -25,6 +25,7 @@ if HAS_TRITON:
     from .kernels import _route_kernel
 from .methods import RouteConfig, RoutingMethod, validate_route_args
 from .policy import auto_runs_triton
+from .shared import check_capture_shared_experts, check_num_fused_shared_experts
 
 __all__ = ["BACKENDS", "route"]
 
@@ -42,6 +43,7 @@ def _route(
     topk_group: int,
     routed_scaling_factor: float,
     unnormalized: bool,
+    num_fused_shared_experts: int = 0,
     *,
     wrap=identity,
 ) -> None:
@@ -56,6 +58,7 @@ def _route(
         topk_group,
         routed_scaling_factor,
         unnormalized=unnormalized,
+        num_fused_shared_experts=num_fused_shared_experts,
         wrap=wrap,
     )
 
@@ -70,6 +73,7 @@ def _route_twin(
     topk_group: int,
     routed_scaling_factor: float,
     unnormalized: bool,
+    num_fused_shared_experts: int = 0,
 ) -> None:
     """PyTorch twin of :func:`_route`."""
     route_rows_torch(
@@ -82,13 +86,15 @@ def _route_twin(
         topk_group,
         routed_scaling_factor,
         unnormalized=unnormalized,
+        num_fused_shared_experts=num_fused_shared_experts,
     )
 
 
 _ROUTE_MUTATES = ("weights", "ids")
 _ROUTE_SCHEMA = torch.library.infer_schema(_route_twin, mutates_args=_ROUTE_MUTATES)
 # route_capture_: route_'s arguments with a CaptureSpec's fused in (moe_ops.capture.spec generates
-# the list and the schema): route's tensors, the spec's tensors, route's scalars, the spec's scalars
+# the list and the schema): route's tensors, the spec's tensors, route's scalars, the spec's
+# scalars, then route's defaulted num_fused_shared_experts (last, so older positional calls hold)
 ROUTE_CAPTURE = OpArgs.fused(parse_args(_ROUTE_SCHEMA))
 
 
@@ -99,14 +105,16 @@ def _route_capture(*args, wrap=identity) -> None:
     :class:`~moe_ops.capture.spec.CaptureSpec`'s, as in ``moe_ops::capture_routing_``; the rows are
     LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
     """
-    (*route_args, unnormalized), capture = ROUTE_CAPTURE.split(args)
-    route_rows_triton(*route_args, capture, unnormalized=unnormalized, wrap=wrap)
+    (*route_args, unnormalized, n_shared), capture = ROUTE_CAPTURE.split(args)
+    route_rows_triton(
+        *route_args, capture, unnormalized=unnormalized, num_fused_shared_experts=n_shared, wrap=wrap
+    )
 
 
 def _route_capture_twin(*args) -> None:
     """PyTorch twin of :func:`_route_capture`."""
-    (*route_args, unnormalized), capture = ROUTE_CAPTURE.split(args)
-    route_rows_torch(*route_args, capture, unnormalized=unnormalized)
+    (*route_args, unnormalized, n_shared), capture = ROUTE_CAPTURE.split(args)
+    route_rows_torch(*route_args, capture, unnormalized=unnormalized, num_fused_shared_experts=n_shared)
 
 
 _CAPTURE_MUTATES = ROUTE_CAPTURE.mutates
@@ -203,6 +211,8 @@ def route(
     renormalize: bool | None = None,
     capture: CaptureTarget | None = None,
     backend: str = "auto",
+    num_fused_shared_experts: int = 0,
+    capture_shared_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token to ``top_k`` experts and, with ``capture``, records the ids for replay.
 
@@ -230,13 +240,21 @@ def route(
             ``moe_ops.flashinfer``), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
             reference), "flashinfer" (``moe_ops.flashinfer.routing.route_flashinfer``; its column
             order is the kernel's).
+        num_fused_shared_experts: s >= 0 - shared experts fused into the routed MoE: ``s`` columns
+            appended after the ``top_k`` routed ones, ids ``num_experts + j`` at weight 1.0, not
+            scaled by ``routed_scaling_factor`` (vLLM's and FlashInfer's rule; docs/routing.md
+            "Fused shared experts"). Not with ``backend="flashinfer"``.
+        capture_shared_experts: what ``capture`` records: False (default) the ``top_k`` routed
+            columns only, what a trainer replays (the buffer is ``top_k`` wide); True the shared
+            columns too (the buffer is ``top_k + s`` wide and its dtype holds
+            ``num_experts + s - 1``). True needs ``capture`` and ``s > 0``.
 
     Returns:
-        weights: (n, top_k) float32 - routing weights, in the order of ``ids``. They carry no
+        weights: (n, top_k + s) float32 - routing weights, in the order of ``ids``. They carry no
             gradient: ``route`` is the inference router. A training step that must send each token
             through recorded experts while the gate still learns uses :func:`moe_ops.replay_routing`.
-        ids: (n, top_k) int32 - chosen experts by descending selection score; among equal scores
-            the lowest expert index wins (and comes first).
+        ids: (n, top_k + s) int32 - chosen experts by descending selection score; among equal scores
+            the lowest expert index wins (and comes first); then the ``s`` shared ids.
 
     No host reads, no synchronisation, no allocation beyond the two outputs (the Triton and
     reference paths; SEQUENCE_PARALLEL with tp_size > 1 adds the capture's all-gather output).
@@ -255,6 +273,8 @@ def route(
         routed_scaling_factor,
         renormalize=renormalize,
     )
+    n_shared = check_num_fused_shared_experts(num_fused_shared_experts, cfg.num_experts)
+    keep_shared = check_capture_shared_experts(capture_shared_experts, n_shared, capture is not None)
     device = router_logits.device
     if capture is not None:
         if not isinstance(capture, CaptureTarget):
@@ -264,6 +284,11 @@ def route(
                 f"router_logits must be on the capture buffer's device {capture.buffer.device}, got {device}"
             )
     if backend == "flashinfer":
+        if n_shared:
+            raise ValueError(
+                "backend='flashinfer' routes the top_k routed experts only; num_fused_shared_experts > 0 "
+                "runs on backend 'auto', 'triton' or 'torch'"
+            )
         if cfg.unnormalized:
             raise ValueError(
                 f"backend='flashinfer' always renormalises {cfg.method.name}; renormalize=False "
@@ -275,9 +300,16 @@ def route(
     use_triton = choose_triton(backend, device, cfg)
 
     n_tokens = router_logits.shape[0]
-    weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((n_tokens, top_k), dtype=torch.int32, device=device)
-    route_args = (int(cfg.method), cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.unnormalized)
+    weights = torch.empty((n_tokens, top_k + n_shared), dtype=torch.float32, device=device)
+    ids = torch.empty((n_tokens, top_k + n_shared), dtype=torch.int32, device=device)
+    route_args = (
+        int(cfg.method),
+        cfg.n_group,
+        cfg.topk_group,
+        cfg.routed_scaling_factor,
+        cfg.unnormalized,
+        n_shared,
+    )
     # the op runs the Triton kernel on CUDA (and on the CPU under the interpreter), the twin on the
     # CPU otherwise; the reference ops run the twin everywhere
     route_ = _route_call if use_triton else torch.ops.moe_ops.route_reference_
@@ -285,11 +317,14 @@ def route(
         route_(router_logits, bias, weights, ids, *route_args)
         return weights, ids
 
-    capture.check_num_experts(cfg.num_experts)
-    capture.check_ids(ids)
+    # what is recorded: the routed columns (a view, no copy), or every column with the knob; the
+    # kernels read which from the buffer's width, checked here against the knob
+    recorded = ids if keep_shared else ids[:, :top_k]
+    capture.check_num_experts(cfg.num_experts + n_shared if keep_shared else cfg.num_experts)
+    capture.check_ids(recorded)
     if capture.layout == BatchLayout.SEQUENCE_PARALLEL:
         route_(router_logits, bias, weights, ids, *route_args)
-        capture_into(capture, ids)
+        capture_into(capture, recorded)
         return weights, ids
     route_capture = _route_capture_call if use_triton else torch.ops.moe_ops.route_capture_reference_
     route_capture(*ROUTE_CAPTURE.join((router_logits, bias, weights, ids, *route_args), capture.spec))
