@@ -38,7 +38,9 @@ from ..router.methods import (
     method_from_value,
     validate_route_args,
 )
+from ..router.kernels import write_shared_columns
 from ..router.op import choose_triton
+from ..router.shared import check_num_fused_shared_experts
 from .kernels import (
     REPLAY_FAULT_OUT_OF_RANGE,
     REPLAY_FAULT_REPEATED,
@@ -299,19 +301,22 @@ def _forward(
     use_triton,
     dtype,
     row_count,
+    n_shared=0,
 ):
     """Allocates the outputs and runs the forward op (``dtype``: the compute dtype, float32 or
-    float64)."""
+    float64). With ``n_shared`` fused shared experts the op writes the routed columns (views of
+    the outputs) and :func:`write_shared_columns` the constant ones: two elementwise writes, only
+    when ``n_shared > 0``."""
     n, k = recorded_ids.shape
-    weights = torch.empty((n, k), dtype=dtype, device=router_logits.device)
-    ids = torch.empty((n, k), dtype=torch.int32, device=router_logits.device)
+    weights = torch.empty((n, k + n_shared), dtype=dtype, device=router_logits.device)
+    ids = torch.empty((n, k + n_shared), dtype=torch.int32, device=router_logits.device)
     forward_ = _forward_call if use_triton else _reference_forward
     forward_(
         router_logits,
         recorded_ids,
         bias,
-        weights,
-        ids,
+        weights[:, :k] if n_shared else weights,
+        ids[:, :k] if n_shared else ids,
         _errors_for(router_logits),
         method,
         n_group,
@@ -320,6 +325,8 @@ def _forward(
         row_count,
         unnormalized,
     )
+    if n_shared:
+        write_shared_columns(weights, ids, router_logits.shape[1], n_shared)
     return weights, ids
 
 
@@ -328,8 +335,9 @@ class ReplayRoutingFunction(torch.autograd.Function):
     non-differentiable and the bias only chooses live rows, a piecewise-constant choice).
 
     ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, unnormalized,
-    use_triton, dtype, row_count)`` with validated arguments; ``dtype`` is the compute and weights dtype (in
-    :func:`replay_routing`: float64 for float64 logits, else float32).
+    use_triton, dtype, row_count, n_shared)`` with validated arguments; ``dtype`` is the compute and weights dtype (in
+    :func:`replay_routing`: float64 for float64 logits, else float32). The ``n_shared`` fused
+    shared columns are constants: their incoming gradient is dropped (none reaches the logits).
     """
 
     @staticmethod
@@ -346,6 +354,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
         use_triton,
         dtype,
         row_count,
+        n_shared=0,
     ):
         weights, ids = _forward(
             router_logits,
@@ -359,6 +368,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
             use_triton,
             dtype,
             row_count,
+            n_shared,
         )
         ctx.save_for_backward(router_logits, weights, ids)
         ctx.mark_non_differentiable(ids)
@@ -367,6 +377,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
             # (Dynamo refuses this call; AOT autograd gives integer outputs no gradient anyway.)
             ctx.set_materialize_grads(False)
         ctx.method, ctx.scale, ctx.unnormalized, ctx.use_triton = method, scale, unnormalized, use_triton
+        ctx.n_routed = recorded_ids.shape[1]
         return weights, ids
 
     @staticmethod
@@ -374,13 +385,16 @@ class ReplayRoutingFunction(torch.autograd.Function):
     def backward(ctx, grad_weights, grad_ids):
         router_logits, weights, ids = ctx.saved_tensors
         if grad_weights is None:  # no gradient reached the weights (grads are not materialised)
-            return None, None, None, None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None, None, None, None
         grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
         backward_ = _backward_call if ctx.use_triton else _reference_backward
+        k = ctx.n_routed
+        if weights.shape[1] != k:  # fused shared columns: constant weights, their gradient dropped
+            grad_weights, weights, ids = grad_weights[:, :k], weights[:, :k], ids[:, :k]
         backward_(
             grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale, ctx.unnormalized
         )
-        return grad_logits, None, None, None, None, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor, method) -> None:
@@ -445,6 +459,7 @@ def replay_routing(
     renormalize: bool | None = None,
     backend: str = "auto",
     row_count: torch.Tensor | None = None,
+    num_fused_shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token through the experts the rollout recorded, weighted from the live logits.
 
@@ -470,14 +485,19 @@ def replay_routing(
             whose ``n`` differs counts one fault (``REPLAY_FAULT_ROW_COUNT``) for
             :func:`check_replay_errors`. The check runs inside the forward kernel, so a compiled or
             CUDA-graphed step pays nothing for it (what ``attach_replay`` passes).
+        num_fused_shared_experts: s >= 0 - as in :func:`moe_ops.route`: ``s`` columns appended
+            after the routed ones, ids ``num_experts + j`` at weight 1.0 (constants: no gradient
+            flows through them). ``recorded_ids`` holds the routed columns only (what capture
+            records by default); a shared id in it is outside ``[0, num_experts)``, a fault (below).
 
     Returns:
-        weights: (n, top_k) float32 (float64 for float64 logits) - the method's weight rule
+        weights: (n, top_k + s) float32 (float64 for float64 logits) - the method's weight rule
             restricted to ``ids`` (docs/replay.md), from the dense logits; differentiable w.r.t.
-            ``router_logits`` (the gradient has ``router_logits``' dtype).
-        ids: (n, top_k) int32 - the recorded ids, column order kept; on a row of -1 (and on a faulty
+            ``router_logits`` (the gradient has ``router_logits``' dtype); then ``s`` columns of 1.0.
+        ids: (n, top_k + s) int32 - the recorded ids, column order kept; on a row of -1 (and on a faulty
             row) the live routing of that row, exactly what ``moe_ops.route`` returns for it (for
-            float64 logits, which ``route`` does not take: route's rule on the float64 keys).
+            float64 logits, which ``route`` does not take: route's rule on the float64 keys); then
+            the ``s`` shared ids.
 
     A row with an id outside ``[0, num_experts)`` (other than a whole row of -1) or an expert twice
     is faulty: it is routed live, its bad ids are never used as addresses, and it is counted on the
@@ -501,6 +521,7 @@ def replay_routing(
         renormalize=renormalize,
         logit_dtypes=REPLAY_LOGIT_DTYPES,
     )
+    n_shared = check_num_fused_shared_experts(num_fused_shared_experts, cfg.num_experts)
     # the router's rule: a block routed live holds the router's tile
     use_triton = choose_triton(backend, router_logits.device, cfg)
     compute = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
@@ -516,6 +537,7 @@ def replay_routing(
         use_triton,
         compute,
         _check_row_count(row_count, router_logits),
+        n_shared,
     )
     if torch.is_grad_enabled() and router_logits.requires_grad:
         return ReplayRoutingFunction.apply(*args)
