@@ -31,6 +31,7 @@ from torch.autograd.function import once_differentiable
 from .._runtime.faults import DeviceCounter, cpu_counter_lock, device_counter, existing_counter
 from .._runtime.library import destination_op, eager_caller, identity, reference_op
 from .._runtime.triton import HAS_TRITON
+from ..router.kernels import write_shared_columns
 from ..router.methods import (
     METHODS,
     REPLAY_LOGIT_DTYPES,
@@ -38,7 +39,6 @@ from ..router.methods import (
     method_from_value,
     validate_route_args,
 )
-from ..router.kernels import write_shared_columns
 from ..router.op import choose_triton
 from ..router.shared import check_num_fused_shared_experts
 from .kernels import (
@@ -335,9 +335,10 @@ class ReplayRoutingFunction(torch.autograd.Function):
     non-differentiable and the bias only chooses live rows, a piecewise-constant choice).
 
     ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, unnormalized,
-    use_triton, dtype, row_count, n_shared)`` with validated arguments; ``dtype`` is the compute and weights dtype (in
-    :func:`replay_routing`: float64 for float64 logits, else float32). The ``n_shared`` fused
-    shared columns are constants: their incoming gradient is dropped (none reaches the logits).
+    use_triton, dtype, row_count, n_shared)`` with validated arguments; ``dtype`` is the compute
+    and weights dtype (in :func:`replay_routing`: float64 for float64 logits, else float32). The
+    ``n_shared`` fused shared columns are constants: their incoming gradient is dropped (none
+    reaches the logits).
     """
 
     @staticmethod

@@ -27,6 +27,7 @@ __all__ = [
     "routed_capture_cases",
     "router_cases",
     "router_configs",
+    "shared_capture_cases",
 ]
 
 
@@ -228,3 +229,24 @@ GPU_CAPTURE_ROUTERS = dict(
     capture_kw=dict(buffer_dtypes=(torch.int32, torch.int16)),
     dtypes=(torch.bfloat16,),
 )
+
+
+@st.composite
+def shared_capture_cases(draw, configs=None, max_shared: int = 3, capture_kw=None, dtypes=LOGIT_DTYPES):
+    """(CaptureCase, RouterCase, num_fused_shared_experts, capture_shared_experts): a batch to
+    route with fused shared experts and record. The CaptureCase's buffer is as wide as what the
+    capture keeps: ``top_k`` (the routed columns) or ``top_k + s`` (the shared ones too)."""
+    config = draw(configs if configs is not None else router_configs(max_experts=64, max_top_k=8))
+    n_shared = draw(st.integers(1, max_shared))
+    keep = draw(st.booleans())
+    width = config.top_k + (n_shared if keep else 0)
+    case = draw(capture_cases(layouts=tuple(BatchLayout), top_ks=(width,), **(capture_kw or {})))
+    router = RouterCase(
+        config=config,
+        n=case.rows.shape[0],
+        dtype=draw(st.sampled_from(dtypes)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        kind=draw(st.sampled_from(("normal", "ties"))),
+        scale=1.0,
+    )
+    return case, router, n_shared, keep
