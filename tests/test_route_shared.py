@@ -357,3 +357,55 @@ def test_capture_width_and_dtype_must_fit_what_is_kept(width, dtype, num_experts
             backend="torch",
         )
     assert (buffer == POISON).all()
+
+
+def test_route_capture_op_takes_the_older_positional_call():
+    """``route_capture_`` without its trailing ``num_fused_shared_experts`` (the schema before it):
+    the same writes as with 0 - the dispatcher leaves the default out and the op fills it in."""
+    from moe_ops.router.op import ROUTE_CAPTURE
+
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for extra in ((), (0,)):
+        buffer = torch.full((4, 1, 2), POISON, dtype=torch.int32)
+        target = _target(buffer)
+        weights = torch.full((4, 2), float("nan"))
+        ids = torch.full((4, 2), POISON, dtype=torch.int32)
+        host = (logits, None, weights, ids, int(RoutingMethod.RENORMALIZE), 1, 1, 1.0, False, 0)
+        args = ROUTE_CAPTURE.join(host, target.spec)
+        assert len(args) == len(ROUTE_CAPTURE.names)
+        torch.ops.moe_ops.route_capture_reference_(*args[:-1], *extra)
+        outs.append((weights, ids, buffer))
+    ref_w, ref_ids = route(logits, 2, RoutingMethod.RENORMALIZE, backend="torch")
+    for weights, ids, buffer in outs:
+        assert (
+            torch.equal(ids, ref_ids) and torch.equal(weights, ref_w) and torch.equal(buffer[:, 0], ref_ids)
+        )
+
+
+def test_compiled_route_with_shared_experts_equals_eager():
+    """torch.compile(fullgraph=True): the shared columns and the routed-only capture, traced."""
+    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(5)) * 0.1
+    counts = torch.tensor([6], dtype=torch.int32)
+
+    def step(x, buffer):
+        target = CaptureTarget(buffer, 0, token_counts=counts)
+        return route(
+            x,
+            3,
+            RoutingMethod.DEEPSEEK_V3,
+            bias=bias,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            capture=target,
+            num_fused_shared_experts=2,
+        )
+
+    eager_buf = torch.full((8, 1, 3), POISON, dtype=torch.int32)
+    compiled_buf = eager_buf.clone()
+    w1, ids1 = step(logits, eager_buf)
+    w2, ids2 = torch.compile(step, fullgraph=True)(logits, compiled_buf)
+    assert torch.equal(ids1, ids2) and torch.equal(w1, w2) and torch.equal(eager_buf, compiled_buf)
+    assert torch.equal(compiled_buf[:6, 0], ids1[:, :3]) and (compiled_buf[6:] == POISON).all()

@@ -26,6 +26,7 @@ spec (``target.spec``); a spec itself is not validated: it is what a validated t
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
@@ -250,6 +251,9 @@ class OpArgs:
         source = {p: i for i, p in enumerate(self.host_positions)}
         source.update({p: n_host + i for i, p in enumerate(self.spec_positions)})
         self._join = _getter([source[p] for p in range(len(names))])
+        # the trailing arguments' defaults: the dispatcher leaves out trailing arguments that hold
+        # their default when it calls a Python kernel, and split puts them back
+        self._defaults = tuple(None if a.default is None else ast.literal_eval(a.default) for a in self.args)
 
     @classmethod
     def fused(cls, host: Sequence[Arg]) -> OpArgs:
@@ -291,7 +295,10 @@ class OpArgs:
         return tuple(self.names.index(n) for n in names)
 
     def split(self, args: Sequence) -> tuple[tuple, CaptureSpec]:
-        """(the host arguments in the op's order, the spec) of one call's arguments."""
+        """(the host arguments in the op's order, the spec) of one call's arguments; trailing
+        arguments left out (they hold their defaults) are filled in."""
+        if len(args) < len(self._defaults):
+            args = (*args, *self._defaults[len(args) :])
         return self._host(args), CaptureSpec(*self._spec(args))
 
     def join(self, host: tuple, spec: CaptureSpec) -> tuple:
