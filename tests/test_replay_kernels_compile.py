@@ -79,7 +79,8 @@ ptrs = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", scale="fp
                                    "stamps_ptr", "step_ptr")})
 ce = dict(METHOD=int(M.SIGMOID_RENORM), UNNORM=False, HAS_BIAS=False, GROUPED=False, CAPTURE=False,
           BLOCK_M=1,
-          NG_PAD=1, G_PAD=32, K_PAD=4, S_PAD=1, HAS_OFFSET=False, STAMP=False)
+          NG_PAD=1, G_PAD=32, K_PAD=4, S_PAD=1, HAS_OFFSET=False, STAMP=False, N_SHARED=0,
+          CAPTURE_SHARED=False)
 build("route fp32 SIGMOID_RENORM", _route_kernel, ptrs, ce, 1)
 from moe_ops.router.hash_kernels import _route_hash_kernel
 hash_ptrs = dict(logits_ptr="*fp32", table_ptr="*i64", tok_ptr="*i32", weights_ptr="*fp32", scale="fp32",

@@ -75,7 +75,10 @@ for (method, unnorm), capture, const in itertools.product(variants, (True, False
     sc = dict(route_scalars, **({} if grouped else dict(group_size=32, n_group=1, topk_group=1)))
     ce = dict(METHOD=int(method), UNNORM=unnorm, HAS_BIAS=grouped, GROUPED=grouped, CAPTURE=capture,
               BLOCK_M=2, NG_PAD=4 if grouped else 1, G_PAD=8 if grouped else 32, K_PAD=4, S_PAD=4,
-              HAS_OFFSET=True, STAMP=True)
+              HAS_OFFSET=True, STAMP=True,
+              # DEFAULT with fused shared experts: their constant stores, recorded when capturing
+              N_SHARED=2 if method == RoutingMethod.DEFAULT else 0,
+              CAPTURE_SHARED=capture and method == RoutingMethod.DEFAULT)
     build(f"route {method.name} unnorm={unnorm} capture={capture} constants={const}", _route_kernel,
           route_ptrs, sc, ce, const)
 from moe_ops.router.hash_kernels import _route_hash_kernel

@@ -26,6 +26,7 @@ spec (``target.spec``); a spec itself is not validated: it is what a validated t
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
@@ -188,6 +189,8 @@ class Arg:
     type: str
     # True when the op writes it (declared mutated: Tensor(aN!))
     written: bool = False
+    # its schema default as written after "=" (e.g. "0"), or None: a required argument
+    default: str | None = None
 
     @property
     def is_tensor(self) -> bool:
@@ -208,8 +211,9 @@ def parse_args(schema: str) -> tuple[Arg, ...]:
     args = []
     for item in inner.split(", "):
         type_, name = item.rsplit(" ", 1)
+        name, _, default = name.partition("=")
         written = "!" in type_
-        args.append(Arg(name, re.sub(r"\(a\d+!?\)", "", type_), written))
+        args.append(Arg(name, re.sub(r"\(a\d+!?\)", "", type_), written, default or None))
     return tuple(args)
 
 
@@ -247,19 +251,26 @@ class OpArgs:
         source = {p: i for i, p in enumerate(self.host_positions)}
         source.update({p: n_host + i for i, p in enumerate(self.spec_positions)})
         self._join = _getter([source[p] for p in range(len(names))])
+        # the trailing arguments' defaults: the dispatcher leaves out trailing arguments that hold
+        # their default when it calls a Python kernel, and split puts them back
+        self._defaults = tuple(None if a.default is None else ast.literal_eval(a.default) for a in self.args)
 
     @classmethod
     def fused(cls, host: Sequence[Arg]) -> OpArgs:
         """An op that does its own work (``host``: its arguments without capture) and captures in
         the same launch: the host's tensors, the spec's tensors, the host's other arguments, the
-        spec's other arguments."""
+        spec's other arguments, then the host's arguments with a default (an argument added with
+        a default extends the schema at its end, so positional callers of the old one still
+        work)."""
         host, spec = tuple(host), SPEC_ARGS
+        required = tuple(a for a in host if a.default is None)
         return cls(
             (
-                *(a for a in host if a.is_tensor),
+                *(a for a in required if a.is_tensor),
                 *(a for a in spec if a.is_tensor),
-                *(a for a in host if not a.is_tensor),
+                *(a for a in required if not a.is_tensor),
                 *(a for a in spec if not a.is_tensor),
+                *(a for a in host if a.default is not None),
             )
         )
 
@@ -270,7 +281,8 @@ class OpArgs:
             type_ = a.type
             if a.written:
                 type_ = f"Tensor(a{i}!)" + ("?" if a.type == "Tensor?" else "")
-            parts.append(f"{type_} {a.name}")
+            default = "" if a.default is None else f"={a.default}"
+            parts.append(f"{type_} {a.name}{default}")
         return "(" + ", ".join(parts) + ") -> ()"
 
     @property
@@ -283,7 +295,10 @@ class OpArgs:
         return tuple(self.names.index(n) for n in names)
 
     def split(self, args: Sequence) -> tuple[tuple, CaptureSpec]:
-        """(the host arguments in the op's order, the spec) of one call's arguments."""
+        """(the host arguments in the op's order, the spec) of one call's arguments; trailing
+        arguments left out (they hold their defaults) are filled in."""
+        if len(args) < len(self._defaults):
+            args = (*args, *self._defaults[len(args) :])
         return self._host(args), CaptureSpec(*self._spec(args))
 
     def join(self, host: tuple, spec: CaptureSpec) -> tuple:

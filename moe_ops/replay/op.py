@@ -32,6 +32,7 @@ from .._runtime.faults import DeviceCounter, cpu_counter_lock, device_counter, e
 from .._runtime.library import destination_op, eager_caller, identity, reference_op
 from .._runtime.triton import HAS_TRITON
 from ..router.hash import check_hash_args
+from ..router.kernels import write_shared_columns
 from ..router.methods import (
     METHODS,
     REPLAY_LOGIT_DTYPES,
@@ -40,6 +41,7 @@ from ..router.methods import (
     validate_route_args,
 )
 from ..router.op import choose_triton
+from ..router.shared import check_num_fused_shared_experts
 from .kernels import (
     REPLAY_FAULT_HASH,
     REPLAY_FAULT_OUT_OF_RANGE,
@@ -317,19 +319,22 @@ def _forward(
     row_count,
     hash_table=None,
     token_ids=None,
+    n_shared=0,
 ):
     """Allocates the outputs and runs the forward op (``dtype``: the compute dtype, float32 or
-    float64)."""
+    float64). With ``n_shared`` fused shared experts the op writes the routed columns (views of
+    the outputs) and :func:`write_shared_columns` the constant ones: two elementwise writes, only
+    when ``n_shared > 0``."""
     n, k = recorded_ids.shape
-    weights = torch.empty((n, k), dtype=dtype, device=router_logits.device)
-    ids = torch.empty((n, k), dtype=torch.int32, device=router_logits.device)
+    weights = torch.empty((n, k + n_shared), dtype=dtype, device=router_logits.device)
+    ids = torch.empty((n, k + n_shared), dtype=torch.int32, device=router_logits.device)
     forward_ = _forward_call if use_triton else _reference_forward
     forward_(
         router_logits,
         recorded_ids,
         bias,
-        weights,
-        ids,
+        weights[:, :k] if n_shared else weights,
+        ids[:, :k] if n_shared else ids,
         _errors_for(router_logits),
         method,
         n_group,
@@ -340,6 +345,8 @@ def _forward(
         hash_table,
         token_ids,
     )
+    if n_shared:
+        write_shared_columns(weights, ids, router_logits.shape[1], n_shared)
     return weights, ids
 
 
@@ -348,8 +355,10 @@ class ReplayRoutingFunction(torch.autograd.Function):
     non-differentiable and the bias only chooses live rows, a piecewise-constant choice).
 
     ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, unnormalized,
-    use_triton, dtype, row_count, hash_table, token_ids)`` with validated arguments; ``dtype`` is the
-    compute and weights dtype (in :func:`replay_routing`: float64 for float64 logits, else float32).
+    use_triton, dtype, row_count, hash_table, token_ids, n_shared)`` with validated arguments;
+    ``dtype`` is the compute and weights dtype (in :func:`replay_routing`: float64 for float64
+    logits, else float32). The ``n_shared`` fused shared columns are constants: their incoming
+    gradient is dropped (none reaches the logits).
     """
 
     @staticmethod
@@ -368,6 +377,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
         row_count,
         hash_table=None,
         token_ids=None,
+        n_shared=0,
     ):
         weights, ids = _forward(
             router_logits,
@@ -383,6 +393,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
             row_count,
             hash_table,
             token_ids,
+            n_shared,
         )
         ctx.save_for_backward(router_logits, weights, ids)
         ctx.mark_non_differentiable(ids)
@@ -391,6 +402,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
             # (Dynamo refuses this call; AOT autograd gives integer outputs no gradient anyway.)
             ctx.set_materialize_grads(False)
         ctx.method, ctx.scale, ctx.unnormalized, ctx.use_triton = method, scale, unnormalized, use_triton
+        ctx.n_routed = recorded_ids.shape[1]
         return weights, ids
 
     @staticmethod
@@ -398,13 +410,16 @@ class ReplayRoutingFunction(torch.autograd.Function):
     def backward(ctx, grad_weights, grad_ids):
         router_logits, weights, ids = ctx.saved_tensors
         if grad_weights is None:  # no gradient reached the weights (grads are not materialised)
-            return (None,) * 13
+            return (None,) * 14
         grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
         backward_ = _backward_call if ctx.use_triton else _reference_backward
+        k = ctx.n_routed
+        if weights.shape[1] != k:  # fused shared columns: constant weights, their gradient dropped
+            grad_weights, weights, ids = grad_weights[:, :k], weights[:, :k], ids[:, :k]
         backward_(
             grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale, ctx.unnormalized
         )
-        return (grad_logits, *(None,) * 12)
+        return (grad_logits, *(None,) * 13)
 
 
 def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor, method) -> None:
@@ -471,6 +486,7 @@ def replay_routing(
     row_count: torch.Tensor | None = None,
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    num_fused_shared_experts: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token through the experts the rollout recorded, weighted from the live logits.
 
@@ -503,14 +519,19 @@ def replay_routing(
             ``hash_table[token_ids]``, as ``route`` does; a row the table cannot route gets ids -1
             and weights 0 and is counted (``REPLAY_FAULT_HASH``). Gradients reach the logits
             through the method's weight rule only (the table chooses; nothing to differentiate).
+        num_fused_shared_experts: s >= 0 - as in :func:`moe_ops.route`: ``s`` columns appended
+            after the routed ones, ids ``num_experts + j`` at weight 1.0 (constants: no gradient
+            flows through them). ``recorded_ids`` holds the routed columns only (what capture
+            records by default); a shared id in it is outside ``[0, num_experts)``, a fault (below).
 
     Returns:
-        weights: (n, top_k) float32 (float64 for float64 logits) - the method's weight rule
+        weights: (n, top_k + s) float32 (float64 for float64 logits) - the method's weight rule
             restricted to ``ids`` (docs/replay.md), from the dense logits; differentiable w.r.t.
-            ``router_logits`` (the gradient has ``router_logits``' dtype).
-        ids: (n, top_k) int32 - the recorded ids, column order kept; on a row of -1 (and on a faulty
+            ``router_logits`` (the gradient has ``router_logits``' dtype); then ``s`` columns of 1.0.
+        ids: (n, top_k + s) int32 - the recorded ids, column order kept; on a row of -1 (and on a faulty
             row) the live routing of that row, exactly what ``moe_ops.route`` returns for it (for
-            float64 logits, which ``route`` does not take: route's rule on the float64 keys).
+            float64 logits, which ``route`` does not take: route's rule on the float64 keys); then
+            the ``s`` shared ids.
 
     A row with an id outside ``[0, num_experts)`` (other than a whole row of -1) or an expert twice
     is faulty: it is routed live, its bad ids are never used as addresses, and it is counted on the
@@ -535,6 +556,12 @@ def replay_routing(
         logit_dtypes=REPLAY_LOGIT_DTYPES,
     )
     hashed = check_hash_args(router_logits, top_k, hash_table, token_ids, bias, n_group, topk_group)
+    n_shared = check_num_fused_shared_experts(num_fused_shared_experts, cfg.num_experts)
+    if hashed and n_shared:
+        raise ValueError(
+            "num_fused_shared_experts > 0 with hash_table: hash routing replays the table's top_k "
+            "columns only; append the shared experts after the call"
+        )
     # the router's rule: a block routed live holds the router's tile
     use_triton = choose_triton(backend, router_logits.device, cfg)
     compute = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
@@ -552,6 +579,7 @@ def replay_routing(
         _check_row_count(row_count, router_logits),
         hash_table if hashed else None,
         token_ids if hashed else None,
+        n_shared,
     )
     if torch.is_grad_enabled() and router_logits.requires_grad:
         return ReplayRoutingFunction.apply(*args)

@@ -44,6 +44,7 @@ __all__ = [
     "route_rows_torch",
     "route_rows_triton",
     "tile_shape",
+    "write_shared_columns",
 ]
 
 # Largest padded expert row the kernel holds in registers (NG_PAD * G_PAD): 4096 logits per row are
@@ -177,6 +178,10 @@ if HAS_TRITON:
         S_PAD: tl.constexpr,
         HAS_OFFSET: tl.constexpr,
         STAMP: tl.constexpr,
+        # fused shared experts: columns top_k .. top_k + N_SHARED - 1 hold ids num_experts + j at
+        # weight 1.0; CAPTURE_SHARED records them too (the buffer is top_k + N_SHARED wide)
+        N_SHARED: tl.constexpr = 0,
+        CAPTURE_SHARED: tl.constexpr = False,
     ):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -227,11 +232,23 @@ if HAS_TRITON:
         rows64 = rows.to(tl.int64)
         tl.store(weights_ptr + rows64[:, None] * stride_wm + kcol[None, :] * stride_wk, w, mask=out_ok)
         tl.store(ids_ptr + rows64[:, None] * stride_im + kcol[None, :] * stride_ik, ids, mask=out_ok)
+        # the shared columns are constants: N_SHARED stores of one id and one weight per row, no
+        # load (the id is num_experts + j, the weight 1.0, routed_scaling_factor does not touch it)
+        for j in tl.static_range(N_SHARED):
+            shared_id = tl.zeros((BLOCK_M,), tl.int32) + (n_group * group_size + j)
+            one = tl.full((BLOCK_M,), 1.0, tl.float32)
+            tl.store(weights_ptr + rows64 * stride_wm + (top_k + j) * stride_wk, one, mask=row_ok)
+            tl.store(ids_ptr + rows64 * stride_im + (top_k + j) * stride_ik, shared_id, mask=row_ok)
         if CAPTURE:
             mine = (rows >= start) & (rows < start + c_eff)
-            dst = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + (rows64 - start)[:, None] * stride_bm
-            dst += kcol[None, :] * stride_bk
+            row_dst = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + (rows64 - start) * stride_bm
+            dst = row_dst[:, None] + kcol[None, :] * stride_bk
             tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mine[:, None] & k_ok)
+            if CAPTURE_SHARED:
+                for j in tl.static_range(N_SHARED):
+                    shared_id = tl.zeros((BLOCK_M,), tl.int32) + (n_group * group_size + j)
+                    dst_j = row_dst + (top_k + j) * stride_bk
+                    tl.store(dst_j, shared_id.to(buf_ptr.dtype.element_ty), mask=mine)
             if pid == 0:
                 record_faults(errors_ptr, flags)
                 if STAMP:
@@ -250,6 +267,7 @@ def route_rows_triton(
     capture: CaptureSpec | None = None,
     *,
     unnormalized: bool = False,
+    num_fused_shared_experts: int = 0,
     block_m: int | None = None,
     num_warps: int | None = None,
     wrap=identity,
@@ -258,10 +276,12 @@ def route_rows_triton(
 
     router_logits: (n, E) float32/bf16/fp16 - router outputs, read once
     bias: (E,) float or None - the selection bias of BIAS_METHODS
-    weights: (n, top_k) float32 - written
-    ids: (n, top_k) int32 - written
+    weights: (n, top_k + s) float32 - written (s = ``num_fused_shared_experts``)
+    ids: (n, top_k + s) int32 - written: the routed top_k, then ids E .. E + s - 1
     unnormalized: the method's renormalize=False weight rule (``RouteConfig.unnormalized``)
-    capture: where to record this rank's ids, or None
+    num_fused_shared_experts: s, the shared columns appended at weight 1.0
+    capture: where to record this rank's ids, or None; its buffer is top_k wide (the routed
+        columns are recorded) or top_k + s wide (the shared columns too)
     block_m, num_warps: override :func:`launch_config` (tests and tuning)
     wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
         when torch.compile traces the op; see :mod:`moe_ops._runtime.library`)
@@ -269,7 +289,8 @@ def route_rows_triton(
     One launch, no host reads, no allocation: CUDA-graph capturable.
     """
     n_tokens, num_experts = router_logits.shape
-    top_k = ids.shape[1]
+    n_shared = int(num_fused_shared_experts)
+    top_k = ids.shape[1] - n_shared
     ng_pad, g_pad = tile_shape(num_experts, n_group)
     # n_tokens may be a SymInt (dynamic shapes): the tile only tunes speed, so it is chosen from
     # the traced example's size without a guard; the grid below stays an expression in n_tokens
@@ -319,6 +340,8 @@ def route_rows_triton(
         G_PAD=g_pad,
         K_PAD=next_power_of_2(top_k),
         **capture_constexprs,
+        N_SHARED=n_shared,
+        CAPTURE_SHARED=capture is not None and n_shared > 0 and capture.buffer.shape[2] > top_k,
     )
     if router_logits.device.type == "cpu":
         # interpreted Triton updates the fault counter in Python (see capture.errors); on CUDA the
@@ -349,6 +372,7 @@ def route_rows_torch(
     capture: CaptureSpec | None = None,
     *,
     unnormalized: bool = False,
+    num_fused_shared_experts: int = 0,
 ) -> None:
     """PyTorch twin of :func:`route_rows_triton`: same arguments, same writes, same fault bits.
 
@@ -360,12 +384,28 @@ def route_rows_torch(
     intermediates (it is the CPU path and the oracle, not the fast path).
     """
     method = RoutingMethod(method)
+    n_shared = int(num_fused_shared_experts)
+    top_k = ids.shape[1] - n_shared
     # route_reference in float32, with the weight rule the kernel computes (WeightRule.computed)
     x = router_logits.to(torch.float32)
-    ref_ids = select_experts(selection_keys(x, method, bias), ids.shape[1], n_group, topk_group)
+    ref_ids = select_experts(selection_keys(x, method, bias), top_k, n_group, topk_group)
     rule, _ = METHODS[method].computed(unnormalized)
     ref_weights = rule_weights(x, ref_ids, rule, routed_scaling_factor)
-    weights.copy_(ref_weights)
-    ids.copy_(ref_ids)
+    weights[:, :top_k].copy_(ref_weights)
+    ids[:, :top_k].copy_(ref_ids)
+    if n_shared:
+        write_shared_columns(weights, ids, router_logits.shape[1], n_shared)
     if capture is not None:
-        capture_rows_torch(*CAPTURE_OP.join((ids,), capture))
+        # the buffer's width says what is recorded: the routed columns, or the shared ones too
+        recorded = ids[:, : capture.buffer.shape[2]]
+        capture_rows_torch(*CAPTURE_OP.join((recorded,), capture))
+
+
+def write_shared_columns(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, n_shared: int) -> None:
+    """Writes the fused shared experts' columns, the last ``n_shared`` of ``weights`` and ``ids``:
+    ids ``num_experts + j`` at weight 1.0 (vLLM's and FlashInfer's rule, docs/routing.md "Fused
+    shared experts"). No host reads."""
+    top_k = ids.shape[1] - n_shared
+    shared = torch.arange(num_experts, num_experts + n_shared, dtype=ids.dtype, device=ids.device)
+    ids[:, top_k:].copy_(shared.expand(ids.shape[0], n_shared))
+    weights[:, top_k:].fill_(1.0)

@@ -26,6 +26,7 @@ if HAS_TRITON:
     from .kernels import _route_kernel
 from .methods import RouteConfig, RoutingMethod, validate_route_args
 from .policy import auto_runs_triton
+from .shared import check_capture_shared_experts, check_num_fused_shared_experts
 
 __all__ = ["BACKENDS", "route"]
 
@@ -43,6 +44,7 @@ def _route(
     topk_group: int,
     routed_scaling_factor: float,
     unnormalized: bool,
+    num_fused_shared_experts: int = 0,
     *,
     wrap=identity,
 ) -> None:
@@ -57,6 +59,7 @@ def _route(
         topk_group,
         routed_scaling_factor,
         unnormalized=unnormalized,
+        num_fused_shared_experts=num_fused_shared_experts,
         wrap=wrap,
     )
 
@@ -71,6 +74,7 @@ def _route_twin(
     topk_group: int,
     routed_scaling_factor: float,
     unnormalized: bool,
+    num_fused_shared_experts: int = 0,
 ) -> None:
     """PyTorch twin of :func:`_route`."""
     route_rows_torch(
@@ -83,13 +87,15 @@ def _route_twin(
         topk_group,
         routed_scaling_factor,
         unnormalized=unnormalized,
+        num_fused_shared_experts=num_fused_shared_experts,
     )
 
 
 _ROUTE_MUTATES = ("weights", "ids")
 _ROUTE_SCHEMA = torch.library.infer_schema(_route_twin, mutates_args=_ROUTE_MUTATES)
 # route_capture_: route_'s arguments with a CaptureSpec's fused in (moe_ops.capture.spec generates
-# the list and the schema): route's tensors, the spec's tensors, route's scalars, the spec's scalars
+# the list and the schema): route's tensors, the spec's tensors, route's scalars, the spec's
+# scalars, then route's defaulted num_fused_shared_experts (last, so older positional calls hold)
 ROUTE_CAPTURE = OpArgs.fused(parse_args(_ROUTE_SCHEMA))
 
 
@@ -100,14 +106,16 @@ def _route_capture(*args, wrap=identity) -> None:
     :class:`~moe_ops.capture.spec.CaptureSpec`'s, as in ``moe_ops::capture_routing_``; the rows are
     LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
     """
-    (*route_args, unnormalized), capture = ROUTE_CAPTURE.split(args)
-    route_rows_triton(*route_args, capture, unnormalized=unnormalized, wrap=wrap)
+    (*route_args, unnormalized, n_shared), capture = ROUTE_CAPTURE.split(args)
+    route_rows_triton(
+        *route_args, capture, unnormalized=unnormalized, num_fused_shared_experts=n_shared, wrap=wrap
+    )
 
 
 def _route_capture_twin(*args) -> None:
     """PyTorch twin of :func:`_route_capture`."""
-    (*route_args, unnormalized), capture = ROUTE_CAPTURE.split(args)
-    route_rows_torch(*route_args, capture, unnormalized=unnormalized)
+    (*route_args, unnormalized, n_shared), capture = ROUTE_CAPTURE.split(args)
+    route_rows_torch(*route_args, capture, unnormalized=unnormalized, num_fused_shared_experts=n_shared)
 
 
 _CAPTURE_MUTATES = ROUTE_CAPTURE.mutates
@@ -206,6 +214,8 @@ def route(
     backend: str = "auto",
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    num_fused_shared_experts: int = 0,
+    capture_shared_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token to ``top_k`` experts and, with ``capture``, records the ids for replay.
 
@@ -244,13 +254,21 @@ def route(
             Not on backend "flashinfer".
         token_ids: (n,) integer on the logits' device - each row's token id (the model's
             ``input_ids``, flattened); only with ``hash_table``.
+        num_fused_shared_experts: s >= 0 - shared experts fused into the routed MoE: ``s`` columns
+            appended after the ``top_k`` routed ones, ids ``num_experts + j`` at weight 1.0, not
+            scaled by ``routed_scaling_factor`` (vLLM's and FlashInfer's rule; docs/routing.md
+            "Fused shared experts"). Not with ``backend="flashinfer"``.
+        capture_shared_experts: what ``capture`` records: False (default) the ``top_k`` routed
+            columns only, what a trainer replays (the buffer is ``top_k`` wide); True the shared
+            columns too (the buffer is ``top_k + s`` wide and its dtype holds
+            ``num_experts + s - 1``). True needs ``capture`` and ``s > 0``.
 
     Returns:
-        weights: (n, top_k) float32 - routing weights, in the order of ``ids``. They carry no
+        weights: (n, top_k + s) float32 - routing weights, in the order of ``ids``. They carry no
             gradient: ``route`` is the inference router. A training step that must send each token
             through recorded experts while the gate still learns uses :func:`moe_ops.replay_routing`.
-        ids: (n, top_k) int32 - chosen experts by descending selection score; among equal scores
-            the lowest expert index wins (and comes first).
+        ids: (n, top_k + s) int32 - chosen experts by descending selection score; among equal scores
+            the lowest expert index wins (and comes first); then the ``s`` shared ids.
 
     No host reads, no synchronisation, no allocation beyond the two outputs (the Triton and
     reference paths; SEQUENCE_PARALLEL with tp_size > 1 adds the capture's all-gather output).
@@ -270,6 +288,13 @@ def route(
         renormalize=renormalize,
     )
     hashed = check_hash_args(router_logits, top_k, hash_table, token_ids, bias, n_group, topk_group)
+    n_shared = check_num_fused_shared_experts(num_fused_shared_experts, cfg.num_experts)
+    keep_shared = check_capture_shared_experts(capture_shared_experts, n_shared, capture is not None)
+    if hashed and n_shared:
+        raise ValueError(
+            "num_fused_shared_experts > 0 with hash_table: hash routing returns the table's top_k "
+            "columns only; append the shared experts after the call"
+        )
     device = router_logits.device
     if capture is not None:
         if not isinstance(capture, CaptureTarget):
@@ -282,6 +307,11 @@ def route(
         if hashed:
             raise ValueError(
                 "backend='flashinfer' has no hash routing; hash_table runs on 'auto', 'triton' or 'torch'"
+            )
+        if n_shared:
+            raise ValueError(
+                "backend='flashinfer' routes the top_k routed experts only; num_fused_shared_experts > 0 "
+                "runs on backend 'auto', 'triton' or 'torch'"
             )
         if cfg.unnormalized:
             raise ValueError(
@@ -296,9 +326,16 @@ def route(
         return route_hashed(router_logits, hash_table, token_ids, cfg, capture, use_triton)
 
     n_tokens = router_logits.shape[0]
-    weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((n_tokens, top_k), dtype=torch.int32, device=device)
-    route_args = (int(cfg.method), cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.unnormalized)
+    weights = torch.empty((n_tokens, top_k + n_shared), dtype=torch.float32, device=device)
+    ids = torch.empty((n_tokens, top_k + n_shared), dtype=torch.int32, device=device)
+    route_args = (
+        int(cfg.method),
+        cfg.n_group,
+        cfg.topk_group,
+        cfg.routed_scaling_factor,
+        cfg.unnormalized,
+        n_shared,
+    )
     # the op runs the Triton kernel on CUDA (and on the CPU under the interpreter), the twin on the
     # CPU otherwise; the reference ops run the twin everywhere
     route_ = _route_call if use_triton else torch.ops.moe_ops.route_reference_
@@ -306,11 +343,14 @@ def route(
         route_(router_logits, bias, weights, ids, *route_args)
         return weights, ids
 
-    capture.check_num_experts(cfg.num_experts)
-    capture.check_ids(ids)
+    # what is recorded: the routed columns (a view, no copy), or every column with the knob; the
+    # kernels read which from the buffer's width, checked here against the knob
+    recorded = ids if keep_shared else ids[:, :top_k]
+    capture.check_num_experts(cfg.num_experts + n_shared if keep_shared else cfg.num_experts)
+    capture.check_ids(recorded)
     if capture.layout == BatchLayout.SEQUENCE_PARALLEL:
         route_(router_logits, bias, weights, ids, *route_args)
-        capture_into(capture, ids)
+        capture_into(capture, recorded)
         return weights, ids
     route_capture = _route_capture_call if use_triton else torch.ops.moe_ops.route_capture_reference_
     route_capture(*ROUTE_CAPTURE.join((router_logits, bias, weights, ids, *route_args), capture.spec))

@@ -31,6 +31,7 @@ __all__ = [
     "router_cases",
     "router_configs",
     "scaled_router_cases",
+    "shared_capture_cases",
     "sqrtsoftplus_cases",
 ]
 
@@ -405,3 +406,24 @@ def hash_cases(draw, methods=tuple(RoutingMethod), max_experts: int = 64, max_to
         bad_tokens=bad_tokens,
         bad_entries=bad_entries,
     )
+
+
+@st.composite
+def shared_capture_cases(draw, configs=None, max_shared: int = 3, capture_kw=None, dtypes=LOGIT_DTYPES):
+    """(CaptureCase, RouterCase, num_fused_shared_experts, capture_shared_experts): a batch to
+    route with fused shared experts and record. The CaptureCase's buffer is as wide as what the
+    capture keeps: ``top_k`` (the routed columns) or ``top_k + s`` (the shared ones too)."""
+    config = draw(configs if configs is not None else router_configs(max_experts=64, max_top_k=8))
+    n_shared = draw(st.integers(1, max_shared))
+    keep = draw(st.booleans())
+    width = config.top_k + (n_shared if keep else 0)
+    case = draw(capture_cases(layouts=tuple(BatchLayout), top_ks=(width,), **(capture_kw or {})))
+    router = RouterCase(
+        config=config,
+        n=case.rows.shape[0],
+        dtype=draw(st.sampled_from(dtypes)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        kind=draw(st.sampled_from(("normal", "ties"))),
+        scale=1.0,
+    )
+    return case, router, n_shared, keep
