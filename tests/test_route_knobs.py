@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gpu_helpers import skip_unless_triton_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,14 +37,22 @@ def _skip(backend: str, device: str = "cpu") -> None:
 
 
 def peer_weights(
-    logits: torch.Tensor, ids: torch.Tensor, scale: float | None, renormalize: bool
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    scale: float | None,
+    renormalize: bool,
+    method: RoutingMethod = RoutingMethod.DEEPSEEK_V3,
 ) -> np.ndarray:
-    """The peers' weights at ``ids`` in float64 numpy: ``s = sigmoid(x[ids])``, divided by
+    """The peers' weights at ``ids`` in float64 numpy: the method's score ``s`` of ``x[ids]``
+    (``sigmoid``; SQRTSOFTPLUS: ``sqrt(softplus)``, softplus ``x`` above 20 as torch's), divided by
     ``sum s + 1e-20`` when ``renormalize``, times ``scale`` (1.0 when None)."""
     x = logits.double().cpu().numpy()
     chosen = np.take_along_axis(x, ids.long().cpu().numpy(), axis=1)
     with np.errstate(over="ignore", invalid="ignore"):
-        s = 1.0 / (1.0 + np.exp(-chosen))
+        if method == RoutingMethod.SQRTSOFTPLUS:
+            s = np.sqrt(np.where(chosen > 20.0, chosen, np.log1p(np.exp(chosen))))
+        else:
+            s = 1.0 / (1.0 + np.exp(-chosen))
         if renormalize:
             s = s / (s.sum(axis=1, keepdims=True) + 1e-20)
     return s * (1.0 if scale is None else scale)
@@ -78,7 +87,8 @@ def test_route_weights_are_the_peers_formula(backend, data):
     own_weights, own_ids = route(x, cfg.top_k, cfg.method, backend=backend, **own_cfg.route_kwargs(bias))
     assert torch.equal(ids, own_ids), "renormalize changed the choice"
     assert_weights(
-        weights, peer_weights(logits, ids, cfg.routed_scaling_factor, cfg.renormalize is not False)
+        weights,
+        peer_weights(logits, ids, cfg.routed_scaling_factor, cfg.renormalize is not False, cfg.method),
     )
     if cfg.renormalize is not False:  # the method's own rule, bit for bit
         assert torch.equal(weights.nan_to_num(7.0), own_weights.nan_to_num(7.0))
@@ -119,8 +129,8 @@ def test_kernel_equals_twin_into_poisoned_outputs(data, capture):
         assert (buf[case.n :] == POISON_ID).all() and (buf[:, 0] == POISON_ID).all()
         assert capture or (buf == POISON_ID).all()
     torch.testing.assert_close(tri_w[same], ref_w[same], rtol=1e-5, atol=1e-6, equal_nan=True)
-    assert_weights(tri_w, peer_weights(logits, tri_ids, cfg.routed_scaling_factor, False))
-    assert_weights(ref_w, peer_weights(logits, ref_ids, cfg.routed_scaling_factor, False))
+    assert_weights(tri_w, peer_weights(logits, tri_ids, cfg.routed_scaling_factor, False, cfg.method))
+    assert_weights(ref_w, peer_weights(logits, ref_ids, cfg.routed_scaling_factor, False, cfg.method))
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -181,7 +191,10 @@ def test_gradcheck_renormalize_off(backend, method, n, groups, scale, seed):
     g = torch.randn(w.shape, generator=gen, dtype=torch.float64)
     (got,) = torch.autograd.grad(w, x, g)
     x2 = x.detach().clone().requires_grad_()
-    want_w = torch.sigmoid(x2.gather(1, got_ids.long())) * (1.0 if scale is None else scale)
+    chosen = x2.gather(1, got_ids.long())
+    # the method's score: sigmoid, or SQRTSOFTPLUS's sqrt(softplus) (torch's softplus, threshold 20)
+    score = chosen.sigmoid() if method != RoutingMethod.SQRTSOFTPLUS else F.softplus(chosen).sqrt()
+    want_w = score * (1.0 if scale is None else scale)
     (want,) = torch.autograd.grad(want_w, x2, g)
     torch.testing.assert_close(w.detach(), want_w.detach(), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
@@ -262,7 +275,7 @@ def test_cuda_kernels_renormalize_off(case: RouterCase):
     x64, b64 = logits.double().cpu(), None if bias is None else bias.double().cpu()
     same = ~rounding_decided_rows(cfg, x64, b64)
     assert torch.equal(ids.cpu()[same], ref_ids.cpu()[same])
-    assert_weights(weights, peer_weights(logits, ids, cfg.routed_scaling_factor, False))
+    assert_weights(weights, peer_weights(logits, ids, cfg.routed_scaling_factor, False, cfg.method))
     rw, rids = replay_routing(logits, ids, cfg.method, backend="triton", **kw)
     assert torch.equal(rids, ids)
     torch.testing.assert_close(rw, weights, rtol=1e-6, atol=1e-7, equal_nan=True)
