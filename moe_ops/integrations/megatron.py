@@ -657,6 +657,7 @@ def _check_rule(rule: ReplayRule, router: MegatronRouter) -> None:
             rule.topk_group,
             rule.routed_scaling_factor,
             renormalize=rule.renormalize,
+            group_score=rule.group_score,
         )
     except (TypeError, ValueError) as e:
         raise ValueError(

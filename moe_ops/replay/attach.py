@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ..router.methods import RoutingMethod, validate_route_args
+from ..router.methods import GroupScore, RoutingMethod, validate_route_args
 from .op import BACKENDS, REPLAY_LOGIT_DTYPES, replay_routing
 
 __all__ = [
@@ -71,6 +71,9 @@ class ReplayRule:
     capture_kwarg: str | None = None
     # the architecture's weight rule in words (docs, handle.rules, error messages)
     description: str = ""
+    # replay_routing's group_score (a GroupScore; None: the method's own), for faulty rows routed
+    # live with groups
+    group_score: GroupScore | None = None
 
 
 def replay_router_output(
@@ -131,6 +134,7 @@ def replay_router_output(
         renormalize=rule.renormalize,
         backend=backend,
         row_count=row_count,
+        group_score=rule.group_score,
     )
     if rule.weights_fn is not None:
         weights = rule.weights_fn(router_logits, ids.to(torch.int64))
@@ -448,6 +452,7 @@ def check_rule(rule: ReplayRule, module: nn.Module, path: str, top_k: int | None
             rule.topk_group,
             rule.routed_scaling_factor,
             renormalize=rule.renormalize,
+            group_score=rule.group_score,
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"the router at {path!r} cannot be replayed with {rule.method.name}: {e}") from None

@@ -152,6 +152,7 @@ def replay_rows_torch(
     routed_scaling_factor: float,
     row_count: torch.Tensor | None = None,
     unnormalized: bool = False,
+    group_top: int = 2,
 ) -> None:
     """PyTorch twin of :func:`replay_rows_triton`: same arguments, same writes, same fault record.
 
@@ -161,7 +162,8 @@ def replay_rows_torch(
     weights: (n, k) float32, or float64 for float64 logits - written; the compute dtype
     ids: (n, k) int32 - written
     errors: (2,) int32 - [faulty rows, OR of fault bits], added to
-    unnormalized: the method's renormalize=False weight rule (``RouteConfig.unnormalized``)
+    unnormalized: the method's other weight rule (``RouteConfig.unnormalized``)
+    group_top: the keys a group score sums (``RouteConfig.group_top``; live rows with groups)
     row_count: (1,) int32 or None - the rows the recorded batch holds (a ``RoutingReplayer``'s
         ``row_count``); when it is not ``n``, one faulty call with :data:`REPLAY_FAULT_ROW_COUNT`
 
@@ -176,7 +178,7 @@ def replay_rows_torch(
     rec = recorded_ids.to(torch.int64)
     live, out_of_range, repeated = _classify(rec, num_experts)
     faulty = out_of_range | repeated
-    live_ids = select_experts(selection_keys(x, method, bias), k, n_group, topk_group)
+    live_ids = select_experts(selection_keys(x, method, bias), k, n_group, topk_group, group_top)
     final = torch.where((live | faulty)[:, None], live_ids, rec)
     weights.copy_(replay_weights(x, final, method, routed_scaling_factor, unnormalized))
     ids.copy_(final)
@@ -243,6 +245,7 @@ if HAS_TRITON:
         gradient_column,
         gradient_rows,
         gradient_sigmoid,
+        row_softmax,
     )
 
     # Triton kernels may only read globals that are constexpr.
@@ -272,6 +275,7 @@ if HAS_TRITON:
         G_PAD: tl.constexpr,
         K_PAD: tl.constexpr,
         COMPUTE: tl.constexpr,
+        GROUP_TOP: tl.constexpr,
     ):
         """(BLOCK_M, K_PAD) int32: the router's top-k of each row (descending key, ties to the lowest
         index), from a (BLOCK_M, NG_PAD, G_PAD) register tile of the rows' logits in ``COMPUTE``
@@ -284,9 +288,12 @@ if HAS_TRITON:
         ok3 = row_ok[:, None, None] & expert_ok[None, :, :]
         x = tl.load(logits_ptr + row_off[:, None, None] + expert3 * stride_le, mask=ok3, other=0.0)
         x = x.to(COMPUTE)
-        okey = ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD, HAS_BIAS)
+        # the rows' softmax where the key reads it (SOFTMAX_BIAS; unread, and so not computed, by
+        # every other key: a weight rule's softmax in METHOD's column is dead code here)
+        x_max, z = row_softmax(x, ok3, row_ok, METHOD, False)
+        okey = ordered_keys(x, bias_ptr, expert, expert_ok, ok3, x_max, z, METHOD, HAS_BIAS)
         if GROUPED:
-            okey = keep_groups(okey, row_ok, n_group, topk_group, BLOCK_M, NG_PAD, G_PAD)
+            okey = keep_groups(okey, row_ok, n_group, topk_group, BLOCK_M, NG_PAD, G_PAD, GROUP_TOP)
         ids = topk_rounds(okey, expert3, BLOCK_M, K_PAD)
         return ids
 
@@ -367,6 +374,7 @@ if HAS_TRITON:
         G_PAD: tl.constexpr,
         K_PAD: tl.constexpr,
         CHECK_ROWS: tl.constexpr,
+        GROUP_TOP: tl.constexpr,
     ):
         # The recorded rows' path works in the layout of one (BLOCK_M, K_PAD) tile: every per-row
         # value is a keep_dims reduction of it broadcast over the columns, so the path has one load
@@ -430,7 +438,7 @@ if HAS_TRITON:
             live_ids = _live_topk(
                 logits_ptr, bias_ptr, live_rows.to(tl.int64) * stride_lm, live_rows < n_tokens,
                 group_size, n_group, topk_group, stride_le,
-                METHOD, HAS_BIAS, GROUPED, BLOCK_M, NG_PAD, G_PAD, K_PAD, COMPUTE,
+                METHOD, HAS_BIAS, GROUPED, BLOCK_M, NG_PAD, G_PAD, K_PAD, COMPUTE, GROUP_TOP,
             )  # fmt: skip
             live_ok = need_live & k_ok
             lw = _gathered_weights(
@@ -587,6 +595,7 @@ def replay_rows_triton(
     routed_scaling_factor: float,
     row_count: torch.Tensor | None = None,
     unnormalized: bool = False,
+    group_top: int = 2,
     *,
     block_m: int | None = None,
     num_warps: int | None = None,
@@ -652,6 +661,8 @@ def replay_rows_triton(
         G_PAD=g_pad,
         K_PAD=next_power_of_2(top_k),
         CHECK_ROWS=row_count is not None,
+        # one variant without groups whatever the rule (unread there)
+        GROUP_TOP=int(group_top) if n_group > 1 else 2,
         num_warps=num_warps,
     )
 

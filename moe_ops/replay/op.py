@@ -34,6 +34,7 @@ from .._runtime.triton import HAS_TRITON
 from ..router.methods import (
     METHODS,
     REPLAY_LOGIT_DTYPES,
+    GroupScore,
     RoutingMethod,
     method_from_value,
     validate_route_args,
@@ -168,6 +169,7 @@ def _forward_twin(
     routed_scaling_factor: float,
     row_count: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
     unnormalized: bool = False,
+    group_top: int = 2,
 ) -> None:
     """Writes every row's replayed (or live) ``weights`` and ``ids``; counts faulty rows (and a
     call whose row count is not ``row_count``) in ``errors`` (contract in kernels.py)."""
@@ -184,6 +186,7 @@ def _forward_twin(
         routed_scaling_factor,
         row_count,
         unnormalized,
+        group_top,
     )
 
 
@@ -216,6 +219,7 @@ def _forward_triton(
     routed_scaling_factor: float,
     row_count: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
     unnormalized: bool = False,
+    group_top: int = 2,
     *,
     wrap=identity,
 ) -> None:
@@ -226,9 +230,9 @@ def _forward_triton(
         # launch atomic with respect to a check's read-and-subtract (moe_ops._runtime.faults); on
         # CUDA the kernel's atomics need no lock
         with cpu_counter_lock(errors.device):
-            replay_rows_triton(*args, routed_scaling_factor, row_count, unnormalized, wrap=wrap)
+            replay_rows_triton(*args, routed_scaling_factor, row_count, unnormalized, group_top, wrap=wrap)
     else:
-        replay_rows_triton(*args, routed_scaling_factor, row_count, unnormalized, wrap=wrap)
+        replay_rows_triton(*args, routed_scaling_factor, row_count, unnormalized, group_top, wrap=wrap)
 
 
 _FORWARD_MUTATES = ("weights", "ids", "errors")
@@ -299,9 +303,10 @@ def _forward(
     use_triton,
     dtype,
     row_count,
+    group_top=2,
 ):
     """Allocates the outputs and runs the forward op (``dtype``: the compute dtype, float32 or
-    float64)."""
+    float64; ``group_top``: ``RouteConfig.group_top``)."""
     n, k = recorded_ids.shape
     weights = torch.empty((n, k), dtype=dtype, device=router_logits.device)
     ids = torch.empty((n, k), dtype=torch.int32, device=router_logits.device)
@@ -319,6 +324,7 @@ def _forward(
         scale,
         row_count,
         unnormalized,
+        group_top,
     )
     return weights, ids
 
@@ -328,7 +334,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
     non-differentiable and the bias only chooses live rows, a piecewise-constant choice).
 
     ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, unnormalized,
-    use_triton, dtype, row_count)`` with validated arguments; ``dtype`` is the compute and weights dtype (in
+    use_triton, dtype, row_count, group_top)`` with validated arguments; ``dtype`` is the compute and weights dtype (in
     :func:`replay_routing`: float64 for float64 logits, else float32).
     """
 
@@ -346,6 +352,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
         use_triton,
         dtype,
         row_count,
+        group_top=2,
     ):
         weights, ids = _forward(
             router_logits,
@@ -359,6 +366,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
             use_triton,
             dtype,
             row_count,
+            group_top,
         )
         ctx.save_for_backward(router_logits, weights, ids)
         ctx.mark_non_differentiable(ids)
@@ -374,13 +382,13 @@ class ReplayRoutingFunction(torch.autograd.Function):
     def backward(ctx, grad_weights, grad_ids):
         router_logits, weights, ids = ctx.saved_tensors
         if grad_weights is None:  # no gradient reached the weights (grads are not materialised)
-            return None, None, None, None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None, None, None, None
         grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
         backward_ = _backward_call if ctx.use_triton else _reference_backward
         backward_(
             grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale, ctx.unnormalized
         )
-        return grad_logits, None, None, None, None, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None, None, None, None, None
 
 
 def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor, method) -> None:
@@ -445,6 +453,7 @@ def replay_routing(
     renormalize: bool | None = None,
     backend: str = "auto",
     row_count: torch.Tensor | None = None,
+    group_score: GroupScore | str | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token through the experts the rollout recorded, weighted from the live logits.
 
@@ -458,7 +467,8 @@ def replay_routing(
         method: the :class:`RoutingMethod` the model routes with.
         bias: (num_experts,) float32/bf16/fp16/float64 - DEEPSEEK_V3/MINIMAX2 selection bias,
             rounded to the compute dtype: chooses the live rows' experts, never enters a weight.
-        n_group, topk_group: DEEPSEEK_V3 groups (live rows only); ``n_group`` None or <= 1: none.
+        n_group, topk_group: expert groups (live rows only); ``n_group`` None or <= 1: none.
+        group_score: a group's score (live rows only), as in :func:`moe_ops.route`.
         routed_scaling_factor: multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0).
         renormalize: as in :func:`moe_ops.route`: None keeps the method's rule; False on
             DEEPSEEK_V3/MINIMAX2 weights ``s * routed_scaling_factor`` (no division by the sum),
@@ -500,6 +510,7 @@ def replay_routing(
         routed_scaling_factor,
         renormalize=renormalize,
         logit_dtypes=REPLAY_LOGIT_DTYPES,
+        group_score=group_score,
     )
     # the router's rule: a block routed live holds the router's tile
     use_triton = choose_triton(backend, router_logits.device, cfg)
@@ -516,6 +527,7 @@ def replay_routing(
         use_triton,
         compute,
         _check_row_count(row_count, router_logits),
+        cfg.group_top,
     )
     if torch.is_grad_enabled() and router_logits.requires_grad:
         return ReplayRoutingFunction.apply(*args)

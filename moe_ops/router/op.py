@@ -23,7 +23,7 @@ from .kernels import TRITON_MAX_TILE, route_rows_torch, route_rows_triton, tile_
 
 if HAS_TRITON:
     from .kernels import _route_kernel
-from .methods import RouteConfig, RoutingMethod, validate_route_args
+from .methods import GroupScore, RouteConfig, RoutingMethod, validate_route_args
 from .policy import auto_runs_triton
 
 __all__ = ["BACKENDS", "route"]
@@ -42,6 +42,7 @@ def _route(
     topk_group: int,
     routed_scaling_factor: float,
     unnormalized: bool,
+    group_top: int,
     *,
     wrap=identity,
 ) -> None:
@@ -56,6 +57,7 @@ def _route(
         topk_group,
         routed_scaling_factor,
         unnormalized=unnormalized,
+        group_top=group_top,
         wrap=wrap,
     )
 
@@ -70,6 +72,7 @@ def _route_twin(
     topk_group: int,
     routed_scaling_factor: float,
     unnormalized: bool,
+    group_top: int,
 ) -> None:
     """PyTorch twin of :func:`_route`."""
     route_rows_torch(
@@ -82,6 +85,7 @@ def _route_twin(
         topk_group,
         routed_scaling_factor,
         unnormalized=unnormalized,
+        group_top=group_top,
     )
 
 
@@ -99,14 +103,14 @@ def _route_capture(*args, wrap=identity) -> None:
     :class:`~moe_ops.capture.spec.CaptureSpec`'s, as in ``moe_ops::capture_routing_``; the rows are
     LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
     """
-    (*route_args, unnormalized), capture = ROUTE_CAPTURE.split(args)
-    route_rows_triton(*route_args, capture, unnormalized=unnormalized, wrap=wrap)
+    (*route_args, unnormalized, group_top), capture = ROUTE_CAPTURE.split(args)
+    route_rows_triton(*route_args, capture, unnormalized=unnormalized, group_top=group_top, wrap=wrap)
 
 
 def _route_capture_twin(*args) -> None:
     """PyTorch twin of :func:`_route_capture`."""
-    (*route_args, unnormalized), capture = ROUTE_CAPTURE.split(args)
-    route_rows_torch(*route_args, capture, unnormalized=unnormalized)
+    (*route_args, unnormalized, group_top), capture = ROUTE_CAPTURE.split(args)
+    route_rows_torch(*route_args, capture, unnormalized=unnormalized, group_top=group_top)
 
 
 _CAPTURE_MUTATES = ROUTE_CAPTURE.mutates
@@ -203,6 +207,7 @@ def route(
     renormalize: bool | None = None,
     capture: CaptureTarget | None = None,
     backend: str = "auto",
+    group_score: GroupScore | str | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token to ``top_k`` experts and, with ``capture``, records the ids for replay.
 
@@ -214,17 +219,25 @@ def route(
         method: a :class:`RoutingMethod` (semantics and weight formulas in
             :mod:`moe_ops.router.methods`).
         bias: (num_experts,) float - DEEPSEEK_V3/MINIMAX2 selection bias (None: no bias).
-        n_group, topk_group: DEEPSEEK_V3 groups; ``n_group`` None or <= 1 means no grouping.
+        n_group, topk_group: expert groups (DEEPSEEK_V3, DEEPSEEK_V2, SOFTMAX_BIAS);
+            ``n_group`` None or <= 1 means no grouping.
         routed_scaling_factor: multiplies DEEPSEEK_V3/MINIMAX2 weights (None: 1.0).
         renormalize: None keeps the method's own rule; False on DEEPSEEK_V3/MINIMAX2 weights the
             chosen experts ``s * routed_scaling_factor``, without the division by their sum
-            (vLLM's/SGLang's ``renormalize=False``, transformers' ``norm_topk_prob=False``); the
-            method's own value is accepted and changes nothing; any other value raises ValueError
+            (vLLM's/SGLang's ``renormalize=False``, transformers' ``norm_topk_prob=False``); False
+            on SOFTMAX_BIAS weights ``softmax(x)[sel]``; True on DEEPSEEK_V2 weights
+            ``p[sel] / sum p[sel]`` (``norm_topk_prob=True``); the method's own value is accepted and changes nothing; any other value raises ValueError
             naming the method and the reason (a rule another method has, or no rule at all).
         capture: a :class:`CaptureTarget`: write the ids into ``capture.buffer[:, layer_id]`` as
             ``capture_routing`` would. LOCAL, GATHERED and SHARDED are recorded by the router kernel
             itself; SEQUENCE_PARALLEL routes, then calls ``capture_routing`` (it needs its TP
             all-gather first).
+        group_score: a group's score (:class:`GroupScore`, its value or its name; methods with
+            groups): MAX, TOP2_SUM or TOPK_SHARE_SUM (Megatron's). None: the method's own
+            (DEEPSEEK_V3 and SOFTMAX_BIAS TOP2_SUM, DEEPSEEK_V2 MAX). A rule that cannot apply
+            raises ValueError naming the reason (a method without groups; a sum on DEEPSEEK_V2,
+            which chooses on the logits; TOPK_SHARE_SUM summing none or more than a group holds).
+            ``backend="flashinfer"`` takes TOP2_SUM only.
         backend: "auto" (Triton on CUDA, the PyTorch reference on CPU or for rows wider than the
             kernel's tile; never FlashInfer, see docs/routing.md; imports nothing of
             ``moe_ops.flashinfer``), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
@@ -254,6 +267,7 @@ def route(
         topk_group,
         routed_scaling_factor,
         renormalize=renormalize,
+        group_score=group_score,
     )
     device = router_logits.device
     if capture is not None:
@@ -269,6 +283,11 @@ def route(
                 f"backend='flashinfer' always renormalises {cfg.method.name}; renormalize=False "
                 "runs on backend 'auto', 'triton' or 'torch'"
             )
+        if cfg.grouped and cfg.group_score != GroupScore.TOP2_SUM:
+            raise ValueError(
+                f"backend='flashinfer' scores groups by TOP2_SUM only; group_score={cfg.group_score.name} "
+                "runs on backend 'auto', 'triton' or 'torch'"
+            )
         return _route_flashinfer(
             router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, capture
         )
@@ -277,7 +296,14 @@ def route(
     n_tokens = router_logits.shape[0]
     weights = torch.empty((n_tokens, top_k), dtype=torch.float32, device=device)
     ids = torch.empty((n_tokens, top_k), dtype=torch.int32, device=device)
-    route_args = (int(cfg.method), cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.unnormalized)
+    route_args = (
+        int(cfg.method),
+        cfg.n_group,
+        cfg.topk_group,
+        cfg.routed_scaling_factor,
+        cfg.unnormalized,
+        cfg.group_top,
+    )
     # the op runs the Triton kernel on CUDA (and on the CPU under the interpreter), the twin on the
     # CPU otherwise; the reference ops run the twin everywhere
     route_ = _route_call if use_triton else torch.ops.moe_ops.route_reference_
