@@ -535,7 +535,7 @@ BAD = [
     (dict(router_logits="logits"), TypeError, "router_logits must be a torch.Tensor"),
     (dict(method=len(RoutingMethod) + 1), ValueError, "method must be a RoutingMethod"),
     (dict(backend="flashinfer"), ValueError, "backend must be one of 'auto', 'triton', 'torch'"),
-    (dict(bias=torch.zeros(16)), ValueError, "bias is only used by DEEPSEEK_V3 and MINIMAX2"),
+    (dict(bias=torch.zeros(16)), ValueError, "bias is only used by DEEPSEEK_V3, MINIMAX2 and SOFTMAX_BIAS"),
     (dict(DS, n_group=3), ValueError, "n_group=3 must divide num_experts=16"),
     (dict(DS, bias=torch.zeros(15)), ValueError, r"bias must have shape \(num_experts,\)"),
     (dict(routed_scaling_factor=2.0), ValueError, "routed_scaling_factor is only used by"),

@@ -34,6 +34,8 @@ def test_routing_method_values():
         ("MINIMAX2", 7),
         ("SIGMOID", 8),
         ("TOPK_SIGMOID", 9),
+        ("DEEPSEEK_V2", 32),
+        ("SOFTMAX_BIAS", 33),
     ]
 
 
@@ -96,7 +98,7 @@ BAD = [
     (
         dict(bias=torch.zeros(16)),
         ValueError,
-        "bias is only used by DEEPSEEK_V3 and MINIMAX2, not RENORMALIZE",
+        "bias is only used by DEEPSEEK_V3, MINIMAX2 and SOFTMAX_BIAS, not RENORMALIZE",
     ),
     (dict(n_group=2, topk_group=1), ValueError, "n_group/topk_group are only used by DEEPSEEK_V3"),
     (dict(routed_scaling_factor=2.0), ValueError, "routed_scaling_factor is only used by DEEPSEEK_V3"),

@@ -334,8 +334,8 @@ class ReplayRoutingFunction(torch.autograd.Function):
     non-differentiable and the bias only chooses live rows, a piecewise-constant choice).
 
     ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, unnormalized,
-    use_triton, dtype, row_count, group_top)`` with validated arguments; ``dtype`` is the compute and weights dtype (in
-    :func:`replay_routing`: float64 for float64 logits, else float32).
+    use_triton, dtype, row_count, group_top)`` with validated arguments; ``dtype`` is the compute
+    and weights dtype (in :func:`replay_routing`: float64 for float64 logits, else float32).
     """
 
     @staticmethod

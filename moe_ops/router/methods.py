@@ -61,15 +61,15 @@ __all__ = [
     "BIAS_METHODS",
     "GRADIENT_OF",
     "GROUP_METHODS",
-    "RENORMALIZED_METHODS",
-    "SCORE_KEYS",
     "LOGIT_DTYPES",
     "METHODS",
     "N_METHOD_VALUES",
     "OWN_METHODS_START",
+    "RENORMALIZED_METHODS",
     "REPLAY_LOGIT_DTYPES",
     "SCALED_METHODS",
     "SCALED_RULES",
+    "SCORE_KEYS",
     "UNNORMALIZED_METHODS",
     "GradientRule",
     "GroupScore",
@@ -264,7 +264,9 @@ class MethodSpec:
             if self.renormalizes is not False or self.unnormalized is not None:
                 raise ValueError("renormalized needs renormalizes=False (it is the rule with the division)")
             if self.scaled != (self.renormalized in SCALED_RULES):
-                raise ValueError(f"scaled must be {self.renormalized in SCALED_RULES} for {self.renormalized!r}")
+                raise ValueError(
+                    f"scaled must be {self.renormalized in SCALED_RULES} for {self.renormalized!r}"
+                )
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be None or >= 1, got {self.top_k}")
         if self.unnormalized is not None:
@@ -573,7 +575,9 @@ def group_score_from_value(group_score: GroupScore | str | int) -> GroupScore:
         except ValueError:
             pass
     names = ", ".join(f"{g.name}={g.value}" for g in GroupScore)
-    raise ValueError(f"group_score must be a GroupScore, its value or its name ({names}) or None, got {group_score!r}")
+    raise ValueError(
+        f"group_score must be a GroupScore, its value or its name ({names}) or None, got {group_score!r}"
+    )
 
 
 def _group_score(

@@ -226,8 +226,9 @@ def route(
             chosen experts ``s * routed_scaling_factor``, without the division by their sum
             (vLLM's/SGLang's ``renormalize=False``, transformers' ``norm_topk_prob=False``); False
             on SOFTMAX_BIAS weights ``softmax(x)[sel]``; True on DEEPSEEK_V2 weights
-            ``p[sel] / sum p[sel]`` (``norm_topk_prob=True``); the method's own value is accepted and changes nothing; any other value raises ValueError
-            naming the method and the reason (a rule another method has, or no rule at all).
+            ``p[sel] / sum p[sel]`` (``norm_topk_prob=True``); the method's own value is accepted
+            and changes nothing; any other value raises ValueError naming the method and the
+            reason (a rule another method has, or no rule at all).
         capture: a :class:`CaptureTarget`: write the ids into ``capture.buffer[:, layer_id]`` as
             ``capture_routing`` would. LOCAL, GATHERED and SHARDED are recorded by the router kernel
             itself; SEQUENCE_PARALLEL routes, then calls ``capture_routing`` (it needs its TP

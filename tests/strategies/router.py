@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from moe_ops import BatchLayout, RoutingMethod
-from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS
+from moe_ops import BatchLayout, GroupScore, RoutingMethod
+from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS, group_score_from_value
 
 from .capture import capture_cases
 
@@ -46,16 +46,30 @@ class RouterConfig:
     has_bias: bool = False
     # route's renormalize (None: the method's own rule)
     renormalize: bool | None = None
+    # route's group_score (None: the method's own rule)
+    group_score: GroupScore | None = None
 
     def route_kwargs(self, bias) -> dict:
         """Keyword arguments of moe_ops.route for this configuration."""
-        return dict(
+        kwargs = dict(
             bias=bias,
             n_group=self.n_group,
             topk_group=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor,
             renormalize=self.renormalize,
         )
+        if self.group_score is not None:
+            kwargs["group_score"] = self.group_score
+        return kwargs
+
+    @property
+    def group_top(self) -> int:
+        """The keys a group score sums (RouteConfig.group_top): what the references take."""
+        n_group, topk_group = self.groups
+        if n_group <= 1:
+            return 2
+        score = self.group_score or METHODS[self.method].group_score
+        return group_score_from_value(score).keys_summed(self.top_k, topk_group)
 
     @property
     def groups(self) -> tuple[int, int]:
@@ -87,6 +101,12 @@ MODEL_ROUTERS = (
     RouterConfig("topk", M.TOPK, 64, 6),
     RouterConfig("sigmoid", M.SIGMOID, 160, 6),
     RouterConfig("topk-sigmoid", M.TOPK_SIGMOID, 32, 4),
+    # DeepSeek-V2 and V2.5: group_limited_greedy, 8 groups keep 3 (its routed_scaling_factor 16.0
+    # multiplies after the method's weights: the model's ReplayRule applies it)
+    RouterConfig("DeepSeek-V2", M.DEEPSEEK_V2, 160, 6, 8, 3),
+    # DeepSeek-V2-Lite: topk_method "greedy", no groups
+    RouterConfig("DeepSeek-V2-Lite", M.DEEPSEEK_V2, 64, 6),
+    RouterConfig("softmax-bias", M.SOFTMAX_BIAS, 128, 8, has_bias=True),
 )
 del M
 
@@ -103,12 +123,17 @@ def router_configs(draw, methods=tuple(RoutingMethod), max_experts: int = 520, m
         return draw(st.sampled_from(models))
     method = draw(st.sampled_from(methods))
     spec = METHODS[method]  # what the method takes: the method table's row
+    group_score = None
     if spec.groups and draw(st.booleans()):
         n_group = draw(st.integers(2, 8))
         size = draw(st.integers(1, max(1, max_experts // n_group)))
         num_experts = n_group * size
         topk_group = draw(st.integers(1, n_group))
         top_k = draw(st.integers(1, min(max_top_k, topk_group * size)))
+        # Megatron's share rule where it applies (its share within 1..size; a sum on a score key)
+        share = top_k // topk_group
+        if 1 <= share <= size and (share == 1 or spec.group_score != GroupScore.MAX) and draw(st.booleans()):
+            group_score = GroupScore.TOPK_SHARE_SUM
     else:
         num_experts = draw(st.integers(1, max_experts))
         top_k = spec.top_k or draw(st.integers(1, min(max_top_k, num_experts)))
@@ -123,6 +148,7 @@ def router_configs(draw, methods=tuple(RoutingMethod), max_experts: int = 520, m
         topk_group,
         scale,
         has_bias=spec.bias and draw(st.booleans()),
+        group_score=group_score,
     )
 
 
