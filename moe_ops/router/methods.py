@@ -557,7 +557,7 @@ def validate_route_args(
         scale = float(routed_scaling_factor)
         if not math.isfinite(scale):
             raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor!r}")
-    score = _group_score(method, group_score, top_k, groups, kept, num_experts)
+    score = _group_score(method, group_score, top_k, groups, kept)
     unnormalized = _unnormalized(method, renormalize)
     return RouteConfig(method, top_k, num_experts, groups, kept, scale, unnormalized, score)
 
@@ -581,7 +581,7 @@ def group_score_from_value(group_score: GroupScore | str | int) -> GroupScore:
 
 
 def _group_score(
-    method: RoutingMethod, group_score: object, top_k: int, n_group: int, topk_group: int, num_experts: int
+    method: RoutingMethod, group_score: object, top_k: int, n_group: int, topk_group: int
 ) -> GroupScore:
     """The validated group score of ``method`` (its own for None); ValueError naming the reason where
     ``group_score`` cannot apply. Without grouping (``n_group`` 1) any rule is accepted and unread."""
@@ -601,18 +601,12 @@ def _group_score(
             f"logits (its scores keep their order, not their sums); {method.name} takes MAX (or "
             f"TOPK_SHARE_SUM with top_k // topk_group == 1). Methods whose keys are their scores: {sums}"
         )
-    if score is GroupScore.TOPK_SHARE_SUM and n_group > 1:
-        share, size = top_k // topk_group, num_experts // n_group
-        if share < 1:
-            raise ValueError(
-                f"group_score=TOPK_SHARE_SUM sums top_k // topk_group = {top_k} // {topk_group} = 0 keys "
-                "per group: it needs top_k >= topk_group"
-            )
-        if share > size:
-            raise ValueError(
-                f"group_score=TOPK_SHARE_SUM sums top_k // topk_group = {share} keys per group, more "
-                f"than a group's {size} experts (n_group={n_group}, num_experts={num_experts})"
-            )
+    # the share never exceeds a group's size: top_k <= topk_group * size is checked above
+    if score is GroupScore.TOPK_SHARE_SUM and n_group > 1 and top_k < topk_group:
+        raise ValueError(
+            f"group_score=TOPK_SHARE_SUM sums top_k // topk_group = {top_k} // {topk_group} = 0 keys "
+            "per group: it needs top_k >= topk_group"
+        )
     return score
 
 

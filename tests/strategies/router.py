@@ -23,6 +23,7 @@ __all__ = [
     "REPLAY_LOGIT_DTYPES",
     "RouterCase",
     "RouterConfig",
+    "group_configs",
     "knob_configs",
     "routed_capture_cases",
     "router_cases",
@@ -254,3 +255,38 @@ GPU_CAPTURE_ROUTERS = dict(
     capture_kw=dict(buffer_dtypes=(torch.int32, torch.int16)),
     dtypes=(torch.bfloat16,),
 )
+
+
+@st.composite
+def group_configs(draw, methods=None, max_groups: int = 8, max_size: int = 12, max_top_k: int = 12):
+    """A grouped configuration of a method of GROUP_METHODS (default: any) with a group score that
+    applies to it (MAX everywhere; TOP2_SUM and TOPK_SHARE_SUM on a key that is a score, the share
+    rule only where it sums 1..size keys; None: the method's own) and a renormalize value it takes."""
+    methods = methods or tuple(sorted(m for m, spec in METHODS.items() if spec.groups))
+    method = draw(st.sampled_from(methods))
+    spec = METHODS[method]
+    n_group = draw(st.integers(2, max_groups))
+    size = draw(st.integers(1, max_size))
+    topk_group = draw(st.integers(1, n_group))
+    top_k = draw(st.integers(1, min(max_top_k, topk_group * size)))
+    share = top_k // topk_group
+    sums = spec.group_score != GroupScore.MAX  # a key that is a score
+    rules = [None, GroupScore.MAX]
+    if sums:
+        rules.append(GroupScore.TOP2_SUM)
+    if 1 <= share <= size and (sums or share == 1):
+        rules.append(GroupScore.TOPK_SHARE_SUM)
+    group_score = draw(st.sampled_from(rules))
+    renormalize = draw(st.sampled_from([None, True, False] if spec.renormalizes is not None else [None]))
+    return RouterConfig(
+        f"groups-{method.name}-{getattr(group_score, 'name', None)}",
+        method,
+        n_group * size,
+        top_k,
+        n_group,
+        topk_group,
+        None,
+        has_bias=spec.bias and draw(st.booleans()),
+        renormalize=renormalize,
+        group_score=group_score,
+    )
