@@ -154,10 +154,14 @@ def router_configs(draw, methods=tuple(RoutingMethod), max_experts: int = 520, m
 
 
 @st.composite
-def knob_configs(draw, renormalize=(None, True, False), max_experts: int = 520, max_top_k: int = 32):
-    """A configuration of a method with a renormalize=False rule (UNNORMALIZED_METHODS), with
-    ``renormalize`` drawn from ``renormalize`` (True and None: the method's own rule)."""
-    config = draw(router_configs(tuple(sorted(UNNORMALIZED_METHODS)), max_experts, max_top_k))
+def knob_configs(
+    draw, renormalize=(None, True, False), max_experts: int = 520, max_top_k: int = 32, methods=None
+):
+    """A configuration of a method with a renormalize=False rule (``methods``, default
+    UNNORMALIZED_METHODS), with ``renormalize`` drawn from ``renormalize`` (True and None: the
+    method's own rule)."""
+    methods = methods or tuple(sorted(UNNORMALIZED_METHODS))
+    config = draw(router_configs(methods, max_experts, max_top_k))
     value = draw(st.sampled_from(renormalize))
     return dataclasses.replace(config, name=f"{config.name} renormalize={value}", renormalize=value)
 
