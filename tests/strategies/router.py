@@ -23,6 +23,7 @@ __all__ = [
     "REPLAY_LOGIT_DTYPES",
     "RouterCase",
     "RouterConfig",
+    "group_cases",
     "group_configs",
     "knob_configs",
     "routed_capture_cases",
@@ -294,3 +295,13 @@ def group_configs(draw, methods=None, max_groups: int = 8, max_size: int = 12, m
         renormalize=renormalize,
         group_score=group_score,
     )
+
+
+@st.composite
+def group_cases(draw, methods=None, max_tokens: int = 12):
+    """(config of :func:`group_configs`, tokens, kind, seed): a batch of grouped routing; kind
+    "normal" (N(0, 4)), "ties" (small integers: exact ties inside and across groups) or "near" (pairs
+    of logits one float32 ulp apart), built by the test from the seed."""
+    config = draw(group_configs(methods=methods))
+    kind = draw(st.sampled_from(["normal", "ties", "near"]))
+    return config, draw(st.integers(0, max_tokens)), kind, draw(st.integers(0, 2**31 - 1))
