@@ -356,7 +356,10 @@ def test_float64_logits_replay_in_float64(backend, config):
     w, ids, grad = out[backend]
     assert w.dtype == grad.dtype == torch.float64 and ids.dtype == torch.int32
     n_group, topk_group = config.groups
-    ref_ids = route_reference(x64, config.top_k, config.method, bias, n_group, topk_group, _scale(config))[1]
+    scale, group_top = _scale(config), config.group_top
+    ref_ids = route_reference(
+        x64, config.top_k, config.method, bias, n_group, topk_group, scale, group_top=group_top
+    )[1]
     live = torch.tensor([False, True, False, True, False], device=device)
     assert torch.equal(ids[live].long(), ref_ids[live]), "live rows: not the float64 router's ids"
     assert torch.equal(ids[~live].long(), recorded[~live].long())
