@@ -43,11 +43,13 @@ def rounding_decided_rows(config, x64: torch.Tensor, bias64: torch.Tensor | None
     keys = selection_keys(x64, config.method, bias64)
     b = (bias64 if bias64 is not None else torch.zeros(num_experts, dtype=torch.float64)).expand(n, -1)
     n_group, topk_group = config.groups
-    order = select_experts(keys, num_experts, n_group, topk_group)  # the full ranking
+    order = select_experts(keys, num_experts, n_group, topk_group, config.group_top)  # the full ranking
     kept = torch.ones(n, num_experts, dtype=torch.bool)
     size = num_experts // n_group
     if n_group > 1:
-        gorder = torch.sort(group_scores(keys, n_group), dim=1, descending=True, stable=True)[1]
+        gorder = torch.sort(
+            group_scores(keys, n_group, config.group_top), dim=1, descending=True, stable=True
+        )[1]
         kept_groups = torch.zeros(n, n_group, dtype=torch.bool).scatter_(1, gorder[:, :topk_group], True)
         kept = kept_groups.repeat_interleave(size, dim=1)
     m = min(config.top_k + 1, num_experts)
@@ -57,10 +59,11 @@ def rounding_decided_rows(config, x64: torch.Tensor, bias64: torch.Tensor | None
     same = same_x & (sb[:, :-1] == sb[:, 1:])
     decided = (_near(sk[:, :-1], sk[:, 1:]) & skept[:, 1:] & ~same).any(1)
     if n_group > 1 and topk_group < n_group:
-        scores = group_scores(keys, n_group)
+        scores = group_scores(keys, n_group, config.group_top)
         gsorted, gorder = torch.sort(scores, dim=1, descending=True, stable=True)
-        # a group's inputs: (x, bias) of its best two experts
-        inner = torch.sort(keys.view(n, n_group, size), dim=2, descending=True, stable=True)[1][..., :2]
+        # a group's inputs: (x, bias) of the best experts its score sums
+        inner = torch.sort(keys.view(n, n_group, size), dim=2, descending=True, stable=True)[1]
+        inner = inner[..., : min(config.group_top, size)]
         first = torch.arange(n_group).view(1, n_group, 1) * size
         members = (inner + first).view(n, -1)
         sig = torch.stack([x64.gather(1, members), b.gather(1, members)], -1).view(n, n_group, -1)
@@ -76,7 +79,9 @@ def _top_keys(keys: torch.Tensor, kept: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(keys[kept], descending=True)[0][:k]
 
 
-def _kept_group_options(keys: torch.Tensor, n_group: int, topk_group: int) -> list[torch.Tensor]:
+def _kept_group_options(
+    keys: torch.Tensor, n_group: int, topk_group: int, group_top: int
+) -> list[torch.Tensor]:
     """Expert masks of every kept-group set that float32 rounding of one row's scores may pick.
 
     Groups scoring clearly above the cut are kept, clearly below dropped; the rest (within
@@ -85,7 +90,7 @@ def _kept_group_options(keys: torch.Tensor, n_group: int, topk_group: int) -> li
     num_experts = keys.shape[0]
     if n_group <= 1 or topk_group >= n_group:
         return [torch.ones(num_experts, dtype=torch.bool)]
-    scores = group_scores(keys[None], n_group)[0]
+    scores = group_scores(keys[None], n_group, group_top)[0]
     cut = torch.sort(scores, descending=True)[0][topk_group - 1]
     border = _near(scores, cut.expand_as(scores))
     sure = [g for g in range(n_group) if scores[g] > cut and not border[g]]
@@ -115,7 +120,9 @@ def check_routing(config, logits: torch.Tensor, bias: torch.Tensor | None, weigh
     bias64 = None if bias is None else bias.cpu().double()
     n_group, topk_group = config.groups
     scale = config.routed_scaling_factor if config.routed_scaling_factor is not None else 1.0
-    _, ref_ids = route_reference(x64, k, config.method, bias64, n_group, topk_group, scale)
+    _, ref_ids = route_reference(
+        x64, k, config.method, bias64, n_group, topk_group, scale, group_top=config.group_top
+    )
     decided = rounding_decided_rows(config, x64, bias64)
     exact = ~decided
     mismatch = (ids != ref_ids).any(1) & exact
@@ -129,7 +136,7 @@ def check_routing(config, logits: torch.Tensor, bias: torch.Tensor | None, weigh
         keys = selection_keys(x64, config.method, bias64)
         for row in decided.nonzero().flatten().tolist():
             got = torch.sort(keys[row, ids[row]], descending=True)[0]
-            options = _kept_group_options(keys[row], n_group, topk_group)
+            options = _kept_group_options(keys[row], n_group, topk_group, config.group_top)
             assert any(_near(_top_keys(keys[row], kept, k), got).all() for kept in options), (
                 f"{config.name}: row {row} near a tie chose keys {got.tolist()}, which no rounding of "
                 f"the reference's keys {_top_keys(keys[row], options[0], k).tolist()} explains"

@@ -47,7 +47,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from megatron.core.transformer.transformer_config import TransformerConfig
 from strategies import MegatronRouterCase, distinct_rows, megatron_router_cases
 
-from moe_ops import RoutingCapturer, RoutingMethod, RoutingReplayer, RoutingShape
+from moe_ops import GroupScore, RoutingCapturer, RoutingMethod, RoutingReplayer, RoutingShape
 from moe_ops.integrations import megatron as mg
 from moe_ops.replay import check_replay_errors
 
@@ -313,6 +313,8 @@ def test_every_score_function_replays_each_configuration(router_dtype):
         dict(score_function="sigmoid", top_k=3, scaling=2.5),
         dict(score_function="sigmoid", top_k=4, expert_bias=True, num_groups=4, group_topk=2, scaling=2.5),
         dict(score_function="sigmoid", top_k=1, expert_bias=True, scaling=2.5),
+        # a share of 3 keys per group score (top_k // group_topk): not DeepSeek-V3's two
+        dict(score_function="sigmoid", top_k=6, expert_bias=True, num_groups=4, group_topk=2),
     ]
     for i, branch in enumerate(branches):
         fields = dict(pre_softmax=False, scaling=None, expert_bias=False, num_groups=None, group_topk=None)
@@ -390,6 +392,10 @@ def test_rule_table():
         rule = mg.replay_rule(make_config(**fields), dtype)
         got = (rule.method, rule.weights_fn is not None, rule.n_group, rule.routed_scaling_factor)
         assert got == (method, uses_fn, n_group, scale), (fields, dtype)
+    # groups are scored by Megatron's share rule (group_limited_topk), live rows too
+    grouped = dict(moe_router_num_groups=4, moe_router_group_topk=2, moe_router_enable_expert_bias=True)
+    rule = mg.replay_rule(make_config(moe_router_score_function="sigmoid", **grouped), f32)
+    assert rule.group_score == GroupScore.TOPK_SHARE_SUM
     # the logits' dtype defaults to moe_router_dtype, else the parameters'
     config = make_config(moe_router_score_function="sigmoid", moe_router_dtype="fp64")
     assert mg.replay_rule(config).weights_fn is not None

@@ -45,10 +45,13 @@ def test_method_sets_are_what_the_table_says():
     assert {m for m, s in METHODS.items() if s.scaled} == SCALED_METHODS
     assert {m for m, s in METHODS.items() if s.groups} == GROUP_METHODS
     assert {m for m, s in METHODS.items() if s.unnormalized is not None} == M.UNNORMALIZED_METHODS
-    # a bias is only taken where the key adds one, groups where it is sigmoid(x) + bias (what the
-    # kernels key groups on)
-    assert {m for m, s in METHODS.items() if s.key in M.BIAS_KEYS} >= BIAS_METHODS
-    assert {m for m, s in METHODS.items() if s.key == SelectionKey.SIGMOID_BIAS} >= GROUP_METHODS
+    assert {m for m, s in METHODS.items() if s.renormalized is not None} == M.RENORMALIZED_METHODS
+    # a bias is only taken where the key is a score (sigmoid or softmax, + bias); a group score that
+    # sums keys only where they are scores (MAX takes any key: the best logit is the best score)
+    assert {m for m, s in METHODS.items() if s.key in M.SCORE_KEYS} >= BIAS_METHODS
+    for method in GROUP_METHODS:
+        spec = METHODS[method]
+        assert spec.group_score is M.GroupScore.MAX or spec.key in M.SCORE_KEYS, method
 
 
 def test_rows_are_consistent():
@@ -94,9 +97,12 @@ def test_triton_helpers_read_the_table():
         assert _weights._GRADIENT_RULE[int(method)] == int(spec.gradient)
         assert _select._SIGMOID_BIAS_KEY[int(method)] == (spec.key == SelectionKey.SIGMOID_BIAS)
         assert _select._SQRTSOFTPLUS_BIAS_KEY[int(method)] == (spec.key == SelectionKey.SQRTSOFTPLUS_BIAS)
-        # the renormalize=False column: the unnormalised rule, or the row's own where it has none
+        assert _select._SOFTMAX_BIAS_KEY[int(method)] == (spec.key == SelectionKey.SOFTMAX_BIAS)
+        # the other rule's column: the unnormalised (or renormalised) rule, or the row's own where
+        # it has neither
         off = M.rule_column(method, True)
-        weight = spec.weight if spec.unnormalized is None else spec.unnormalized
+        weight = spec.unnormalized or spec.renormalized or spec.weight
+        assert _weights._SOFTMAX_KEY[off] == _weights._SOFTMAX_KEY[int(method)]
         assert _weights._WEIGHT_RULE[off] == int(weight.computed)
         assert _weights._GRADIENT_RULE[off] == int(GRADIENT_OF[weight.computed])
 

@@ -193,7 +193,13 @@ def test_sigmoid_renorm_route_choosing_a_nan_logit_is_nan_not_huge(device):
 
 PAD_VALUES = [pytest.param(v, id=name) for name, v in (("nan", NAN), ("posinf", INF), ("neginf", -INF))]
 PAD_EXPERTS, PAD_REAL, PAD_ROWS, PAD_SCALE = 8, 3, 2, 2.5
-SOFTMAX_METHODS = {RoutingMethod.DEFAULT, RoutingMethod.RENORMALIZE, RoutingMethod.RENORMALIZE_NAIVE}
+SOFTMAX_METHODS = {
+    RoutingMethod.DEFAULT,
+    RoutingMethod.RENORMALIZE,
+    RoutingMethod.RENORMALIZE_NAIVE,
+    RoutingMethod.DEEPSEEK_V2,
+    RoutingMethod.SOFTMAX_BIAS,
+}
 
 
 def _padded_weight(method: RoutingMethod, value: float, k: int) -> float:

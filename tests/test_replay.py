@@ -23,7 +23,7 @@ from moe_ops._runtime import faults
 from moe_ops._runtime.triton import triton_runs_on
 from moe_ops.replay import ReplayFaultError, check_replay_errors, replay_fault_counter
 from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, replay_weights
-from moe_ops.router.methods import BIAS_METHODS, method_names
+from moe_ops.router.methods import BIAS_METHODS, SCALED_METHODS, method_names
 from moe_ops.router.methods import METHODS as METHOD_TABLE
 from moe_ops.router.reference import route_reference
 
@@ -270,6 +270,8 @@ def _method_config(method: RoutingMethod, e: int = 16):
         return 4 if e > 8 else 3, torch.linspace(-0.2, 0.2, e, dtype=torch.float64), 4, 2, 2.827
     if method == RoutingMethod.MINIMAX2:
         return 4 if e > 8 else 3, torch.linspace(0.2, -0.2, e), 1, 1, 1.5
+    if method == RoutingMethod.SOFTMAX_BIAS:  # softmax + bias in groups; no scale
+        return 4 if e > 8 else 3, torch.linspace(-0.2, 0.2, e, dtype=torch.float64), 4, 2, 1.0
     return 4 if e > 8 else 3, None, 1, 1, 1.0
 
 
@@ -278,7 +280,8 @@ def _kwargs(method: RoutingMethod, bias, n_group: int, topk_group: int, scale: f
     if method not in BIAS_METHODS:
         return {}
     groups = dict(n_group=n_group, topk_group=topk_group) if n_group > 1 else {}
-    return dict(bias=bias, routed_scaling_factor=scale, **groups)
+    scaled = dict(routed_scaling_factor=scale) if method in SCALED_METHODS else {}
+    return dict(bias=bias, **scaled, **groups)
 
 
 def _separated_logits(n: int, e: int, seed: int, device="cpu") -> torch.Tensor:
@@ -353,7 +356,10 @@ def test_float64_logits_replay_in_float64(backend, config):
     w, ids, grad = out[backend]
     assert w.dtype == grad.dtype == torch.float64 and ids.dtype == torch.int32
     n_group, topk_group = config.groups
-    ref_ids = route_reference(x64, config.top_k, config.method, bias, n_group, topk_group, _scale(config))[1]
+    scale, group_top = _scale(config), config.group_top
+    ref_ids = route_reference(
+        x64, config.top_k, config.method, bias, n_group, topk_group, scale, group_top=group_top
+    )[1]
     live = torch.tensor([False, True, False, True, False], device=device)
     assert torch.equal(ids[live].long(), ref_ids[live]), "live rows: not the float64 router's ids"
     assert torch.equal(ids[~live].long(), recorded[~live].long())

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS, RoutingMethod
+from moe_ops.router.methods import METHODS, RENORMALIZED_METHODS, UNNORMALIZED_METHODS, RoutingMethod
 
 pytest.importorskip("triton")
 
@@ -31,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource
 from moe_ops.replay.kernels import _replay_backward_kernel, _replay_kernel
 from moe_ops.router.kernels import _route_kernel
-from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS, RoutingMethod as M
+from moe_ops.router.methods import METHODS, RENORMALIZED_METHODS, UNNORMALIZED_METHODS, RoutingMethod as M
 
 target = GPUTarget("cuda", 90, 32)
 out = {}
@@ -49,11 +49,12 @@ def build(name, kernel, types, constexprs, num_warps):
         out[name] = f"{type(exc).__name__}: {exc}"[-600:]
 
 for ft in ("fp64", "fp32"):
-    # every method's rule, then the renormalize=False rule of the methods that have one
-    for m, unnorm in [(m, False) for m in M] + [(m, True) for m in sorted(UNNORMALIZED_METHODS)]:
+    # every method's rule, then the other rule (renormalize=False, or True) of the methods that have one
+    others = sorted(UNNORMALIZED_METHODS | RENORMALIZED_METHODS)
+    for m, unnorm in [(m, False) for m in M] + [(m, True) for m in others]:
         if ft == "fp32" and m != M.SIGMOID_RENORM and not unnorm:
             continue
-        name = m.name + (" renormalize=False" if unnorm else "")
+        name = m.name + (f" renormalize={m in RENORMALIZED_METHODS}" if unnorm else "")
         grouped = METHODS[m].groups
         biased = METHODS[m].bias
         # small tiles: this checks the lowering, not the speed (the launch tiles compile the same ops)
@@ -61,9 +62,11 @@ for ft in ("fp64", "fp32"):
         fwd = dict(logits_ptr="*" + ft, rec_ptr="*i32", bias_ptr="*" + ft, weights_ptr="*" + ft,
                    ids_ptr="*i32", errors_ptr="*i32", row_count_ptr="*i32", scale="fp64")
         # CHECK_ROWS on: the replayer's row-count check (loaded first, branched on last) compiles too
+        # the group score: DEEPSEEK_V2's one key, a 3-key share sum on SOFTMAX_BIAS (the loop form)
+        group_top = {M.DEEPSEEK_V2: 1, M.SOFTMAX_BIAS: 3}.get(m, 2)
         ce = dict(METHOD=int(m), UNNORM=unnorm, HAS_BIAS=biased, GROUPED=grouped, BLOCK_M=2,
                   NG_PAD=4 if grouped else 1, G_PAD=8 if grouped else 32, K_PAD=k_pad, CHECK_ROWS=True,
-                  HASH=False)
+                  HASH=False, GROUP_TOP=group_top)
         build(f"forward {ft} {name}", _replay_kernel, fwd, ce, 4)
         if not grouped and not unnorm:
             # a hash layer's table lookup in the live rows (HASH), an int64 table and token ids
@@ -78,7 +81,7 @@ ptrs = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", scale="fp
             **{n: "*i32" for n in ("ids_ptr", "buf_ptr", "counts_ptr", "sizes_ptr", "errors_ptr",
                                    "stamps_ptr", "step_ptr")})
 ce = dict(METHOD=int(M.SIGMOID_RENORM), UNNORM=False, HAS_BIAS=False, GROUPED=False, CAPTURE=False,
-          BLOCK_M=1,
+          BLOCK_M=1, GROUP_TOP=2,
           NG_PAD=1, G_PAD=32, K_PAD=4, S_PAD=1, HAS_OFFSET=False, STAMP=False, N_SHARED=0,
           CAPTURE_SHARED=False)
 build("route fp32 SIGMOID_RENORM", _route_kernel, ptrs, ce, 1)
@@ -108,8 +111,8 @@ def compiled() -> dict:
 
 def test_float64_replay_kernels_compile_for_sm90_every_method(compiled):
     cases = {k: v for k, v in compiled.items() if " fp64 " in k}
-    # forward and backward, every method and every renormalize=False rule
-    assert len(cases) == 2 * (len(RoutingMethod) + len(UNNORMALIZED_METHODS))
+    # forward and backward, every method and every other (renormalize) rule
+    assert len(cases) == 2 * (len(RoutingMethod) + len(UNNORMALIZED_METHODS | RENORMALIZED_METHODS))
     failed = {k: v for k, v in cases.items() if not isinstance(v, dict) or v["cubin"] == 0}
     assert not failed, failed
     # float64 arithmetic or compares (TOPK's weights are loads: its keys' NaN test), not a float32

@@ -34,6 +34,8 @@ def test_routing_method_values():
         ("MINIMAX2", 7),
         ("SIGMOID", 8),
         ("TOPK_SIGMOID", 9),
+        ("DEEPSEEK_V2", 32),
+        ("SOFTMAX_BIAS", 33),
         ("SQRTSOFTPLUS", 34),
     ]
 

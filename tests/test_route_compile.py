@@ -118,7 +118,8 @@ def _opcheck_args(device):
     errors = torch.zeros(8, dtype=torch.int32, device=device)
     stamps = torch.full((3,), -1, dtype=torch.int32, device=device)
     step = torch.ones(1, dtype=torch.int32, device=device)
-    route_args = (int(RoutingMethod.DEEPSEEK_V3), 4, 2, 2.5, True)  # True: renormalize=False
+    # True: renormalize=False; 2: the group score sums a group's two best keys (TOP2_SUM)
+    route_args = (int(RoutingMethod.DEEPSEEK_V3), 4, 2, 2.5, True, 2)
     return (
         (logits, bias, weights, ids, *route_args),
         (

@@ -24,11 +24,14 @@ from strategies.layouts import strided_rows
 
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, replay_routing, route
 from moe_ops.router.kernels import route_rows_torch, route_rows_triton
-from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS
+from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS, WeightRule
 
 CPU_BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton-interpret")]
 LOGIT_LAYOUTS = ("contiguous", "row_padded", "column_strided")
 POISON_ID = -7
+SIGMOID_KNOB_METHODS = tuple(
+    m for m in sorted(UNNORMALIZED_METHODS) if METHODS[m].unnormalized == WeightRule.SIGMOID_TIMES_SCALE
+)
 
 
 def _skip(backend: str, device: str = "cpu") -> None:
@@ -67,9 +70,9 @@ def assert_weights(got: torch.Tensor, want: np.ndarray, rtol: float = 1e-5) -> N
 
 @st.composite
 def knob_cases(draw, renormalize=(None, True, False), max_tokens: int = 24):
-    case = draw(
-        router_cases(configs=knob_configs(renormalize, max_experts=96, max_top_k=8), max_tokens=max_tokens)
-    )
+    # the sigmoid methods' knob (SOFTMAX_BIAS's renormalize=False: tests/test_route_groups.py)
+    configs = knob_configs(renormalize, max_experts=96, max_top_k=8, methods=SIGMOID_KNOB_METHODS)
+    case = draw(router_cases(configs=configs, max_tokens=max_tokens))
     return case, draw(st.sampled_from(LOGIT_LAYOUTS))
 
 
@@ -155,7 +158,7 @@ def test_replay_of_route_ids_is_route(backend, data, live, seed):
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("method", sorted(UNNORMALIZED_METHODS), ids=lambda m: m.name)
+@pytest.mark.parametrize("method", SIGMOID_KNOB_METHODS, ids=lambda m: m.name)
 @settings(max_examples=6, deadline=None)
 @given(
     n=st.integers(1, 4),
@@ -207,7 +210,9 @@ def _refused() -> list:
     for method, spec in METHODS.items():
         for value in (True, False):
             allowed = spec.renormalizes is not None and (
-                value == spec.renormalizes or (value is False and spec.unnormalized is not None)
+                value == spec.renormalizes
+                or (value is False and spec.unnormalized is not None)
+                or (value is True and spec.renormalized is not None)
             )
             if not allowed:
                 pairs.append(pytest.param(method, value, id=f"{method.name}-{value}"))

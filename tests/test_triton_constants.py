@@ -67,15 +67,18 @@ route_ptrs = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids
 route_scalars = dict(n_tokens=10, group_size=8, n_group=4, top_k=4, topk_group=2, scale=2.5,
     stride_lm=32, stride_le=1, stride_wm=4, stride_wk=1, stride_im=4, stride_ik=1, n_dst=8,
     layer_id=1, dp_rank=1, n_first=2, stride_bm=12, stride_bl=4, stride_bk=1, stride_c=1, stride_s=1)
-# (method, UNNORM): DEEPSEEK_V3 also with renormalize=False (its s * scale rule)
-variants = ((RoutingMethod.DEEPSEEK_V3, False), (RoutingMethod.DEEPSEEK_V3, True),
-            (RoutingMethod.RENORMALIZE, False), (RoutingMethod.DEFAULT, False))
-for (method, unnorm), capture, const in itertools.product(variants, (True, False), (True, False)):
-    grouped = method == RoutingMethod.DEEPSEEK_V3
+# (method, UNNORM, GROUP_TOP): DEEPSEEK_V3 also with renormalize=False (its s * scale rule);
+# DEEPSEEK_V2 with its MAX group score (1 key), SOFTMAX_BIAS with a 3-key share sum and its softmax key
+variants = ((RoutingMethod.DEEPSEEK_V3, False, 2), (RoutingMethod.DEEPSEEK_V3, True, 2),
+            (RoutingMethod.RENORMALIZE, False, 2), (RoutingMethod.DEFAULT, False, 2),
+            (RoutingMethod.DEEPSEEK_V2, False, 1), (RoutingMethod.SOFTMAX_BIAS, True, 3))
+for (method, unnorm, top), capture, const in itertools.product(variants, (True, False), (True, False)):
+    grouped = method in (RoutingMethod.DEEPSEEK_V3, RoutingMethod.DEEPSEEK_V2, RoutingMethod.SOFTMAX_BIAS)
+    biased = method in (RoutingMethod.DEEPSEEK_V3, RoutingMethod.SOFTMAX_BIAS)
     sc = dict(route_scalars, **({} if grouped else dict(group_size=32, n_group=1, topk_group=1)))
-    ce = dict(METHOD=int(method), UNNORM=unnorm, HAS_BIAS=grouped, GROUPED=grouped, CAPTURE=capture,
-              BLOCK_M=2, NG_PAD=4 if grouped else 1, G_PAD=8 if grouped else 32, K_PAD=4, S_PAD=4,
-              HAS_OFFSET=True, STAMP=True,
+    ce = dict(METHOD=int(method), UNNORM=unnorm, HAS_BIAS=biased, GROUPED=grouped, GROUP_TOP=top,
+              CAPTURE=capture, BLOCK_M=2, NG_PAD=4 if grouped else 1, G_PAD=8 if grouped else 32,
+              K_PAD=4, S_PAD=4, HAS_OFFSET=True, STAMP=True,
               # DEFAULT with fused shared experts: their constant stores, recorded when capturing
               N_SHARED=2 if method == RoutingMethod.DEFAULT else 0,
               CAPTURE_SHARED=capture and method == RoutingMethod.DEFAULT)
@@ -140,7 +143,7 @@ def test_capture_kernel_compiles_with_constant_scalars(compiled):
 
 def test_route_kernel_compiles_with_constant_scalars(compiled):
     cases = {k: v for k, v in compiled.items() if k.startswith("route")}
-    assert len(cases) == 16  # 4 (method, renormalize) variants x capture x constants
+    assert len(cases) == 24  # 6 (method, renormalize, group score) variants x capture x constants
     failed = {k: v for k, v in cases.items() if v is not True}
     assert not failed, failed
 
@@ -157,7 +160,7 @@ def test_capture_kernel_writes_only_its_outputs(written):
 
 def test_route_kernel_writes_only_its_outputs(written):
     cases = {k: v for k, v in written.items() if k.startswith("route")}
-    assert len(cases) == 16
+    assert len(cases) == 24
     expected = {
         True: ["buf_ptr", "errors_ptr", "ids_ptr", "stamps_ptr", "weights_ptr"],
         False: ["ids_ptr", "weights_ptr"],

@@ -103,8 +103,9 @@ def _route_args(n: int, seed: int, capture: bool):
 
 
 _ROUTE_ARGS = (int(RoutingMethod.DEEPSEEK_V3), 4, 2, 2.5)
-# route_'s and route_capture_'s scalars: the replay ops take unnormalized last, after row_count
-_ROUTER_ARGS = (*_ROUTE_ARGS, False)
+# route_'s and route_capture_'s scalars (unnormalized, group_top): the replay ops take them last,
+# after row_count
+_ROUTER_ARGS = (*_ROUTE_ARGS, False, 2)
 
 
 def _route(t):

@@ -682,17 +682,22 @@ def _scaled_softmax(router_logits: torch.Tensor, ids: torch.Tensor, *, scale: fl
 
 def _deepseek_v2_rule(router: nn.Module) -> ReplayRule:
     """DeepSeek-V2: softmax over every expert; ``greedy`` takes its top-k, ``group_limited_greedy``
-    the top-k inside the best groups (by their best expert); either way the weights are
-    ``softmax(x)[ids] * routed_scaling_factor``. Faulty rows route live with DEFAULT (no groups)."""
+    the top-k inside the best groups (by their best expert: DEEPSEEK_V2 with its groups, so faulty
+    rows route live as the model does); either way the weights are
+    ``softmax(x)[ids] * routed_scaling_factor`` (this router never applies ``norm_topk_prob``)."""
     if router.topk_method not in ("greedy", "group_limited_greedy"):
         raise ValueError(
             f"DeepSeek-V2 topk_method must be 'greedy' or 'group_limited_greedy', got {router.topk_method!r}"
         )
+    groups = {}
+    if router.topk_method == "group_limited_greedy":
+        groups = dict(n_group=router.num_group, topk_group=router.topk_group)
     scale = router.routed_scaling_factor
     if scale == 1.0:
-        return ReplayRule(RoutingMethod.DEFAULT, description="softmax(x)[ids]")
+        return ReplayRule(RoutingMethod.DEEPSEEK_V2, **groups, description="softmax(x)[ids]")
     return ReplayRule(
-        RoutingMethod.DEFAULT,
+        RoutingMethod.DEEPSEEK_V2,
+        **groups,
         weights_fn=functools.partial(_scaled_softmax, scale=scale),
         description="softmax(x)[ids] * routed_scaling_factor",
     )

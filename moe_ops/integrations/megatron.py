@@ -81,7 +81,7 @@ from ..replay.attach import (
     check_replayer,
     replay_router_output,
 )
-from ..router.methods import BIAS_METHODS, RoutingMethod, validate_route_args
+from ..router.methods import BIAS_METHODS, GroupScore, RoutingMethod, validate_route_args
 from ..shapes import RoutingShape
 
 __all__ = [
@@ -303,7 +303,11 @@ def _rule(
     else:
         # DEEPSEEK_V3's weight is sigmoid(x)[ids] * scale / (sum + 1e-20): Megatron's for top_k > 1
         method = RoutingMethod.DEEPSEEK_V3
-        groups = dict(n_group=num_groups, topk_group=group_topk) if grouped else {}
+        # Megatron's group_limited_topk scores a group by the sum of its top_k // group_topk best
+        # scores, not DeepSeek-V3's two (another choice of groups in many rows)
+        groups = {}
+        if grouped:
+            groups = dict(n_group=num_groups, topk_group=group_topk, group_score=GroupScore.TOPK_SHARE_SUM)
         method_scale = scale
         exact = top_k > 1
     # in float32 the method computes Megatron's rule; for other logits Megatron rounds the float32
@@ -657,6 +661,7 @@ def _check_rule(rule: ReplayRule, router: MegatronRouter) -> None:
             rule.topk_group,
             rule.routed_scaling_factor,
             renormalize=rule.renormalize,
+            group_score=rule.group_score,
         )
     except (TypeError, ValueError) as e:
         raise ValueError(

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ..router.methods import RoutingMethod, validate_route_args
+from ..router.methods import GroupScore, RoutingMethod, validate_route_args
 from .op import BACKENDS, REPLAY_LOGIT_DTYPES, replay_routing
 
 __all__ = [
@@ -77,6 +77,9 @@ class ReplayRule:
     # flattened; rows without a usable record take the table's ids. None: not a hash layer
     hash_table_attr: str | None = None
     token_ids_arg: int | None = None
+    # replay_routing's group_score (a GroupScore; None: the method's own), for faulty rows routed
+    # live with groups
+    group_score: GroupScore | None = None
 
 
 def replay_router_output(
@@ -143,6 +146,7 @@ def replay_router_output(
         row_count=row_count,
         hash_table=hash_table,
         token_ids=token_ids,
+        group_score=rule.group_score,
     )
     if rule.weights_fn is not None:
         weights = rule.weights_fn(router_logits, ids.to(torch.int64))
@@ -473,6 +477,7 @@ def check_rule(rule: ReplayRule, module: nn.Module, path: str, top_k: int | None
             rule.topk_group,
             rule.routed_scaling_factor,
             renormalize=rule.renormalize,
+            group_score=rule.group_score,
         )
     except (TypeError, ValueError) as e:
         raise ValueError(f"the router at {path!r} cannot be replayed with {rule.method.name}: {e}") from None

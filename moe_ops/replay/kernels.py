@@ -172,6 +172,7 @@ def replay_rows_torch(
     unnormalized: bool = False,
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    group_top: int = 2,
 ) -> None:
     """PyTorch twin of :func:`replay_rows_triton`: same arguments, same writes, same fault record.
 
@@ -181,7 +182,8 @@ def replay_rows_torch(
     weights: (n, k) float32, or float64 for float64 logits - written; the compute dtype
     ids: (n, k) int32 - written
     errors: (2,) int32 - [faulty rows, OR of fault bits], added to
-    unnormalized: the method's renormalize=False weight rule (``RouteConfig.unnormalized``)
+    unnormalized: the method's other weight rule (``RouteConfig.unnormalized``)
+    group_top: the keys a group score sums (``RouteConfig.group_top``; live rows with groups)
     row_count: (1,) int32 or None - the rows the recorded batch holds (a ``RoutingReplayer``'s
         ``row_count``); when it is not ``n``, one faulty call with :data:`REPLAY_FAULT_ROW_COUNT`
     hash_table: (vocab, k) integer or None - a hash layer's table: live and faulty rows take
@@ -200,7 +202,7 @@ def replay_rows_torch(
     live, out_of_range, repeated = _classify(rec, num_experts)
     faulty = out_of_range | repeated
     if hash_table is None:
-        live_ids = select_experts(selection_keys(x, method, bias), k, n_group, topk_group)
+        live_ids = select_experts(selection_keys(x, method, bias), k, n_group, topk_group, group_top)
         hash_bad = torch.zeros_like(live)
     else:
         live_ids, table_bad, _ = hash_ids_torch(hash_table, token_ids, num_experts)
@@ -279,6 +281,7 @@ if HAS_TRITON:
         gradient_column,
         gradient_rows,
         gradient_sigmoid,
+        row_softmax,
         unscaled_gradient_inputs,
     )
 
@@ -310,6 +313,7 @@ if HAS_TRITON:
         G_PAD: tl.constexpr,
         K_PAD: tl.constexpr,
         COMPUTE: tl.constexpr,
+        GROUP_TOP: tl.constexpr,
     ):
         """(BLOCK_M, K_PAD) int32: the router's top-k of each row (descending key, ties to the lowest
         index), from a (BLOCK_M, NG_PAD, G_PAD) register tile of the rows' logits in ``COMPUTE``
@@ -322,9 +326,12 @@ if HAS_TRITON:
         ok3 = row_ok[:, None, None] & expert_ok[None, :, :]
         x = tl.load(logits_ptr + row_off[:, None, None] + expert3 * stride_le, mask=ok3, other=0.0)
         x = x.to(COMPUTE)
-        okey = ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD, HAS_BIAS)
+        # the rows' softmax where the key reads it (SOFTMAX_BIAS; unread, and so not computed, by
+        # every other key: a weight rule's softmax in METHOD's column is dead code here)
+        x_max, z = row_softmax(x, ok3, row_ok, METHOD, False)
+        okey = ordered_keys(x, bias_ptr, expert, expert_ok, ok3, x_max, z, METHOD, HAS_BIAS)
         if GROUPED:
-            okey = keep_groups(okey, row_ok, n_group, topk_group, BLOCK_M, NG_PAD, G_PAD)
+            okey = keep_groups(okey, row_ok, n_group, topk_group, BLOCK_M, NG_PAD, G_PAD, GROUP_TOP)
         ids = topk_rounds(okey, expert3, BLOCK_M, K_PAD)
         return ids
 
@@ -415,6 +422,7 @@ if HAS_TRITON:
         K_PAD: tl.constexpr,
         CHECK_ROWS: tl.constexpr,
         HASH: tl.constexpr,
+        GROUP_TOP: tl.constexpr,
     ):
         # The recorded rows' path works in the layout of one (BLOCK_M, K_PAD) tile: every per-row
         # value is a keep_dims reduction of it broadcast over the columns, so the path has one load
@@ -498,7 +506,7 @@ if HAS_TRITON:
                 live_ids = _live_topk(
                     logits_ptr, bias_ptr, live_rows.to(tl.int64) * stride_lm, live_rows < n_tokens,
                     group_size, n_group, topk_group, stride_le,
-                    METHOD, HAS_BIAS, GROUPED, BLOCK_M, NG_PAD, G_PAD, K_PAD, COMPUTE,
+                    METHOD, HAS_BIAS, GROUPED, BLOCK_M, NG_PAD, G_PAD, K_PAD, COMPUTE, GROUP_TOP,
                 )  # fmt: skip
                 live_ok = need_live & k_ok
                 lw = _gathered_weights(
@@ -671,6 +679,7 @@ def replay_rows_triton(
     unnormalized: bool = False,
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    group_top: int = 2,
     *,
     block_m: int | None = None,
     num_warps: int | None = None,
@@ -746,6 +755,8 @@ def replay_rows_triton(
         K_PAD=next_power_of_2(top_k),
         CHECK_ROWS=row_count is not None,
         HASH=hashed,
+        # one variant without groups whatever the rule (unread there)
+        GROUP_TOP=int(group_top) if n_group > 1 else 2,
         num_warps=num_warps,
     )
 

@@ -36,6 +36,7 @@ from ..router.kernels import write_shared_columns
 from ..router.methods import (
     METHODS,
     REPLAY_LOGIT_DTYPES,
+    GroupScore,
     RoutingMethod,
     method_from_value,
     validate_route_args,
@@ -181,6 +182,7 @@ def _forward_twin(
     unnormalized: bool = False,
     hash_table: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
     token_ids: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
+    group_top: int = 2,
 ) -> None:
     """Writes every row's replayed (or live) ``weights`` and ``ids``; counts faulty rows (and a
     call whose row count is not ``row_count``) in ``errors`` (contract in kernels.py)."""
@@ -199,6 +201,7 @@ def _forward_twin(
         unnormalized,
         hash_table,
         token_ids,
+        group_top,
     )
 
 
@@ -233,12 +236,13 @@ def _forward_triton(
     unnormalized: bool = False,
     hash_table: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
     token_ids: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
+    group_top: int = 2,
     *,
     wrap=identity,
 ) -> None:
     """The forward kernel's launcher as the op calls it (``wrap``: see moe_ops._runtime.library)."""
     args = (router_logits, recorded_ids, bias, weights, ids, errors, method, n_group, topk_group)
-    rest = (routed_scaling_factor, row_count, unnormalized, hash_table, token_ids)
+    rest = (routed_scaling_factor, row_count, unnormalized, hash_table, token_ids, group_top)
     if errors.device.type == "cpu":
         # interpreted Triton updates the fault counter in Python: the CPU counters' lock makes the
         # launch atomic with respect to a check's read-and-subtract (moe_ops._runtime.faults); on
@@ -320,11 +324,12 @@ def _forward(
     hash_table=None,
     token_ids=None,
     n_shared=0,
+    group_top=2,
 ):
     """Allocates the outputs and runs the forward op (``dtype``: the compute dtype, float32 or
-    float64). With ``n_shared`` fused shared experts the op writes the routed columns (views of
-    the outputs) and :func:`write_shared_columns` the constant ones: two elementwise writes, only
-    when ``n_shared > 0``."""
+    float64; ``group_top``: ``RouteConfig.group_top``). With ``n_shared`` fused shared experts the
+    op writes the routed columns (views of the outputs) and :func:`write_shared_columns` the
+    constant ones: two elementwise writes, only when ``n_shared > 0``."""
     n, k = recorded_ids.shape
     weights = torch.empty((n, k + n_shared), dtype=dtype, device=router_logits.device)
     ids = torch.empty((n, k + n_shared), dtype=torch.int32, device=router_logits.device)
@@ -344,6 +349,7 @@ def _forward(
         unnormalized,
         hash_table,
         token_ids,
+        group_top,
     )
     if n_shared:
         write_shared_columns(weights, ids, router_logits.shape[1], n_shared)
@@ -355,10 +361,10 @@ class ReplayRoutingFunction(torch.autograd.Function):
     non-differentiable and the bias only chooses live rows, a piecewise-constant choice).
 
     ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, unnormalized,
-    use_triton, dtype, row_count, hash_table, token_ids, n_shared)`` with validated arguments;
-    ``dtype`` is the compute and weights dtype (in :func:`replay_routing`: float64 for float64
-    logits, else float32). The ``n_shared`` fused shared columns are constants: their incoming
-    gradient is dropped (none reaches the logits).
+    use_triton, dtype, row_count, hash_table, token_ids, n_shared, group_top)`` with validated
+    arguments; ``dtype`` is the compute and weights dtype (in :func:`replay_routing`: float64 for
+    float64 logits, else float32). The ``n_shared`` fused shared columns are constants: their
+    incoming gradient is dropped (none reaches the logits).
     """
 
     @staticmethod
@@ -378,6 +384,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
         hash_table=None,
         token_ids=None,
         n_shared=0,
+        group_top=2,
     ):
         weights, ids = _forward(
             router_logits,
@@ -394,6 +401,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
             hash_table,
             token_ids,
             n_shared,
+            group_top,
         )
         ctx.save_for_backward(router_logits, weights, ids)
         ctx.mark_non_differentiable(ids)
@@ -410,7 +418,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
     def backward(ctx, grad_weights, grad_ids):
         router_logits, weights, ids = ctx.saved_tensors
         if grad_weights is None:  # no gradient reached the weights (grads are not materialised)
-            return (None,) * 14
+            return (None,) * 15
         grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
         backward_ = _backward_call if ctx.use_triton else _reference_backward
         k = ctx.n_routed
@@ -419,7 +427,7 @@ class ReplayRoutingFunction(torch.autograd.Function):
         backward_(
             grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale, ctx.unnormalized
         )
-        return (grad_logits, *(None,) * 13)
+        return (grad_logits, *(None,) * 14)
 
 
 def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor, method) -> None:
@@ -487,6 +495,7 @@ def replay_routing(
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     num_fused_shared_experts: int = 0,
+    group_score: GroupScore | str | int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token through the experts the rollout recorded, weighted from the live logits.
 
@@ -500,9 +509,10 @@ def replay_routing(
         method: the :class:`RoutingMethod` the model routes with.
         bias: (num_experts,) float32/bf16/fp16/float64 - DEEPSEEK_V3/MINIMAX2 selection bias,
             rounded to the compute dtype: chooses the live rows' experts, never enters a weight.
-        n_group, topk_group: DEEPSEEK_V3 groups (live rows only); ``n_group`` None or <= 1: none.
+        n_group, topk_group: expert groups (live rows only); ``n_group`` None or <= 1: none.
+        group_score: a group's score (live rows only), as in :func:`moe_ops.route`.
         routed_scaling_factor: multiplies every method's weights (None: 1.0; after the rule,
-            inside DEEPSEEK_V3's/MINIMAX2's: docs/routing.md).
+            inside DEEPSEEK_V3's/MINIMAX2's/SQRTSOFTPLUS's: docs/routing.md).
         renormalize: as in :func:`moe_ops.route`: None keeps the method's rule; False on
             DEEPSEEK_V3/MINIMAX2 weights ``s * routed_scaling_factor`` (no division by the sum),
             and the gradient follows.
@@ -554,6 +564,7 @@ def replay_routing(
         routed_scaling_factor,
         renormalize=renormalize,
         logit_dtypes=REPLAY_LOGIT_DTYPES,
+        group_score=group_score,
     )
     hashed = check_hash_args(router_logits, top_k, hash_table, token_ids, bias, n_group, topk_group)
     n_shared = check_num_fused_shared_experts(num_fused_shared_experts, cfg.num_experts)
@@ -580,6 +591,7 @@ def replay_routing(
         hash_table if hashed else None,
         token_ids if hashed else None,
         n_shared,
+        cfg.group_top,
     )
     if torch.is_grad_enabled() and router_logits.requires_grad:
         return ReplayRoutingFunction.apply(*args)

@@ -1,5 +1,5 @@
-"""Triton helpers the router and the replay kernels share: order-preserving keys, the DeepSeek-V3
-group phase and the unrolled top-k rounds (private: import the launchers, not this module).
+"""Triton helpers the router and the replay kernels share: order-preserving keys, the expert-group
+phase and the unrolled top-k rounds (private: import the launchers, not this module).
 
 One rule for both kernels, so that replay's live rows are exactly what ``route`` chooses: keys
 become order-preserving int32s (float bits with the magnitude of negatives flipped; masked and
@@ -32,6 +32,8 @@ if HAS_TRITON:
         table_column(lambda spec: spec.key == SelectionKey.SQRTSOFTPLUS_BIAS)
     )
     _SOFTPLUS_THRESHOLD = tl.constexpr(SOFTPLUS_THRESHOLD)
+    # per method value, whether its key is softmax(x) + bias (SelectionKey.SOFTMAX_BIAS)
+    _SOFTMAX_BIAS_KEY = tl.constexpr(table_column(lambda spec: spec.key == SelectionKey.SOFTMAX_BIAS))
     NONE = tl.constexpr(-2147483648)  # INT32_MIN: knocked out / masked (below every valid key)
     NONE64 = tl.constexpr(-9223372036854775808)  # INT64_MIN: the same for float64 keys
     NO_EXPERT = tl.constexpr(1 << 30)  # above every expert index (min-reduction identity)
@@ -86,12 +88,20 @@ if HAS_TRITON:
             return tl.sqrt_rn(tl.where(x > _SOFTPLUS_THRESHOLD, x, log1p))
 
     @triton.jit
-    def ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def ordered_keys(
+        x, bias_ptr, expert, expert_ok, ok3, x_max, z, METHOD: tl.constexpr, HAS_BIAS: tl.constexpr
+    ):
         """(BLOCK_M, NG_PAD, G_PAD) ordered int32 selection keys of float32 logits ``x`` (int64 keys
-        of float64 logits; the bias is rounded to the logits' dtype, as the twin does)."""
-        if _SIGMOID_BIAS_KEY[METHOD] or _SQRTSOFTPLUS_BIAS_KEY[METHOD]:
-            if _SIGMOID_BIAS_KEY[METHOD]:  # noqa: SIM108 - a constexpr branch: only its key is compiled
+        of float64 logits; the bias is rounded to the logits' dtype, as the twin does).
+
+        x_max, z: (BLOCK_M,) the rows' softmax max and denominator (``_weights.row_softmax``, which
+        computes them for a SOFTMAX_BIAS key), read by that key alone."""
+        if _SIGMOID_BIAS_KEY[METHOD] or _SOFTMAX_BIAS_KEY[METHOD] or _SQRTSOFTPLUS_BIAS_KEY[METHOD]:
+            if _SIGMOID_BIAS_KEY[METHOD]:
                 key = tl.sigmoid(x)
+            elif _SOFTMAX_BIAS_KEY[METHOD]:
+                # the chosen_weights SOFTMAX rule's operations: exp(x - max) / sum
+                key = tl.exp(x - x_max[:, None, None]) / z[:, None, None]
             else:
                 key = sqrt_softplus(x)
             if HAS_BIAS:
@@ -103,22 +113,42 @@ if HAS_TRITON:
 
     @triton.jit
     def keep_groups(
-        okey, row_ok, n_group, topk_group, BLOCK_M: tl.constexpr, NG_PAD: tl.constexpr, G_PAD: tl.constexpr
-    ):
-        """DeepSeek-V3's group phase: the keys of the ``topk_group`` best groups, NONE elsewhere.
+        okey, row_ok, n_group, topk_group, BLOCK_M: tl.constexpr, NG_PAD: tl.constexpr, G_PAD: tl.constexpr,
+        GROUP_TOP: tl.constexpr = 2,
+    ):  # fmt: skip
+        """The group phase: the keys of the ``topk_group`` best groups, NONE elsewhere.
 
-        Group score = sum of the group's two best keys (one key if the group has one expert); the
-        best is the lowest column among equal keys, and only that one is knocked out.
+        Group score = the sum of the group's ``GROUP_TOP`` best keys, best first
+        (``RouteConfig.group_top``: 1 for GroupScore.MAX, its best key itself; 2 for TOP2_SUM, one
+        key if the group has one expert - DeepSeek-V3's code, unchanged; more for TOPK_SHARE_SUM,
+        which validation keeps at most the group's size). Each round's best is the lowest column
+        among equal keys, and only that one is knocked out.
         """
         none: tl.constexpr = NONE64 if okey.dtype == tl.int64 else NONE
         grp = tl.arange(0, NG_PAD)
         col3 = tl.arange(0, G_PAD)[None, None, :]
         top1 = tl.max(okey, axis=2)
-        col1 = tl.min(tl.where(okey == top1[:, :, None], col3, G_PAD), axis=2)
-        top2 = tl.max(tl.where(col3 == col1[:, :, None], none, okey), axis=2)
-        score = tl.where(top2 != none, unordered(top1) + unordered(top2), unordered(top1))
-        grp_ok = row_ok[:, None] & (grp[None, :] < n_group)
-        gkey = ordered(canonical(score), grp_ok)
+        if GROUP_TOP == 1:
+            grp_ok = row_ok[:, None] & (grp[None, :] < n_group)
+            gkey = tl.where(grp_ok, top1, none)  # the best key, already ordered and canonical
+        elif GROUP_TOP == 2:
+            col1 = tl.min(tl.where(okey == top1[:, :, None], col3, G_PAD), axis=2)
+            top2 = tl.max(tl.where(col3 == col1[:, :, None], none, okey), axis=2)
+            score = tl.where(top2 != none, unordered(top1) + unordered(top2), unordered(top1))
+            grp_ok = row_ok[:, None] & (grp[None, :] < n_group)
+            gkey = ordered(canonical(score), grp_ok)
+        else:
+            # GROUP_TOP <= the group's size: every round takes a real key (above NONE)
+            rest = okey
+            best = top1
+            score = unordered(top1)
+            for _ in tl.static_range(GROUP_TOP - 1):
+                col = tl.min(tl.where(rest == best[:, :, None], col3, G_PAD), axis=2)
+                rest = tl.where(col3 == col[:, :, None], none, rest)
+                best = tl.max(rest, axis=2)
+                score = score + unordered(best)
+            grp_ok = row_ok[:, None] & (grp[None, :] < n_group)
+            gkey = ordered(canonical(score), grp_ok)
         kept = tl.zeros([BLOCK_M, NG_PAD], dtype=tl.int32)
         for _ in range(topk_group):
             gbest = tl.max(gkey, axis=1)

@@ -21,7 +21,7 @@ compute in the dtype of their inputs: float32, or float64 for replay's float64 w
 from __future__ import annotations
 
 from .._runtime.triton import HAS_TRITON
-from .methods import N_METHOD_VALUES, GradientRule, WeightRule, rule_table
+from .methods import N_METHOD_VALUES, GradientRule, SelectionKey, WeightRule, rule_table, table_column
 
 __all__: list[str] = []
 
@@ -39,6 +39,9 @@ if HAS_TRITON:
     # 1 where the rule reads routed_scaling_factor itself (WeightRule.holds_scale); 0 where the
     # helpers apply it around the rule (weights scale * rule, gradient at scale * g)
     _HOLDS_SCALE = tl.constexpr(rule_table(lambda weight, gradient: int(weight.holds_scale)))
+    # per rules column (both halves: the key is the method's whatever its weight rule), whether the
+    # selection key is softmax(x) + bias, which needs the row's softmax before selection
+    _SOFTMAX_KEY = tl.constexpr(table_column(lambda spec: spec.key == SelectionKey.SOFTMAX_BIAS) * 2)
     # the kernels' rules column: METHOD + N_METHODS * UNNORM (methods.rule_column)
     N_METHODS = tl.constexpr(N_METHOD_VALUES)
     _W_LOGIT = tl.constexpr(int(WeightRule.LOGIT))
@@ -95,9 +98,10 @@ if HAS_TRITON:
     @triton.jit
     def row_softmax(x, ok3, row_ok, METHOD: tl.constexpr, KEEP: tl.constexpr):
         """(x_max, z): the softmax over every expert of each row of the ``(BLOCK_M, NG_PAD, G_PAD)``
-        logits ``x`` (valid where ``ok3``), as :func:`chosen_weights` reads them; computed for the
-        SOFTMAX rule (DEFAULT) only, ``x`` itself (unread) otherwise."""
-        if _WEIGHT_RULE[METHOD] == _W_SOFTMAX:
+        logits ``x`` (valid where ``ok3``), as :func:`chosen_weights` and a SOFTMAX_BIAS key
+        (``_select.ordered_keys``) read them; computed for the SOFTMAX rule and the SOFTMAX_BIAS key
+        only, ``x`` itself (unread) otherwise."""
+        if (_WEIGHT_RULE[METHOD] == _W_SOFTMAX) or _SOFTMAX_KEY[METHOD]:
             x_max = tl.where(row_ok, _row_max(tl.max(tl.where(ok3, x, float("-inf")), axis=2), KEEP), 0.0)
             ex = tl.where(ok3, tl.exp(x - _column(x_max, KEEP)[:, :, None]), 0.0)
             z = tl.where(row_ok, _row_sum(tl.sum(ex, axis=2), KEEP), 1.0)

@@ -2,7 +2,7 @@
 
 Two implementations of one destination-passing contract:
 
-* :func:`route_rows_triton` - one Triton kernel for all ten methods (CUDA; CPU tensors under
+* :func:`route_rows_triton` - one Triton kernel for every method (CUDA; CPU tensors under
   ``TRITON_INTERPRET=1``), with the capture fused in;
 * :func:`route_rows_torch` - its PyTorch reference twin (:mod:`moe_ops.router.reference`, then
   :func:`moe_ops.capture.kernels.capture_rows_torch`), the CPU path and the test oracle.
@@ -170,6 +170,7 @@ if HAS_TRITON:
         UNNORM: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         GROUPED: tl.constexpr,
+        GROUP_TOP: tl.constexpr,
         CAPTURE: tl.constexpr,
         BLOCK_M: tl.constexpr,
         NG_PAD: tl.constexpr,
@@ -212,9 +213,14 @@ if HAS_TRITON:
         x = tl.load(logits_ptr + row_off[:, None, None] + expert3 * stride_le, mask=ok3, other=0.0)
         x = x.to(tl.float32)
 
-        okey = ordered_keys(x, bias_ptr, expert, expert_ok, ok3, METHOD, HAS_BIAS)
+        # the rows' softmax (moe_ops.router._weights): DEFAULT's and DEEPSEEK_V2's weights and
+        # SOFTMAX_BIAS's key read it, one computation for both; UNNORM: the method's other weight
+        # rule (the table's column METHOD + N_METHODS)
+        RULES: tl.constexpr = METHOD + N_METHODS * UNNORM
+        x_max, z = row_softmax(x, ok3, row_ok, RULES, False)
+        okey = ordered_keys(x, bias_ptr, expert, expert_ok, ok3, x_max, z, METHOD, HAS_BIAS)
         if GROUPED:
-            okey = keep_groups(okey, row_ok, n_group, topk_group, BLOCK_M, NG_PAD, G_PAD)
+            okey = keep_groups(okey, row_ok, n_group, topk_group, BLOCK_M, NG_PAD, G_PAD, GROUP_TOP)
         # top_k rounds, unrolled to K_PAD (rounds past top_k are masked at the stores)
         ids = topk_rounds(okey, expert3, BLOCK_M, K_PAD)
         kcol = tl.arange(0, K_PAD)
@@ -222,11 +228,8 @@ if HAS_TRITON:
         out_ok = row_ok[:, None] & k_ok
         xs = tl.load(logits_ptr + row_off[:, None] + ids.to(tl.int64) * stride_le, mask=out_ok, other=0.0)
         xs = xs.to(tl.float32)
-        # the method's weights (moe_ops.router._weights): DEFAULT's softmax over the whole row from
-        # the logits in registers, every other rule from the k chosen logits; UNNORM: the method's
-        # renormalize=False rule (the table's column METHOD + N_METHODS)
-        RULES: tl.constexpr = METHOD + N_METHODS * UNNORM
-        x_max, z = row_softmax(x, ok3, row_ok, RULES, False)
+        # the method's weights (moe_ops.router._weights): the SOFTMAX rule's softmax over the whole
+        # row from the logits in registers, every other rule from the k chosen logits
         w = chosen_weights(xs, out_ok, row_ok, scale, x_max, z, RULES, False)
 
         rows64 = rows.to(tl.int64)
@@ -268,6 +271,7 @@ def route_rows_triton(
     *,
     unnormalized: bool = False,
     num_fused_shared_experts: int = 0,
+    group_top: int = 2,
     block_m: int | None = None,
     num_warps: int | None = None,
     wrap=identity,
@@ -278,8 +282,9 @@ def route_rows_triton(
     bias: (E,) float or None - the selection bias of BIAS_METHODS
     weights: (n, top_k + s) float32 - written (s = ``num_fused_shared_experts``)
     ids: (n, top_k + s) int32 - written: the routed top_k, then ids E .. E + s - 1
-    unnormalized: the method's renormalize=False weight rule (``RouteConfig.unnormalized``)
+    unnormalized: the method's other weight rule (``RouteConfig.unnormalized``)
     num_fused_shared_experts: s, the shared columns appended at weight 1.0
+    group_top: the keys a group score sums (``RouteConfig.group_top``; read with n_group > 1)
     capture: where to record this rank's ids, or None; its buffer is top_k wide (the routed
         columns are recorded) or top_k + s wide (the shared columns too)
     block_m, num_warps: override :func:`launch_config` (tests and tuning)
@@ -334,6 +339,8 @@ def route_rows_triton(
         UNNORM=bool(unnormalized),
         HAS_BIAS=bias is not None,
         GROUPED=n_group > 1,
+        # one variant without groups whatever the rule (unread there)
+        GROUP_TOP=int(group_top) if n_group > 1 else 2,
         CAPTURE=capture is not None,
         BLOCK_M=block_m,
         NG_PAD=ng_pad,
@@ -373,6 +380,7 @@ def route_rows_torch(
     *,
     unnormalized: bool = False,
     num_fused_shared_experts: int = 0,
+    group_top: int = 2,
 ) -> None:
     """PyTorch twin of :func:`route_rows_triton`: same arguments, same writes, same fault bits.
 
@@ -388,7 +396,7 @@ def route_rows_torch(
     top_k = ids.shape[1] - n_shared
     # route_reference in float32, with the weight rule the kernel computes (WeightRule.computed)
     x = router_logits.to(torch.float32)
-    ref_ids = select_experts(selection_keys(x, method, bias), top_k, n_group, topk_group)
+    ref_ids = select_experts(selection_keys(x, method, bias), top_k, n_group, topk_group, group_top)
     rule, _ = METHODS[method].computed(unnormalized)
     ref_weights = rule_weights(x, ref_ids, rule, routed_scaling_factor)
     weights[:, :top_k].copy_(ref_weights)

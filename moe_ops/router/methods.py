@@ -20,6 +20,10 @@ of a token, ``scale`` = ``routed_scaling_factor``)::
     7      MINIMAX2           s + bias              s * scale / (sum s + 1e-20)
     8      SIGMOID            x (sigmoid order)     s
     9      TOPK_SIGMOID       x                     s
+    32     DEEPSEEK_V2        x (softmax order),    softmax(x)[sel] (over all experts, not renormalised;
+                              in groups (MAX)       renormalize=True: p[sel] / sum p[sel])
+    33     SOFTMAX_BIAS       softmax(x) + bias,    p[sel] / sum p[sel], p = softmax(x) (unbiased;
+                              groups optional       renormalize=False: p[sel])
     34     SQRTSOFTPLUS       q + bias              q * scale / (sum q + 1e-20), q = sqrt(softplus(x))
 
 ``routed_scaling_factor`` applies to every method (vLLM's and SGLang's ``routed_scaling_factor``,
@@ -31,9 +35,16 @@ of ``scale * g``. Without it the scale is 1.0, and ``w * 1.0 == w`` exactly.
 :data:`METHODS` holds these rules as one :class:`MethodSpec` per method (selection key, weight
 rule, gradient rule, bias, scaling, groups, fixed top_k); everything else reads them from there.
 
-DeepSeek-V3 groups: a group's score is the sum of its two best ``s + bias`` values (its one value
-when a group has a single expert); the ``topk_group`` best groups stay and the top-k experts are
-chosen inside them. ``n_group`` None or ``<= 1`` means no grouping.
+Expert groups (the methods of :data:`GROUP_METHODS`): each group gets a score from its keys by the
+:class:`GroupScore` rule (``group_score``; None: the method's own, ``MethodSpec.group_score``), the
+``topk_group`` best groups stay and the top-k experts are chosen inside them. ``n_group`` None or
+``<= 1`` means no grouping. DeepSeek-V3's score is the sum of a group's two best ``s + bias`` values
+(its one value when a group has a single expert, ``TOP2_SUM``); DeepSeek-V2's is its best expert's
+softmax (``MAX``), which DEEPSEEK_V2 takes as the best logit: softmax keeps the logits' order, so
+the groups, the experts and the tie rule below are the same, and no rounding of a softmax merges two
+different logits into a tie. A score that sums several keys needs keys that are the scores
+themselves (``SIGMOID_BIAS``, ``SOFTMAX_BIAS``: the sum of two logits orders groups differently from
+the sum of their probabilities), so DEEPSEEK_V2 takes ``MAX`` only (softmax sums: SOFTMAX_BIAS).
 
 Tie-break rule (all backends of this package): **among equal selection scores the lowest expert
 index wins**, and the chosen experts are listed by descending score, equal scores in ascending
@@ -69,16 +80,20 @@ __all__ = [
     "METHODS",
     "N_METHOD_VALUES",
     "OWN_METHODS_START",
+    "RENORMALIZED_METHODS",
     "REPLAY_LOGIT_DTYPES",
     "SCALED_METHODS",
     "SCALED_RULES",
+    "SCORE_KEYS",
     "UNNORMALIZED_METHODS",
     "GradientRule",
+    "GroupScore",
     "MethodSpec",
     "RouteConfig",
     "RoutingMethod",
     "SelectionKey",
     "WeightRule",
+    "group_score_from_value",
     "method_from_value",
     "method_names",
     "rule_column",
@@ -109,7 +124,9 @@ class RoutingMethod(enum.IntEnum):
     MINIMAX2 = 7  # sigmoid + bias chooses top-k; weights unbiased sigmoid, normalised, scaled
     SIGMOID = 8  # sigmoid, top-k, no renormalisation
     TOPK_SIGMOID = 9  # top-k on raw logits, then sigmoid
-    # moe-ops' own (OWN_METHODS_START on)
+    # moe-ops' own methods (OWN_METHODS_START on; FlashInfer has none of these)
+    DEEPSEEK_V2 = 32  # softmax, group-limited greedy (a group's best score); weights softmax(x)[sel]
+    SOFTMAX_BIAS = 33  # softmax + bias chooses (groups optional); weights unbiased softmax, renormalised
     # DeepSeek-V4: sqrt(softplus(x)) + bias chooses; weights unbiased q, normalised, scaled
     SQRTSOFTPLUS = 34
 
@@ -121,7 +138,30 @@ class SelectionKey(enum.IntEnum):
     SOFTMAX_ORDER = 1  # softmax(x): sorted as x, whose order it keeps
     SIGMOID_ORDER = 2  # sigmoid(x): sorted as x, whose order it keeps (no saturation ties)
     SIGMOID_BIAS = 3  # sigmoid(x) + bias (bias optional): not sorted as x
-    SQRTSOFTPLUS_BIAS = 4  # sqrt(softplus(x)) + bias (bias optional): not sorted as x
+    SOFTMAX_BIAS = 4  # softmax(x) + bias (bias optional): not sorted as x; needs the row's softmax
+    SQRTSOFTPLUS_BIAS = 5  # sqrt(softplus(x)) + bias (bias optional): not sorted as x
+
+
+# Keys that are the scores themselves, not an order of the logits: the keys a bias adds to and a
+# group score may sum.
+SCORE_KEYS = frozenset({SelectionKey.SIGMOID_BIAS, SelectionKey.SOFTMAX_BIAS, SelectionKey.SQRTSOFTPLUS_BIAS})
+
+
+class GroupScore(enum.IntEnum):
+    """A group's score, from its experts' selection keys (the groups of :data:`GROUP_METHODS`)."""
+
+    MAX = 1  # its best key (DeepSeek-V2; vLLM's grouped_topk without a bias)
+    TOP2_SUM = 2  # the sum of its two best keys, its one key for a one-expert group (DeepSeek-V3)
+    # the sum of its top_k // topk_group best keys (Megatron's group_limited_topk)
+    TOPK_SHARE_SUM = 3
+
+    def keys_summed(self, top_k: int, topk_group: int) -> int:
+        """How many of a group's best keys its score sums (TOP2_SUM: 2, fewer in a one-expert group)."""
+        if self is GroupScore.MAX:
+            return 1
+        if self is GroupScore.TOP2_SUM:
+            return 2
+        return top_k // topk_group
 
 
 class WeightRule(enum.IntEnum):
@@ -198,7 +238,7 @@ SCALED_RULES = frozenset({
     WeightRule.SQRTSOFTPLUS_TIMES_SCALE,
 })  # fmt: skip
 # Selection keys that add the optional (num_experts,) bias (the others sort the raw logits).
-BIAS_KEYS = frozenset({SelectionKey.SIGMOID_BIAS, SelectionKey.SQRTSOFTPLUS_BIAS})
+BIAS_KEYS = SCORE_KEYS
 
 
 @dataclass(frozen=True)
@@ -213,12 +253,12 @@ class MethodSpec:
     weight: WeightRule
     # the backward of weight.computed: GRADIENT_OF[weight.computed]
     gradient: GradientRule
-    # takes a (num_experts,) selection bias; only with a key of BIAS_KEYS, never part of the weights
+    # takes a (num_experts,) selection bias; only with a key of SCORE_KEYS, never part of the weights
     bias: bool = False
     # its weight rule holds routed_scaling_factor inside: exactly when weight is in SCALED_RULES
     # (every method takes the factor; the others' weights are scale * rule, WeightRule.holds_scale)
     scaled: bool = False
-    # takes DeepSeek-V3 expert groups (n_group, topk_group); only with key SIGMOID_BIAS
+    # takes expert groups (n_group, topk_group)
     groups: bool = False
     # the only top_k the method takes, or None for any 1 <= top_k <= num_experts
     top_k: int | None = None
@@ -228,6 +268,13 @@ class MethodSpec:
     # the weight rule renormalize=False selects, for a renormalising method that has no
     # RoutingMethod of its own without the division (another method's row is that method)
     unnormalized: WeightRule | None = None
+    # the group score group_score=None keeps (methods with groups only); a rule that sums keys
+    # needs a key of SCORE_KEYS
+    group_score: GroupScore | None = None
+    # the weight rule renormalize=True selects, for a method that does not renormalise and has no
+    # RoutingMethod of its own with the division; it shares the unnormalized rule's kernel column
+    # (a method has one of the two: its other rule)
+    renormalized: WeightRule | None = None
 
     @property
     def unnormalized_gradient(self) -> GradientRule | None:
@@ -235,9 +282,11 @@ class MethodSpec:
         return None if self.unnormalized is None else GRADIENT_OF[self.unnormalized.computed]
 
     def rule(self, unnormalized: bool = False) -> WeightRule:
-        """The literal weight rule: :attr:`unnormalized` where ``unnormalized`` (a validated
-        ``renormalize=False``, ``RouteConfig.unnormalized``), :attr:`weight` otherwise."""
-        return self.unnormalized if unnormalized and self.unnormalized is not None else self.weight
+        """The literal weight rule: the method's other rule where ``unnormalized`` (a validated
+        ``renormalize`` opposite to :attr:`renormalizes`, ``RouteConfig.unnormalized``:
+        :attr:`unnormalized`, or :attr:`renormalized`), :attr:`weight` otherwise."""
+        other = self.unnormalized if self.unnormalized is not None else self.renormalized
+        return other if unnormalized and other is not None else self.weight
 
     def computed(self, unnormalized: bool = False) -> tuple[WeightRule, GradientRule]:
         """(weight rule, gradient rule) the kernels and twins evaluate (``WeightRule.computed``)."""
@@ -249,10 +298,19 @@ class MethodSpec:
             raise ValueError(f"gradient must be {GRADIENT_OF[self.weight.computed]!r}, got {self.gradient!r}")
         if self.scaled != (self.weight in SCALED_RULES):
             raise ValueError(f"scaled must be {self.weight in SCALED_RULES} for {self.weight!r}")
-        if self.bias and self.key not in BIAS_KEYS:
-            raise ValueError(f"bias needs a key of {sorted(k.name for k in BIAS_KEYS)}")
-        if self.groups and self.key != SelectionKey.SIGMOID_BIAS:
-            raise ValueError("groups need key SIGMOID_BIAS (the kernels key groups on it)")
+        if self.bias and self.key not in SCORE_KEYS:
+            raise ValueError("bias needs a key of SCORE_KEYS (a bias adds to a score, not to an order)")
+        if self.groups != (self.group_score is not None):
+            raise ValueError("groups needs a group_score, and only a method with groups has one")
+        if self.group_score not in (None, GroupScore.MAX) and self.key not in SCORE_KEYS:
+            raise ValueError(f"group_score {self.group_score!r} sums keys: it needs a key of SCORE_KEYS")
+        if self.renormalized is not None:
+            if self.renormalizes is not False or self.unnormalized is not None:
+                raise ValueError("renormalized needs renormalizes=False (it is the rule with the division)")
+            if self.scaled != (self.renormalized in SCALED_RULES):
+                raise ValueError(
+                    f"scaled must be {self.renormalized in SCALED_RULES} for {self.renormalized!r}"
+                )
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be None or >= 1, got {self.top_k}")
         if self.unnormalized is not None:
@@ -284,7 +342,9 @@ METHODS: Mapping[RoutingMethod, MethodSpec] = {
     _M.RENORMALIZE: MethodSpec(
         SelectionKey.LOGIT, WeightRule.SOFTMAX_CHOSEN, GradientRule.SOFTMAX_CHOSEN, **_RENORM
     ),
-    _M.DEEPSEEK_V3: MethodSpec(SelectionKey.SIGMOID_BIAS, **_SIGMOID_SCALED, bias=True, groups=True),
+    _M.DEEPSEEK_V3: MethodSpec(
+        SelectionKey.SIGMOID_BIAS, **_SIGMOID_SCALED, bias=True, groups=True, group_score=GroupScore.TOP2_SUM
+    ),
     _M.LLAMA4: MethodSpec(SelectionKey.LOGIT, **_SIGMOID, top_k=1),
     _M.RENORMALIZE_NAIVE: MethodSpec(
         SelectionKey.SOFTMAX_ORDER, WeightRule.SOFTMAX_RENORM, GradientRule.SOFTMAX_CHOSEN, **_RENORM
@@ -296,6 +356,16 @@ METHODS: Mapping[RoutingMethod, MethodSpec] = {
     _M.MINIMAX2: MethodSpec(SelectionKey.SIGMOID_BIAS, **_SIGMOID_SCALED, bias=True),
     _M.SIGMOID: MethodSpec(SelectionKey.SIGMOID_ORDER, **_SIGMOID, **_PLAIN),
     _M.TOPK_SIGMOID: MethodSpec(SelectionKey.LOGIT, **_SIGMOID, **_PLAIN),
+    # softmax scores, so the weights read the whole row (not renormalised) unless renormalize=True;
+    # routed_scaling_factor multiplies after the rule (WeightRule.holds_scale), as DeepSeek-V2's
+    _M.DEEPSEEK_V2: MethodSpec(
+        SelectionKey.SOFTMAX_ORDER, WeightRule.SOFTMAX, GradientRule.SOFTMAX, **_PLAIN, groups=True,
+        group_score=GroupScore.MAX, renormalized=WeightRule.SOFTMAX_RENORM,
+    ),
+    _M.SOFTMAX_BIAS: MethodSpec(
+        SelectionKey.SOFTMAX_BIAS, WeightRule.SOFTMAX_RENORM, GradientRule.SOFTMAX_CHOSEN, **_RENORM,
+        bias=True, groups=True, group_score=GroupScore.TOP2_SUM, unnormalized=WeightRule.SOFTMAX,
+    ),
     # no groups: no peer groups sqrtsoftplus scores but Megatron (docs/routing.md)
     _M.SQRTSOFTPLUS: MethodSpec(
         SelectionKey.SQRTSOFTPLUS_BIAS, WeightRule.SQRTSOFTPLUS_SCALED, GradientRule.SQRTSOFTPLUS_SCALED,
@@ -310,15 +380,17 @@ if set(METHODS) != set(RoutingMethod):
 N_METHOD_VALUES = max(RoutingMethod) + 1
 _METHOD_VALUES = frozenset(int(m) for m in RoutingMethod)
 
-# Methods that take a selection bias (their key is one of BIAS_KEYS).
+# Methods that take a selection bias (their key is one of SCORE_KEYS: a score, not an order).
 BIAS_METHODS = frozenset(m for m, spec in METHODS.items() if spec.bias)
 # Methods whose weight rule holds routed_scaling_factor inside (WeightRule.holds_scale); every
 # method takes the factor, the others multiply their rule's weights by it.
 SCALED_METHODS = frozenset(m for m, spec in METHODS.items() if spec.scaled)
-# Methods that take DeepSeek-V3 expert groups (n_group, topk_group).
+# Methods that take expert groups (n_group, topk_group) and group_score.
 GROUP_METHODS = frozenset(m for m, spec in METHODS.items() if spec.groups)
 # Methods that renormalize=False switches to their unnormalized weight rule.
 UNNORMALIZED_METHODS = frozenset(m for m, spec in METHODS.items() if spec.unnormalized is not None)
+# Methods that renormalize=True switches to their renormalized weight rule.
+RENORMALIZED_METHODS = frozenset(m for m, spec in METHODS.items() if spec.renormalized is not None)
 
 
 def table_column(read: Callable[[MethodSpec], object]) -> tuple:
@@ -400,8 +472,20 @@ class RouteConfig:
     topk_group: int
     # multiplies the weights of every method (1.0 when not given: bit-identical to no factor); finite
     routed_scaling_factor: float
-    # renormalize=False on a method of UNNORMALIZED_METHODS: its unnormalized weight rule
+    # renormalize opposite to the method's own (renormalize=False on UNNORMALIZED_METHODS,
+    # renormalize=True on RENORMALIZED_METHODS): its other weight rule (MethodSpec.rule)
     unnormalized: bool = False
+    # the group score (the method's own where group_score=None); TOP2_SUM for a method without
+    # groups (never read)
+    group_score: GroupScore = GroupScore.TOP2_SUM
+
+    @property
+    def group_top(self) -> int:
+        """How many of a group's best keys its score sums: the kernels' constexpr (2 when there is
+        no grouping, never read)."""
+        if not self.grouped:
+            return 2
+        return self.group_score.keys_summed(self.top_k, self.topk_group)
 
     @property
     def grouped(self) -> bool:
@@ -427,6 +511,7 @@ def validate_route_args(
     *,
     renormalize: bool | None = None,
     logit_dtypes: tuple[torch.dtype, ...] = LOGIT_DTYPES,
+    group_score: GroupScore | str | int | None = None,
 ) -> RouteConfig:
     """Checks everything that is known without reading device values; returns the normalised config.
 
@@ -517,7 +602,57 @@ def validate_route_args(
         scale = float(routed_scaling_factor)
         if not math.isfinite(scale):
             raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor!r}")
-    return RouteConfig(method, top_k, num_experts, groups, kept, scale, _unnormalized(method, renormalize))
+    score = _group_score(method, group_score, top_k, groups, kept)
+    unnormalized = _unnormalized(method, renormalize)
+    return RouteConfig(method, top_k, num_experts, groups, kept, scale, unnormalized, score)
+
+
+def group_score_from_value(group_score: GroupScore | str | int) -> GroupScore:
+    """``group_score`` as a :class:`GroupScore`: a member, its int value or its name (any case);
+    ValueError listing the rules otherwise."""
+    if isinstance(group_score, GroupScore):
+        return group_score
+    if isinstance(group_score, str) and group_score.upper() in GroupScore.__members__:
+        return GroupScore[group_score.upper()]
+    if not isinstance(group_score, bool) and isinstance(group_score, (int, np.integer)):
+        try:
+            return GroupScore(int(group_score))
+        except ValueError:
+            pass
+    names = ", ".join(f"{g.name}={g.value}" for g in GroupScore)
+    raise ValueError(
+        f"group_score must be a GroupScore, its value or its name ({names}) or None, got {group_score!r}"
+    )
+
+
+def _group_score(
+    method: RoutingMethod, group_score: object, top_k: int, n_group: int, topk_group: int
+) -> GroupScore:
+    """The validated group score of ``method`` (its own for None); ValueError naming the reason where
+    ``group_score`` cannot apply. Without grouping (``n_group`` 1) any rule is accepted and unread."""
+    spec = METHODS[method]
+    if group_score is None:
+        return spec.group_score if spec.group_score is not None else GroupScore.TOP2_SUM
+    if not spec.groups:
+        raise ValueError(
+            f"group_score is only used by {method_names(GROUP_METHODS)} (methods with expert groups), "
+            f"not {method.name}; pass None"
+        )
+    score = group_score_from_value(group_score)
+    if score.keys_summed(top_k, topk_group) > 1 and spec.key not in SCORE_KEYS:
+        sums = method_names(frozenset(m for m, s in METHODS.items() if s.groups and s.key in SCORE_KEYS))
+        raise ValueError(
+            f"group_score={score.name} sums a group's best keys, but {method.name} chooses on the "
+            f"logits (its scores keep their order, not their sums); {method.name} takes MAX (or "
+            f"TOPK_SHARE_SUM with top_k // topk_group == 1). Methods whose keys are their scores: {sums}"
+        )
+    # the share never exceeds a group's size: top_k <= topk_group * size is checked above
+    if score is GroupScore.TOPK_SHARE_SUM and n_group > 1 and top_k < topk_group:
+        raise ValueError(
+            f"group_score=TOPK_SHARE_SUM sums top_k // topk_group = {top_k} // {topk_group} = 0 keys "
+            "per group: it needs top_k >= topk_group"
+        )
+    return score
 
 
 def _unnormalized(method: RoutingMethod, renormalize: object) -> bool:
@@ -536,6 +671,8 @@ def _unnormalized(method: RoutingMethod, renormalize: object) -> bool:
     if renormalize == spec.renormalizes:
         return False  # the method's own rule
     if not renormalize and spec.unnormalized is not None:
+        return True
+    if renormalize and spec.renormalized is not None:
         return True
     # the other rule is another method's row (FlashInfer's value for it): name it, never alias
     same = frozenset(m for m, s in METHODS.items() if s.renormalizes is renormalize and not s.bias)

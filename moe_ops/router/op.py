@@ -24,7 +24,7 @@ from .kernels import TRITON_MAX_TILE, route_rows_torch, route_rows_triton, tile_
 
 if HAS_TRITON:
     from .kernels import _route_kernel
-from .methods import RouteConfig, RoutingMethod, validate_route_args
+from .methods import GroupScore, RouteConfig, RoutingMethod, validate_route_args
 from .policy import auto_runs_triton
 from .shared import check_capture_shared_experts, check_num_fused_shared_experts
 
@@ -44,6 +44,7 @@ def _route(
     topk_group: int,
     routed_scaling_factor: float,
     unnormalized: bool,
+    group_top: int,
     num_fused_shared_experts: int = 0,
     *,
     wrap=identity,
@@ -59,6 +60,7 @@ def _route(
         topk_group,
         routed_scaling_factor,
         unnormalized=unnormalized,
+        group_top=group_top,
         num_fused_shared_experts=num_fused_shared_experts,
         wrap=wrap,
     )
@@ -74,6 +76,7 @@ def _route_twin(
     topk_group: int,
     routed_scaling_factor: float,
     unnormalized: bool,
+    group_top: int,
     num_fused_shared_experts: int = 0,
 ) -> None:
     """PyTorch twin of :func:`_route`."""
@@ -87,6 +90,7 @@ def _route_twin(
         topk_group,
         routed_scaling_factor,
         unnormalized=unnormalized,
+        group_top=group_top,
         num_fused_shared_experts=num_fused_shared_experts,
     )
 
@@ -106,16 +110,27 @@ def _route_capture(*args, wrap=identity) -> None:
     :class:`~moe_ops.capture.spec.CaptureSpec`'s, as in ``moe_ops::capture_routing_``; the rows are
     LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
     """
-    (*route_args, unnormalized, n_shared), capture = ROUTE_CAPTURE.split(args)
+    (*route_args, unnormalized, group_top, n_shared), capture = ROUTE_CAPTURE.split(args)
     route_rows_triton(
-        *route_args, capture, unnormalized=unnormalized, num_fused_shared_experts=n_shared, wrap=wrap
+        *route_args,
+        capture,
+        unnormalized=unnormalized,
+        group_top=group_top,
+        num_fused_shared_experts=n_shared,
+        wrap=wrap,
     )
 
 
 def _route_capture_twin(*args) -> None:
     """PyTorch twin of :func:`_route_capture`."""
-    (*route_args, unnormalized, n_shared), capture = ROUTE_CAPTURE.split(args)
-    route_rows_torch(*route_args, capture, unnormalized=unnormalized, num_fused_shared_experts=n_shared)
+    (*route_args, unnormalized, group_top, n_shared), capture = ROUTE_CAPTURE.split(args)
+    route_rows_torch(
+        *route_args,
+        capture,
+        unnormalized=unnormalized,
+        group_top=group_top,
+        num_fused_shared_experts=n_shared,
+    )
 
 
 _CAPTURE_MUTATES = ROUTE_CAPTURE.mutates
@@ -212,6 +227,7 @@ def route(
     renormalize: bool | None = None,
     capture: CaptureTarget | None = None,
     backend: str = "auto",
+    group_score: GroupScore | str | int | None = None,
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     num_fused_shared_experts: int = 0,
@@ -227,18 +243,27 @@ def route(
         method: a :class:`RoutingMethod` (semantics and weight formulas in
             :mod:`moe_ops.router.methods`).
         bias: (num_experts,) float - DEEPSEEK_V3/MINIMAX2 selection bias (None: no bias).
-        n_group, topk_group: DEEPSEEK_V3 groups; ``n_group`` None or <= 1 means no grouping.
+        n_group, topk_group: expert groups (DEEPSEEK_V3, DEEPSEEK_V2, SOFTMAX_BIAS);
+            ``n_group`` None or <= 1 means no grouping.
         routed_scaling_factor: multiplies every method's weights (None: 1.0; after the rule,
-            inside DEEPSEEK_V3's/MINIMAX2's: docs/routing.md).
+            inside DEEPSEEK_V3's/MINIMAX2's/SQRTSOFTPLUS's: docs/routing.md).
         renormalize: None keeps the method's own rule; False on DEEPSEEK_V3/MINIMAX2 weights the
             chosen experts ``s * routed_scaling_factor``, without the division by their sum
-            (vLLM's/SGLang's ``renormalize=False``, transformers' ``norm_topk_prob=False``); the
-            method's own value is accepted and changes nothing; any other value raises ValueError
-            naming the method and the reason (a rule another method has, or no rule at all).
+            (vLLM's/SGLang's ``renormalize=False``, transformers' ``norm_topk_prob=False``); False
+            on SOFTMAX_BIAS weights ``softmax(x)[sel]``; True on DEEPSEEK_V2 weights
+            ``p[sel] / sum p[sel]`` (``norm_topk_prob=True``); the method's own value is accepted
+            and changes nothing; any other value raises ValueError naming the method and the
+            reason (a rule another method has, or no rule at all).
         capture: a :class:`CaptureTarget`: write the ids into ``capture.buffer[:, layer_id]`` as
             ``capture_routing`` would. LOCAL, GATHERED and SHARDED are recorded by the router kernel
             itself; SEQUENCE_PARALLEL routes, then calls ``capture_routing`` (it needs its TP
             all-gather first).
+        group_score: a group's score (:class:`GroupScore`, its value or its name; methods with
+            groups): MAX, TOP2_SUM or TOPK_SHARE_SUM (Megatron's). None: the method's own
+            (DEEPSEEK_V3 and SOFTMAX_BIAS TOP2_SUM, DEEPSEEK_V2 MAX). A rule that cannot apply
+            raises ValueError naming the reason (a method without groups; a sum on DEEPSEEK_V2,
+            which chooses on the logits; TOPK_SHARE_SUM summing none or more than a group holds).
+            ``backend="flashinfer"`` takes TOP2_SUM only.
         backend: "auto" (Triton on CUDA, the PyTorch reference on CPU or for rows wider than the
             kernel's tile; never FlashInfer, see docs/routing.md; imports nothing of
             ``moe_ops.flashinfer``), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
@@ -286,6 +311,7 @@ def route(
         topk_group,
         routed_scaling_factor,
         renormalize=renormalize,
+        group_score=group_score,
     )
     hashed = check_hash_args(router_logits, top_k, hash_table, token_ids, bias, n_group, topk_group)
     n_shared = check_num_fused_shared_experts(num_fused_shared_experts, cfg.num_experts)
@@ -318,6 +344,11 @@ def route(
                 f"backend='flashinfer' always renormalises {cfg.method.name}; renormalize=False "
                 "runs on backend 'auto', 'triton' or 'torch'"
             )
+        if cfg.grouped and cfg.group_score != GroupScore.TOP2_SUM:
+            raise ValueError(
+                f"backend='flashinfer' scores groups by TOP2_SUM only; group_score={cfg.group_score.name} "
+                "runs on backend 'auto', 'triton' or 'torch'"
+            )
         return _route_flashinfer(
             router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, capture
         )
@@ -334,6 +365,7 @@ def route(
         cfg.topk_group,
         cfg.routed_scaling_factor,
         cfg.unnormalized,
+        cfg.group_top,
         n_shared,
     )
     # the op runs the Triton kernel on CUDA (and on the CPU under the interpreter), the twin on the

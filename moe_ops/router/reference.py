@@ -8,16 +8,16 @@ captures in CUDA graphs.
 Selection follows the package's tie-break rule (see :mod:`moe_ops.router.methods`): a stable
 descending sort, so among equal scores the lowest expert index wins (``torch.topk`` promises no
 order among ties). Every rule comes from the method table (:data:`moe_ops.router.methods.METHODS`):
-keys of ``SelectionKey.SIGMOID_BIAS`` sort ``sigmoid(x) + bias``, ``SQRTSOFTPLUS_BIAS``
-``sqrt_softplus(x) + bias``, every other key the raw logits; :func:`rule_weights` writes each
-weight rule once.
+keys of ``SelectionKey.SIGMOID_BIAS`` sort ``sigmoid(x) + bias``, of ``SOFTMAX_BIAS``
+``softmax(x) + bias``, of ``SQRTSOFTPLUS_BIAS`` ``sqrt_softplus(x) + bias``, every other key the raw
+logits; :func:`rule_weights` writes each weight rule once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .methods import BIAS_KEYS, GRADIENT_OF, METHODS, GradientRule, RoutingMethod, SelectionKey, WeightRule
+from .methods import GRADIENT_OF, METHODS, GradientRule, RoutingMethod, SelectionKey, WeightRule
 
 __all__ = [
     "SOFTPLUS_THRESHOLD",
@@ -85,16 +85,22 @@ def selection_keys(x: torch.Tensor, method: RoutingMethod, bias: torch.Tensor | 
 
     x: (n, E) float - logits already in the compute dtype
     bias: (E,) float or None - the selection bias of BIAS_METHODS
-    Returns (n, E): ``sigmoid(x) + bias`` for the key ``SIGMOID_BIAS``, ``sqrt_softplus(x) + bias``
-    for ``SQRTSOFTPLUS_BIAS``, ``x`` otherwise (canonicalised).
+    Returns (n, E): ``sigmoid(x) + bias`` for the key ``SIGMOID_BIAS``, ``softmax(x) + bias`` for
+    ``SOFTMAX_BIAS`` (the row's softmax as ``exp(x - max) / sum``, the kernels' order of
+    operations), ``sqrt_softplus(x) + bias`` for ``SQRTSOFTPLUS_BIAS``, ``x`` otherwise
+    (canonicalised).
     """
     key = METHODS[method].key
-    if key in BIAS_KEYS:
-        keys = torch.sigmoid(x) if key == SelectionKey.SIGMOID_BIAS else sqrt_softplus(x)
-        if bias is not None:
-            keys = keys + bias.to(x.dtype)
+    if key == SelectionKey.SIGMOID_BIAS:
+        keys = torch.sigmoid(x)
+    elif key == SelectionKey.SOFTMAX_BIAS:
+        keys = torch.softmax(x, dim=-1)
+    elif key == SelectionKey.SQRTSOFTPLUS_BIAS:
+        keys = sqrt_softplus(x)
     else:
-        keys = x
+        return _canonical(x)
+    if bias is not None:
+        keys = keys + bias.to(x.dtype)
     return _canonical(keys)
 
 
@@ -103,29 +109,36 @@ def _sort_desc(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.sort(values, dim=-1, descending=True, stable=True)
 
 
-def group_scores(keys: torch.Tensor, n_group: int) -> torch.Tensor:
-    """DeepSeek-V3 group scores: the sum of each group's two best keys (one key for 1-expert groups).
+def group_scores(keys: torch.Tensor, n_group: int, group_top: int = 2) -> torch.Tensor:
+    """Group scores: the sum of each group's ``group_top`` best keys (``RouteConfig.group_top``: 1
+    for GroupScore.MAX, 2 for TOP2_SUM; fewer where a group has fewer experts), added best first
+    (the kernels' order: the same float sums).
 
     keys: (n, E) float - selection keys
     Returns (n, n_group) float, canonicalised (inf + -inf = NaN -> -inf).
     """
     n, num_experts = keys.shape
     size = num_experts // n_group
-    top = _sort_desc(keys.view(n, n_group, size))[0][..., : min(2, size)]
-    score = top[..., 0] + top[..., 1] if size >= 2 else top[..., 0]
+    top = _sort_desc(keys.reshape(n, n_group, size))[0][..., : min(group_top, size)]
+    score = top[..., 0]
+    for i in range(1, top.shape[-1]):
+        score = score + top[..., i]
     return _canonical(score)
 
 
-def select_experts(keys: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+def select_experts(
+    keys: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1, group_top: int = 2
+) -> torch.Tensor:
     """Chosen experts by descending key, ties to the lowest index, inside the kept groups.
 
     keys: (n, E) float - selection keys (canonical: no NaN)
+    group_top: the keys a group score sums (:func:`group_scores`)
     Returns (n, top_k) int64 expert ids.
     """
     n, num_experts = keys.shape
     order = _sort_desc(keys)[1]
     if n_group > 1:
-        groups = _sort_desc(group_scores(keys, n_group))[1][:, :topk_group]
+        groups = _sort_desc(group_scores(keys, n_group, group_top))[1][:, :topk_group]
         kept = torch.zeros(n, n_group, dtype=torch.bool, device=keys.device)
         kept.scatter_(1, groups, True)
         kept = kept.repeat_interleave(num_experts // n_group, dim=1)
@@ -292,20 +305,22 @@ def route_reference(
     routed_scaling_factor: float = 1.0,
     dtype: torch.dtype | None = None,
     unnormalized: bool = False,
+    group_top: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token; arguments as validated by :func:`validate_route_args`.
 
     router_logits: (n, E) float - router outputs
     bias: (E,) float or None - the selection bias of BIAS_METHODS
     dtype: compute dtype (default: float32, or float64 for float64 logits)
-    unnormalized: the method's renormalize=False rule (``RouteConfig.unnormalized``)
+    unnormalized: the method's other weight rule (``RouteConfig.unnormalized``)
+    group_top: the keys a group score sums (``RouteConfig.group_top``)
     Returns ``(weights (n, top_k) dtype, ids (n, top_k) int64)``.
     """
     if dtype is None:
         dtype = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
     x = router_logits.to(dtype)
     keys = selection_keys(x, method, bias)
-    ids = select_experts(keys, top_k, n_group, topk_group)
+    ids = select_experts(keys, top_k, n_group, topk_group, group_top)
     return weights_for_ids(x, ids, method, routed_scaling_factor, unnormalized), ids
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from moe_ops import BatchLayout, RoutingMethod
-from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS
+from moe_ops import BatchLayout, GroupScore, RoutingMethod
+from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS, group_score_from_value
 
 from .capture import capture_cases
 
@@ -25,6 +25,8 @@ __all__ = [
     "HashCase",
     "RouterCase",
     "RouterConfig",
+    "group_cases",
+    "group_configs",
     "hash_cases",
     "knob_configs",
     "routed_capture_cases",
@@ -52,16 +54,30 @@ class RouterConfig:
     has_bias: bool = False
     # route's renormalize (None: the method's own rule)
     renormalize: bool | None = None
+    # route's group_score (None: the method's own rule)
+    group_score: GroupScore | None = None
 
     def route_kwargs(self, bias) -> dict:
         """Keyword arguments of moe_ops.route for this configuration."""
-        return dict(
+        kwargs = dict(
             bias=bias,
             n_group=self.n_group,
             topk_group=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor,
             renormalize=self.renormalize,
         )
+        if self.group_score is not None:
+            kwargs["group_score"] = self.group_score
+        return kwargs
+
+    @property
+    def group_top(self) -> int:
+        """The keys a group score sums (RouteConfig.group_top): what the references take."""
+        n_group, topk_group = self.groups
+        if n_group <= 1:
+            return 2
+        score = self.group_score or METHODS[self.method].group_score
+        return group_score_from_value(score).keys_summed(self.top_k, topk_group)
 
     @property
     def groups(self) -> tuple[int, int]:
@@ -93,6 +109,12 @@ MODEL_ROUTERS = (
     RouterConfig("topk", M.TOPK, 64, 6),
     RouterConfig("sigmoid", M.SIGMOID, 160, 6),
     RouterConfig("topk-sigmoid", M.TOPK_SIGMOID, 32, 4),
+    # DeepSeek-V2 and V2.5: group_limited_greedy, 8 groups keep 3 (its routed_scaling_factor 16.0
+    # multiplies after the method's weights: the model's ReplayRule applies it)
+    RouterConfig("DeepSeek-V2", M.DEEPSEEK_V2, 160, 6, 8, 3),
+    # DeepSeek-V2-Lite: topk_method "greedy", no groups
+    RouterConfig("DeepSeek-V2-Lite", M.DEEPSEEK_V2, 64, 6),
+    RouterConfig("softmax-bias", M.SOFTMAX_BIAS, 128, 8, has_bias=True),
     # transformers' DeepseekV4Config defaults (n_routed_experts, num_experts_per_tok, scale)
     RouterConfig("DeepSeek-V4", M.SQRTSOFTPLUS, 256, 6, routed_scaling_factor=1.5, has_bias=True),
 )
@@ -111,12 +133,17 @@ def router_configs(draw, methods=tuple(RoutingMethod), max_experts: int = 520, m
         return draw(st.sampled_from(models))
     method = draw(st.sampled_from(methods))
     spec = METHODS[method]  # what the method takes: the method table's row
+    group_score = None
     if spec.groups and draw(st.booleans()):
         n_group = draw(st.integers(2, 8))
         size = draw(st.integers(1, max(1, max_experts // n_group)))
         num_experts = n_group * size
         topk_group = draw(st.integers(1, n_group))
         top_k = draw(st.integers(1, min(max_top_k, topk_group * size)))
+        # Megatron's share rule where it applies (its share within 1..size; a sum on a score key)
+        share = top_k // topk_group
+        if 1 <= share <= size and (share == 1 or spec.group_score != GroupScore.MAX) and draw(st.booleans()):
+            group_score = GroupScore.TOPK_SHARE_SUM
     else:
         num_experts = draw(st.integers(1, max_experts))
         top_k = spec.top_k or draw(st.integers(1, min(max_top_k, num_experts)))
@@ -131,14 +158,19 @@ def router_configs(draw, methods=tuple(RoutingMethod), max_experts: int = 520, m
         topk_group,
         scale,
         has_bias=spec.bias and draw(st.booleans()),
+        group_score=group_score,
     )
 
 
 @st.composite
-def knob_configs(draw, renormalize=(None, True, False), max_experts: int = 520, max_top_k: int = 32):
-    """A configuration of a method with a renormalize=False rule (UNNORMALIZED_METHODS), with
-    ``renormalize`` drawn from ``renormalize`` (True and None: the method's own rule)."""
-    config = draw(router_configs(tuple(sorted(UNNORMALIZED_METHODS)), max_experts, max_top_k))
+def knob_configs(
+    draw, renormalize=(None, True, False), max_experts: int = 520, max_top_k: int = 32, methods=None
+):
+    """A configuration of a method with a renormalize=False rule (``methods``, default
+    UNNORMALIZED_METHODS), with ``renormalize`` drawn from ``renormalize`` (True and None: the
+    method's own rule)."""
+    methods = methods or tuple(sorted(UNNORMALIZED_METHODS))
+    config = draw(router_configs(methods, max_experts, max_top_k))
     value = draw(st.sampled_from(renormalize))
     return dataclasses.replace(config, name=f"{config.name} renormalize={value}", renormalize=value)
 
@@ -409,6 +441,41 @@ def hash_cases(draw, methods=tuple(RoutingMethod), max_experts: int = 64, max_to
 
 
 @st.composite
+def group_configs(draw, methods=None, max_groups: int = 8, max_size: int = 12, max_top_k: int = 12):
+    """A grouped configuration of a method of GROUP_METHODS (default: any) with a group score that
+    applies to it (MAX everywhere; TOP2_SUM and TOPK_SHARE_SUM on a key that is a score, the share
+    rule only where it sums 1..size keys; None: the method's own) and a renormalize value it takes."""
+    methods = methods or tuple(sorted(m for m, spec in METHODS.items() if spec.groups))
+    method = draw(st.sampled_from(methods))
+    spec = METHODS[method]
+    n_group = draw(st.integers(2, max_groups))
+    size = draw(st.integers(1, max_size))
+    topk_group = draw(st.integers(1, n_group))
+    top_k = draw(st.integers(1, min(max_top_k, topk_group * size)))
+    share = top_k // topk_group
+    sums = spec.group_score != GroupScore.MAX  # a key that is a score
+    rules = [None, GroupScore.MAX]
+    if sums:
+        rules.append(GroupScore.TOP2_SUM)
+    if 1 <= share <= size and (sums or share == 1):
+        rules.append(GroupScore.TOPK_SHARE_SUM)
+    group_score = draw(st.sampled_from(rules))
+    renormalize = draw(st.sampled_from([None, True, False] if spec.renormalizes is not None else [None]))
+    return RouterConfig(
+        f"groups-{method.name}-{getattr(group_score, 'name', None)}",
+        method,
+        n_group * size,
+        top_k,
+        n_group,
+        topk_group,
+        None,
+        has_bias=spec.bias and draw(st.booleans()),
+        renormalize=renormalize,
+        group_score=group_score,
+    )
+
+
+@st.composite
 def shared_capture_cases(draw, configs=None, max_shared: int = 3, capture_kw=None, dtypes=LOGIT_DTYPES):
     """(CaptureCase, RouterCase, num_fused_shared_experts, capture_shared_experts): a batch to
     route with fused shared experts and record. The CaptureCase's buffer is as wide as what the
@@ -427,3 +494,13 @@ def shared_capture_cases(draw, configs=None, max_shared: int = 3, capture_kw=Non
         scale=1.0,
     )
     return case, router, n_shared, keep
+
+
+@st.composite
+def group_cases(draw, methods=None, max_tokens: int = 12):
+    """(config of :func:`group_configs`, tokens, kind, seed): a batch of grouped routing; kind
+    "normal" (N(0, 4)), "ties" (small integers: exact ties inside and across groups) or "near" (pairs
+    of logits one float32 ulp apart), built by the test from the seed."""
+    config = draw(group_configs(methods=methods))
+    kind = draw(st.sampled_from(["normal", "ties", "near"]))
+    return config, draw(st.integers(0, max_tokens)), kind, draw(st.integers(0, 2**31 - 1))
