@@ -28,8 +28,8 @@ from moe_ops.router.op import ROUTE_CAPTURE
 
 # The schemas these ops were registered with before the spec existed (compiled graphs, exported
 # programs and callers of torch.ops.moe_ops.* hold them): a generated schema must stay this string.
-# route_capture_ has since gained one argument with a default, at its end
-# (num_fused_shared_experts=0): a positional call of the older schema still binds the same values.
+# route_capture_ has since gained the group score's key count (group_top, after unnormalized: a
+# schema change) and one argument with a default, at its end (num_fused_shared_experts=0).
 CAPTURE_SCHEMA = (
     "(Tensor(a0!) buffer, Tensor topk_ids, Tensor token_counts, Tensor sizes, Tensor(a4!) errors, "
     "Tensor(a5!) stamps, Tensor step, SymInt layer_id, SymInt dp_rank, SymInt n_first) -> ()"
@@ -38,7 +38,8 @@ ROUTE_CAPTURE_SCHEMA = (
     "(Tensor router_logits, Tensor? bias, Tensor(a2!) weights, Tensor(a3!) ids, Tensor(a4!) buffer, "
     "Tensor token_counts, Tensor sizes, Tensor(a7!) errors, Tensor(a8!) stamps, Tensor step, "
     "SymInt method, SymInt n_group, SymInt topk_group, float routed_scaling_factor, bool unnormalized, "
-    "SymInt layer_id, SymInt dp_rank, SymInt n_first, SymInt num_fused_shared_experts=0) -> ()"
+    "SymInt group_top, SymInt layer_id, SymInt dp_rank, SymInt n_first, "
+    "SymInt num_fused_shared_experts=0) -> ()"
 )
 
 
@@ -186,7 +187,7 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(case, stamped: boo
 
 def test_route_capture_arguments_round_trip():
     """route's arguments and a spec, joined into the op's order and split back."""
-    host = (*(torch.full((1,), i) for i in range(4)), 0, 1, 1, 2.5, False, 2)
+    host = (*(torch.full((1,), i) for i in range(4)), 0, 1, 1, 2.5, False, 3, 2)  # group_top 3, 2 shared
     spec = CaptureSpec(*(torch.full((1,), 10 + i) for i in range(6)), 3, 1, 2)
     args = ROUTE_CAPTURE.join(host, spec)
     assert len(args) == len(ROUTE_CAPTURE_SCHEMA.split(", "))

@@ -304,7 +304,7 @@ BAD = [
     (M.DEEPSEEK_V2, dict(n_group=4, topk_group=1, group_score=3), "DEEPSEEK_V2 chooses on the logits"),
     (M.DEEPSEEK_V3, dict(n_group=4, topk_group=2, group_score="SUM"), "group_score must be a GroupScore"),
     (M.DEEPSEEK_V3, dict(n_group=4, topk_group=2, group_score=True), "group_score must be a GroupScore"),
-    (M.DEEPSEEK_V2, dict(routed_scaling_factor=16.0), "routed_scaling_factor is only used by"),
+    (M.DEEPSEEK_V2, dict(routed_scaling_factor=float("nan")), "routed_scaling_factor must be finite"),
     (M.DEEPSEEK_V2, dict(bias=torch.zeros(16)), "bias is only used by"),
     (M.DEEPSEEK_V2, dict(renormalize=False, group_score=None), None),
     (M.SOFTMAX_BIAS, dict(renormalize=True), None),

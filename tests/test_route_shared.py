@@ -136,7 +136,10 @@ def test_router_kernels_write_every_cell_of_poisoned_strided_outputs(backend, ca
     scale = cfg.routed_scaling_factor or 1.0
     kernel = route_rows_triton if backend == "triton" else route_rows_torch
     method = int(cfg.method)
-    kernel(logits, bias, weights, ids, method, n_group, topk_group, scale, num_fused_shared_experts=n_shared)
+    kernel(
+        logits, bias, weights, ids, method, n_group, topk_group, scale,
+        num_fused_shared_experts=n_shared, group_top=cfg.group_top,
+    )  # fmt: skip
     ref_w, ref_ids = _route(case, "torch", device, n_shared)
     assert torch.equal(ids, ref_ids) and not weights.isnan().any()
     torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-7)
@@ -371,7 +374,8 @@ def test_route_capture_op_takes_the_older_positional_call():
         target = _target(buffer)
         weights = torch.full((4, 2), float("nan"))
         ids = torch.full((4, 2), POISON, dtype=torch.int32)
-        host = (logits, None, weights, ids, int(RoutingMethod.RENORMALIZE), 1, 1, 1.0, False, 0)
+        # ..., unnormalized, group_top, then the trailing num_fused_shared_experts
+        host = (logits, None, weights, ids, int(RoutingMethod.RENORMALIZE), 1, 1, 1.0, False, 2, 0)
         args = ROUTE_CAPTURE.join(host, target.spec)
         assert len(args) == len(ROUTE_CAPTURE.names)
         torch.ops.moe_ops.route_capture_reference_(*args[:-1], *extra)
