@@ -9,6 +9,7 @@ Two implementations of one destination-passing contract:
 
 Contract (both): ``weights[t], ids[t]`` are token ``t``'s routing (see
 :mod:`moe_ops.router.methods`). With a capture destination, ``buffer[r, layer_id] = ids[start + r]``
+(and, with a weights buffer, ``weights_buffer[r, layer_id] = weights[start + r]`` cast to its dtype)
 for ``r < c_eff``, where ``(start, c_eff)`` come from :func:`moe_ops.capture.window.rows_window`,
 the capture op's own device-side offset rule, and faults are recorded the same way: the result is
 bit-identical to routing and then calling ``capture_routing``.
@@ -103,7 +104,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ..capture.kernels import record_faults, record_stamp
+    from ..capture.kernels import record_faults, record_stamp, store_weights
     from ..capture.window import rows_window
     from ._select import keep_groups, ordered_keys, topk_rounds
     from ._weights import N_METHODS, chosen_weights, row_softmax
@@ -127,6 +128,8 @@ if HAS_TRITON:
             "n_first",
             "stride_bm",
             "stride_bl",
+            "stride_vm",
+            "stride_vl",
         ]
     )
     def _route_kernel(
@@ -138,6 +141,7 @@ if HAS_TRITON:
         # first: torch 2.11's mutation analysis of traced kernels maps written parameters to
         # tensors by position)
         buf_ptr,
+        wbuf_ptr,
         counts_ptr,
         sizes_ptr,
         errors_ptr,
@@ -163,6 +167,9 @@ if HAS_TRITON:
         stride_bm,
         stride_bl,
         stride_bk,
+        stride_vm,
+        stride_vl,
+        stride_vk,
         stride_c,
         stride_s,
         METHOD: tl.constexpr,
@@ -177,6 +184,7 @@ if HAS_TRITON:
         S_PAD: tl.constexpr,
         HAS_OFFSET: tl.constexpr,
         STAMP: tl.constexpr,
+        WEIGHTS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -232,6 +240,19 @@ if HAS_TRITON:
             dst = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + (rows64 - start)[:, None] * stride_bm
             dst += kcol[None, :] * stride_bk
             tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mine[:, None] & k_ok)
+            if WEIGHTS:
+                # the weights in registers, to the same rows under the ids' store mask
+                store_weights(
+                    wbuf_ptr,
+                    w,
+                    rows64 - start,
+                    kcol,
+                    layer_id,
+                    mine[:, None] & k_ok,
+                    stride_vm,
+                    stride_vl,
+                    stride_vk,
+                )
             if pid == 0:
                 record_faults(errors_ptr, flags)
                 if STAMP:
@@ -261,7 +282,7 @@ def route_rows_triton(
     weights: (n, top_k) float32 - written
     ids: (n, top_k) int32 - written
     unnormalized: the method's renormalize=False weight rule (``RouteConfig.unnormalized``)
-    capture: where to record this rank's ids, or None
+    capture: where to record this rank's ids (and, with its weights buffer, their weights), or None
     block_m, num_warps: override :func:`launch_config` (tests and tuning)
     wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
         when torch.compile traces the op; see :mod:`moe_ops._runtime.library`)
@@ -368,4 +389,5 @@ def route_rows_torch(
     weights.copy_(ref_weights)
     ids.copy_(ref_ids)
     if capture is not None:
-        capture_rows_torch(*CAPTURE_OP.join((ids,), capture))
+        # the weights just written: read only with a weights buffer (the twin's WEIGHTS)
+        capture_rows_torch(*CAPTURE_OP.join((ids, weights), capture))
