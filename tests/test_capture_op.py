@@ -56,11 +56,14 @@ def run_capture(impl: str, case, buffer, topk_ids, counts, sizes) -> torch.Tenso
         return moe_ops.capture_error_counter(buffer.device)
     errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32, device=buffer.device)
     no_stamps = torch.empty(0, dtype=torch.int32, device=buffer.device)
+    no_weights = torch.empty(0, dtype=torch.float32, device=buffer.device)
     read, n_first = plan_window(case.layout, counts, case.dp_rank, sizes, buffer.device)
     fn = capture_rows_triton if impl == "triton" else capture_rows_torch
     fn(
         buffer,
         topk_ids,
+        no_weights,
+        no_weights,
         counts,
         read,
         errors,

@@ -24,10 +24,10 @@ from strategies import (
     MODEL_ROUTERS,
     POISON,
     W_POISON,
+    capture_weights_cases,
     routed_capture_cases,
     router_configs,
     same_floats,
-    weights_cases,
 )
 
 import moe_ops
@@ -76,7 +76,7 @@ def _check_capture(wcase, device: str, op) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @settings(max_examples=80, deadline=None)
-@given(wcase=weights_cases())
+@given(wcase=capture_weights_cases())
 def test_capture_op_records_the_rows_weights_in_every_layout(device, wcase):
     """The op (the interpreted Triton kernel on this machine, the CUDA kernel on a GPU): every
     layout, padding, strided/sliced/transposed weight sources, sliced buffers, every dtype pair,
@@ -86,13 +86,13 @@ def test_capture_op_records_the_rows_weights_in_every_layout(device, wcase):
 
 
 @settings(max_examples=80, deadline=None)
-@given(wcase=weights_cases())
+@given(wcase=capture_weights_cases())
 def test_twin_records_the_rows_weights_in_every_layout(wcase):
     _check_capture(wcase, "cpu", torch.ops.moe_ops.capture_routing_reference_)
 
 
 @settings(max_examples=30, deadline=None)
-@given(wcase=weights_cases(), seed=st.integers(0, 2**16))
+@given(wcase=capture_weights_cases(), seed=st.integers(0, 2**16))
 def test_kernel_and_twin_write_the_same_bits(wcase, seed):
     """The kernel and its twin on the same inputs, inconsistent counts included: the same ids,
     weights and faults."""

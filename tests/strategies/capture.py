@@ -24,16 +24,16 @@ __all__ = [
     "GPU_CASES",
     "W_POISON",
     "CaptureCase",
+    "CaptureWeightsCase",
     "LayoutBatch",
-    "WeightsCase",
     "capture_cases",
+    "capture_weights_cases",
     "layout_batches",
     "layout_queries",
     "layout_token_id",
     "limit_id_cases",
     "refused_ids",
     "same_floats",
-    "weights_cases",
 ]
 
 
@@ -220,7 +220,7 @@ def same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @dataclass
-class WeightsCase:
+class CaptureWeightsCase:
     """A capture case (``case``) whose target has a weights buffer: the rows' weights in
     ``source_dtype`` and memory layout ``source_view`` (ID_VIEWS), a ``buffer_dtype`` weights
     buffer in ``buffer_view`` (BUFFER_VIEWS) poisoned with W_POISON."""
@@ -263,16 +263,16 @@ class WeightsCase:
 
 
 @st.composite
-def weights_cases(
+def capture_weights_cases(
     draw,
     source_dtypes=CAPTURE_WEIGHT_DTYPES,
     buffer_dtypes=CAPTURE_WEIGHT_DTYPES,
     views: bool = True,
     **capture_kw,
 ):
-    """A :class:`WeightsCase` over ``capture_cases(**capture_kw)``."""
+    """A :class:`CaptureWeightsCase` over ``capture_cases(**capture_kw)``."""
     case = draw(capture_cases(views=views, **capture_kw))
-    return WeightsCase(
+    return CaptureWeightsCase(
         case=case,
         source_dtype=draw(st.sampled_from(source_dtypes)),
         buffer_dtype=draw(st.sampled_from(buffer_dtypes)),
