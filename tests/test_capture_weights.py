@@ -409,6 +409,58 @@ def test_flashinfer_route_records_its_weights(cuda_device):
     assert torch.equal(wbuf[:14, 1], weights[10:24]) and (wbuf[14:] == W_POISON).all()
 
 
+def test_flashinfer_route_feeds_its_weights_to_the_capture_when_traced():
+    """On meta tensors (no GPU): route_flashinfer with a weights target compiles fullgraph, and the
+    capture op's topk_weights are the kernel's weights output (its returned weights)."""
+    pytest.importorskip("flashinfer")
+    from torch._dynamo.backends.common import aot_autograd
+
+    from moe_ops.flashinfer import route_flashinfer
+
+    torch._dynamo.reset()
+    cfg = MODEL_ROUTERS[0]
+    buffer = torch.full((16, 2, cfg.top_k), POISON, dtype=torch.int32, device="meta")
+    wbuf = torch.full((16, 2, cfg.top_k), W_POISON, dtype=torch.bfloat16, device="meta")
+    counts = torch.zeros(1, dtype=torch.int32, device="meta")
+    target = CaptureTarget(buffer, 1, token_counts=counts, weights_buffer=wbuf)
+
+    def step(logits, bias):
+        return route_flashinfer(
+            logits,
+            cfg.top_k,
+            2,
+            bias=bias,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            capture=target,
+        )
+
+    graphs: list = []
+
+    def fw_compiler(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    logits = torch.empty(12, cfg.num_experts, device="meta")
+    torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=fw_compiler))(
+        logits, torch.empty(cfg.num_experts, device="meta")
+    )
+    nodes = [
+        n for n in graphs[0].graph.nodes if n.op == "call_function" and "auto_functionalized" in str(n.target)
+    ]
+    (kernel,) = [n for n in nodes if "flashinfer_fused_topk_deepseek" in str(n.args[0])]
+    (capture,) = [n for n in nodes if "capture_routing_" in str(n.args[0])]
+    source = capture.kwargs["topk_weights"]
+    seen = set()
+    while source is not kernel and source.op == "call_function" and source not in seen:
+        seen.add(source)
+        source = source.args[0]
+    assert source is kernel, "the capture's weights do not come from the kernel's output"
+    # the weights buffer is one of the op's mutated arguments (auto_functionalized names it)
+    assert any("weights_buffer" in key for key in capture.kwargs), list(capture.kwargs)
+
+
 # ------------------------------------------------------------------------------------------------
 # RoutingCapturer(weights_dtype=...) and its snapshots
 # ------------------------------------------------------------------------------------------------
