@@ -134,7 +134,7 @@ if HAS_TRITON:
         ``layer_id`` of the weights buffer where ``mask``, cast to its dtype (round to nearest
         even, as torch's ``.to``). Shared by the capture and router kernels."""
         dst = wbuf_ptr + tl.cast(layer_id, tl.int64) * stride_vl + dst_rows[:, None] * stride_vm
-        if wbuf_ptr.dtype.element_ty == tl.bfloat16:
+        if wbuf_ptr.dtype.element_ty == tl.bfloat16:  # noqa: SIM108 - a compile-time branch of the kernel
             v = to_bfloat16(w)
         else:
             # float32 (exact from every source dtype) or float16 (a hardware cvt.rn, and numpy's
