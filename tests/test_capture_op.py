@@ -56,11 +56,14 @@ def run_capture(impl: str, case, buffer, topk_ids, counts, sizes) -> torch.Tenso
         return moe_ops.capture_error_counter(buffer.device)
     errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32, device=buffer.device)
     no_stamps = torch.empty(0, dtype=torch.int32, device=buffer.device)
+    no_weights = torch.empty(0, dtype=torch.float32, device=buffer.device)
     read, n_first = plan_window(case.layout, counts, case.dp_rank, sizes, buffer.device)
     fn = capture_rows_triton if impl == "triton" else capture_rows_torch
     fn(
         buffer,
         topk_ids,
+        no_weights,
+        no_weights,
         counts,
         read,
         errors,
@@ -214,12 +217,13 @@ def test_no_retrace_per_layer_or_count():
             return 0
         return len(kern.device_caches[device.index or 0][0])
 
-    capture_rows_triton(buf, ids, counts, counts, errors, stamps, step, 0, 0, 0)
+    none = torch.empty(0, dtype=torch.float32, device=device)  # no weights
+    capture_rows_triton(buf, ids, none, none, counts, counts, errors, stamps, step, 0, 0, 0)
     before = variants()
     for layer in range(8):
         for live in ([48, 40], [3, 5], [17, 0], [0, 9]):
             counts.copy_(torch.tensor(live, dtype=torch.int32))
-            capture_rows_triton(buf, ids, counts, counts, errors, stamps, step, layer, 0, 0)
+            capture_rows_triton(buf, ids, none, none, counts, counts, errors, stamps, step, layer, 0, 0)
             assert torch.equal(buf[: live[0], layer], ids[: live[0]])
     assert variants() == before, f"{variants() - before} new compiled variants for new layers/counts"
 
@@ -321,10 +325,12 @@ def test_opcheck_cpu():
     errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32)
     stamps = torch.full((3,), -1, dtype=torch.int32)
     step = torch.ones(1, dtype=torch.int32)
+    weights = torch.rand(10, 4)
+    wbuf = torch.full((8, 3, 4), float("nan"), dtype=torch.bfloat16)
     # GATHERED, rank 1 of 2: sizes = counts, one entry before this rank
     torch.library.opcheck(
         torch.ops.moe_ops.capture_routing_.default,
-        (buf, ids, counts, counts, errors, stamps, step, 1, 1, 1),
+        (buf, ids, weights, wbuf, counts, counts, errors, stamps, step, 1, 1, 1),
     )
 
 
@@ -340,7 +346,9 @@ def _reference_case(device, seed):
     errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32)
     stamps = torch.full((3,), -1, dtype=torch.int32)
     step = torch.full((1,), 7, dtype=torch.int32)
-    tensors = [t.to(device) for t in (buf, ids, counts, sizes, errors, stamps, step)]
+    weights = torch.randn(10, 4, generator=gen)
+    wbuf = torch.full((8, 3, 4), float("nan"), dtype=torch.bfloat16)  # poison: NaN, no weight
+    tensors = [t.to(device) for t in (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step)]
     return tensors, (2, 1, 2)  # SHARDED, rank 1 of 2 with 2 shards each: two sizes before its rows
 
 
@@ -349,17 +357,21 @@ def _reference_case(device, seed):
 def test_reference_op_writes_what_the_kernel_op_writes(device, seed):
     """``capture_routing_reference_`` (the twin, on every device) and ``capture_routing_`` (the
     Triton kernel on CUDA or interpreted, the twin otherwise) write the same rows, stamps and
-    faults, counts over and under the buffer included."""
-    (buf, ids, counts, sizes, errors, stamps, step), ints = _reference_case(device, seed)
-    ref = [t.clone() for t in (buf, errors, stamps)]
-    torch.ops.moe_ops.capture_routing_(buf, ids, counts, sizes, errors, stamps, step, *ints)
-    torch.ops.moe_ops.capture_routing_reference_(ref[0], ids, counts, sizes, ref[1], ref[2], step, *ints)
-    for got, want in zip((buf, errors, stamps), ref):
+    faults, and bfloat16 weights (bit for bit), counts over and under the buffer included."""
+    (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step), ints = _reference_case(device, seed)
+    ref = [t.clone() for t in (buf, wbuf, errors, stamps)]
+    torch.ops.moe_ops.capture_routing_(buf, ids, weights, wbuf, counts, sizes, errors, stamps, step, *ints)
+    torch.ops.moe_ops.capture_routing_reference_(
+        ref[0], ids, weights, ref[1], counts, sizes, ref[2], ref[3], step, *ints
+    )
+    for got, want in zip(
+        (buf, wbuf.view(torch.int16), errors, stamps), (ref[0], ref[1].view(torch.int16), *ref[2:])
+    ):
         assert torch.equal(got, want)
     assert (stamps == 7).any()  # the layer was stamped: the case is not vacuous
     torch.library.opcheck(
         torch.ops.moe_ops.capture_routing_reference_.default,
-        (buf, ids, counts, sizes, errors, stamps, step, *ints),
+        (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step, *ints),
     )
 
 
@@ -372,10 +384,12 @@ def test_opcheck_cuda(cuda_device):
     errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32, device=cuda_device)
     stamps = torch.full((3,), -1, dtype=torch.int32, device=cuda_device)
     step = torch.ones(1, dtype=torch.int32, device=cuda_device)
+    weights = torch.rand(10, 4, device=cuda_device)
+    wbuf = torch.full((8, 3, 4), float("nan"), dtype=torch.float16, device=cuda_device)
     # SHARDED, rank 1 of 2 with 2 shards each: two entries before this rank
     torch.library.opcheck(
         torch.ops.moe_ops.capture_routing_.default,
-        (buf, ids, counts, sizes, errors, stamps, step, 2, 1, 2),
+        (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step, 2, 1, 2),
     )
 
 

@@ -1,6 +1,7 @@
 """CaptureSpec is the one place the capture's device arguments are written: the registered ops'
 schemas, the launchers' argument lists and the kernels' capture parameters all come from it, and
-the ops keep the schemas compiled graphs and callers hold."""
+the ops' schemas are the ones written out below (a field added to the spec changes them: the
+weights buffer did)."""
 
 from __future__ import annotations
 
@@ -26,20 +27,22 @@ from moe_ops.capture.spec import (
 from moe_ops.capture.target import CaptureTarget
 from moe_ops.router.op import ROUTE_CAPTURE
 
-# The schemas these ops were registered with before the spec existed (compiled graphs, exported
-# programs and callers of torch.ops.moe_ops.* hold them): a generated schema must stay this string.
-# route_capture_ has since gained the group score's key count (group_top, after unnormalized: a
-# schema change) and one argument with a default, at its end (num_fused_shared_experts=0).
+# The schemas these ops are registered with (compiled graphs, exported programs and callers of
+# torch.ops.moe_ops.* hold them), written out: a generated schema must be this string. The weights
+# buffer added topk_weights and weights_buffer to the capture op, weights_buffer to route_capture_;
+# route_capture_ also gained the group score's key count (group_top, after unnormalized) and one
+# argument with a default, at its end (num_fused_shared_experts=0).
 CAPTURE_SCHEMA = (
-    "(Tensor(a0!) buffer, Tensor topk_ids, Tensor token_counts, Tensor sizes, Tensor(a4!) errors, "
-    "Tensor(a5!) stamps, Tensor step, SymInt layer_id, SymInt dp_rank, SymInt n_first) -> ()"
+    "(Tensor(a0!) buffer, Tensor topk_ids, Tensor topk_weights, Tensor(a3!) weights_buffer, "
+    "Tensor token_counts, Tensor sizes, Tensor(a6!) errors, Tensor(a7!) stamps, Tensor step, "
+    "SymInt layer_id, SymInt dp_rank, SymInt n_first) -> ()"
 )
 ROUTE_CAPTURE_SCHEMA = (
     "(Tensor router_logits, Tensor? bias, Tensor(a2!) weights, Tensor(a3!) ids, Tensor(a4!) buffer, "
-    "Tensor token_counts, Tensor sizes, Tensor(a7!) errors, Tensor(a8!) stamps, Tensor step, "
-    "SymInt method, SymInt n_group, SymInt topk_group, float routed_scaling_factor, bool unnormalized, "
-    "SymInt group_top, SymInt layer_id, SymInt dp_rank, SymInt n_first, "
-    "SymInt num_fused_shared_experts=0) -> ()"
+    "Tensor(a5!) weights_buffer, Tensor token_counts, Tensor sizes, Tensor(a8!) errors, "
+    "Tensor(a9!) stamps, Tensor step, SymInt method, SymInt n_group, SymInt topk_group, "
+    "float routed_scaling_factor, bool unnormalized, SymInt group_top, SymInt layer_id, SymInt dp_rank, "
+    "SymInt n_first, SymInt num_fused_shared_experts=0) -> ()"
 )
 
 
@@ -116,8 +119,10 @@ def test_absent_kernel_args_fill_the_capture_slots():
 
 
 @settings(max_examples=60, deadline=None)
-@given(case=capture_cases(), stamped=..., own_counter=...)
-def test_target_resolves_to_the_spec_the_ops_and_kernels_take(case, stamped: bool, own_counter: bool):
+@given(case=capture_cases(), stamped=..., own_counter=..., weighted=...)
+def test_target_resolves_to_the_spec_the_ops_and_kernels_take(
+    case, stamped: bool, own_counter: bool, weighted: bool
+):
     """Every layout and memory layout (strided, sliced, expanded): the target's spec holds the
     target's tensors, the op's arguments are the order the capture op has always taken, and the
     kernels' capture arguments are the tensors and their strides under their parameter names."""
@@ -125,6 +130,9 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(case, stamped: boo
     counter = FaultCounter("cpu") if own_counter else None
     stamps = torch.zeros(case.num_layers, dtype=torch.int32) if stamped else None
     step = torch.ones(1, dtype=torch.int32) if stamped else None
+    # a strided view (a column slice of a wider tensor): its strides reach the kernels as they are
+    wide = torch.zeros(case.max_tokens, case.num_layers, case.top_k + 1, dtype=torch.bfloat16)
+    weights_buffer = wide[..., 1:] if weighted else None
     target = CaptureTarget(
         buffer,
         case.layer_id,
@@ -135,6 +143,7 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(case, stamped: boo
         fault_counter=counter,
         layer_stamps=stamps,
         step_tensor=step,
+        weights_buffer=weights_buffer,
     )
     spec = target.spec
     errors = counter.tensor if own_counter else capture_error_counter("cpu")
@@ -144,12 +153,27 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(case, stamped: boo
         assert spec.stamps is stamps and spec.step is step
     else:
         assert spec.stamps.shape == (0,) and spec.step.shape == (0,)
+    if weighted:
+        assert spec.weights_buffer is weights_buffer
+    else:
+        assert spec.weights_buffer.shape == (0,) and spec.weights_buffer.dtype == torch.float32
     assert (spec.layer_id, spec.dp_rank, spec.n_first) == (case.layer_id, case.dp_rank, target.n_first)
 
-    op_args = CAPTURE_OP.join((topk_ids,), spec)
-    legacy = (buffer, topk_ids, counts, target.sizes, errors, spec.stamps, spec.step)
-    assert all(a is b for a, b in zip(op_args[:7], legacy, strict=True))
-    assert op_args[7:] == (case.layer_id, case.dp_rank, target.n_first)
+    topk_weights = torch.zeros(topk_ids.shape)
+    op_args = CAPTURE_OP.join((topk_ids, topk_weights), spec)
+    order = (
+        buffer,
+        topk_ids,
+        topk_weights,
+        spec.weights_buffer,
+        counts,
+        target.sizes,
+        errors,
+        spec.stamps,
+        spec.step,
+    )
+    assert all(a is b for a, b in zip(op_args[:9], order, strict=True))
+    assert op_args[9:] == (case.layer_id, case.dp_rank, target.n_first)
     assert CAPTURE_OP.split(op_args)[1] == spec
 
     own_pointers, own_scalars = (topk_ids,), (topk_ids.shape[0], 5)
@@ -160,6 +184,7 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(case, stamped: boo
     by_name = dict(zip(names, args[1 : 1 + n] + args[3 + n :], strict=True))
     pointers = dict(
         buf_ptr=buffer,
+        wbuf_ptr=spec.weights_buffer,
         counts_ptr=counts,
         sizes_ptr=target.sizes,
         errors_ptr=errors,
@@ -176,19 +201,25 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(case, stamped: boo
         stride_bm=buffer.stride(0),
         stride_bl=buffer.stride(1),
         stride_bk=buffer.stride(2),
+        stride_vm=weights_buffer.stride(0) if weighted else 0,
+        stride_vl=weights_buffer.stride(1) if weighted else 0,
+        stride_vk=weights_buffer.stride(2) if weighted else 0,
         stride_c=counts.stride(0),
         stride_s=target.sizes.stride(0),
     )
     n_sizes = target.sizes.shape[0]
     assert spec.kernel_constexprs() == dict(
-        S_PAD=1 << max(0, (n_sizes - 1).bit_length()), HAS_OFFSET=target.n_first > 0, STAMP=stamped
+        S_PAD=1 << max(0, (n_sizes - 1).bit_length()),
+        HAS_OFFSET=target.n_first > 0,
+        STAMP=stamped,
+        WEIGHTS=weighted,
     )
 
 
 def test_route_capture_arguments_round_trip():
     """route's arguments and a spec, joined into the op's order and split back."""
     host = (*(torch.full((1,), i) for i in range(4)), 0, 1, 1, 2.5, False, 3, 2)  # group_top 3, 2 shared
-    spec = CaptureSpec(*(torch.full((1,), 10 + i) for i in range(6)), 3, 1, 2)
+    spec = CaptureSpec(*(torch.full((1,), 10 + i) for i in range(7)), 3, 1, 2)
     args = ROUTE_CAPTURE.join(host, spec)
     assert len(args) == len(ROUTE_CAPTURE_SCHEMA.split(", "))
     back_host, back_spec = ROUTE_CAPTURE.split(args)

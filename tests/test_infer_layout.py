@@ -204,8 +204,20 @@ def op_reads(layout, shard_sizes, views, counts, dp_rank, *, public_op=False):
             target.check_ids(topk_ids)
             errors = torch.zeros(FAULT_SLOTS, dtype=torch.int32)
             empty = torch.empty(0, dtype=torch.int32)
+            none = torch.empty(0, dtype=torch.float32)  # no weights
             capture_rows_torch(
-                buffer, topk_ids, token_counts, target.sizes, errors, empty, empty, 0, dp_rank, target.n_first
+                buffer,
+                topk_ids,
+                none,
+                none,
+                token_counts,
+                target.sizes,
+                errors,
+                empty,
+                empty,
+                0,
+                dp_rank,
+                target.n_first,
             )
             assert not errors.any(), f"the op recorded faults: {errors.tolist()}"
         assert (buffer[c:] == POISON).all()

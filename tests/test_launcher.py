@@ -101,7 +101,8 @@ class Small(enum.IntEnum):
     ONE = 1
     TWO = 2
 launcher = KernelLauncher(_capture_rows_kernel)
-args = tuple([TENSORS[0]] * 7 + [7] * 13)
+n_ptr = sum(p.name.endswith("_ptr") for p in _capture_rows_kernel.params)
+args = tuple([TENSORS[0]] * n_ptr + [7] * (len(launcher._spec) - n_ptr))
 cx = {n: 1 for n in launcher.constexpr_names}
 report["constexpr_types"] = len({launcher.key(args, dict(cx, CHECK_HIGH=v), 4, 0) for v in (True, 1, 1.0)})
 stride = [p.name for p in _capture_rows_kernel.params].index("stride_bk")

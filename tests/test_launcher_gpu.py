@@ -14,7 +14,7 @@ from moe_ops.capture import kernels as capture_kernels
 from moe_ops.capture.kernels import capture_rows_torch, capture_rows_triton
 from moe_ops.capture.op import target_tensors
 from moe_ops.capture.spec import kernel_args
-from moe_ops.capture.target import CaptureTarget
+from moe_ops.capture.target import CaptureTarget, no_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -35,16 +35,42 @@ def _capture_case(device, offset: int, dtype, stride_k: int, n: int = 24, k: int
 def _args(buffer, ids, counts, layer):
     target = CaptureTarget(buffer, layer, token_counts=counts, dp_rank=1, layout=BatchLayout.GATHERED)
     errors, stamps, step = target_tensors(target)
-    return (buffer, ids, counts, target.sizes, errors, stamps, step, layer, 1, target.n_first)
+    # no weights: the target's (0,) stand-in, and the same for the weights the op is given
+    none = no_weights(buffer)
+    return (
+        buffer,
+        ids,
+        none,
+        target.spec.weights_buffer,
+        counts,
+        target.sizes,
+        errors,
+        stamps,
+        step,
+        layer,
+        1,
+        target.n_first,
+    )
 
 
 def _runtime(args):
     """The kernel's runtime arguments for ``_args``' capture-op arguments, in the kernel's order
     (moe_ops.capture.spec.kernel_args: the kernel's own pointers and scalars, then the capture's)."""
-    buffer, ids, counts, sizes, errors, stamps, step, layer, dp_rank, n_first = args
-    own_scalars = (ids.shape[0], *ids.stride(), ids.shape[1])
+    buffer, ids, topk_weights, wbuf, counts, sizes, errors, stamps, step, layer, dp_rank, n_first = args
+    own_scalars = (ids.shape[0], *ids.stride(), 0, 0, ids.shape[1])  # 0, 0: the unread weights' strides
     return kernel_args(
-        (ids,), own_scalars, buffer, counts, sizes, errors, stamps, step, layer, dp_rank, n_first
+        (ids, topk_weights),
+        own_scalars,
+        buffer,
+        wbuf,
+        counts,
+        sizes,
+        errors,
+        stamps,
+        step,
+        layer,
+        dp_rank,
+        n_first,
     )
 
 
@@ -69,7 +95,7 @@ def test_launcher_writes_what_the_twin_writes_and_reuses_tritons_kernel(cuda_dev
     n_src, top_k = ids.shape
     args = _args(buffer, ids, counts, 0)
     grid, num_warps, constexprs = capture_kernels._capture_plan(
-        n_src, top_k, buffer.shape[0], args[-1], args[3].shape[0], buffer.dtype, ids.dtype, False
+        n_src, top_k, buffer.shape[0], args[-1], args[5].shape[0], buffer.dtype, ids.dtype, False
     )
     runtime = _runtime(args)
     key = launcher.key(runtime, constexprs, num_warps, torch.cuda.current_device())
@@ -87,7 +113,7 @@ def test_the_cache_holds_one_kernel_per_triton_specialisation(cuda_device):
             args = _args(buffer, ids, counts, 0)
             n_src, top_k = ids.shape
             grid, num_warps, constexprs = capture_kernels._capture_plan(
-                n_src, top_k, buffer.shape[0], args[-1], args[3].shape[0], buffer.dtype, ids.dtype, False
+                n_src, top_k, buffer.shape[0], args[-1], args[5].shape[0], buffer.dtype, ids.dtype, False
             )
             runtime = _runtime(args)
             buffer.fill_(POISON)

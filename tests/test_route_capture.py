@@ -160,6 +160,7 @@ def test_kernel_programs_split_the_capture_window(device, block_ms, extra, data)
         counts[case.dp_rank] = bad
     read, n_first = plan_window(case.layout, counts, case.dp_rank, sizes, counts.device)
     no_stamps = torch.empty(0, dtype=torch.int32, device=device)
+    no_weights = torch.empty(0, dtype=torch.float32, device=device)
     n_group, topk_group = router.config.groups
     scale = router.config.routed_scaling_factor or 1.0
     results = []
@@ -169,7 +170,16 @@ def test_kernel_programs_split_the_capture_window(device, block_ms, extra, data)
         w = torch.empty(logits.shape[0], router.config.top_k, dtype=torch.float32, device=device)
         ids = torch.empty(logits.shape[0], router.config.top_k, dtype=torch.int32, device=device)
         fused = CaptureSpec(
-            buf, counts, read, errors, no_stamps, no_stamps, case.layer_id, case.dp_rank, n_first
+            buf,
+            no_weights,
+            counts,
+            read,
+            errors,
+            no_stamps,
+            no_stamps,
+            case.layer_id,
+            case.dp_rank,
+            n_first,
         )
         args = (logits, bias, w, ids, int(router.config.method), n_group, topk_group, scale, fused)
         if impl == "triton":

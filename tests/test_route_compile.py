@@ -113,6 +113,7 @@ def _opcheck_args(device):
     weights = torch.empty(10, 4, device=device)
     ids = torch.empty(10, 4, dtype=torch.int32, device=device)
     buffer = torch.full((8, 3, 4), -7, dtype=torch.int32, device=device)
+    wbuf = torch.full((8, 3, 4), -7.0, dtype=torch.float16, device=device)
     counts = torch.tensor([3, 5], dtype=torch.int32, device=device)
     sizes = torch.tensor([2, 3, 2, 3], dtype=torch.int32, device=device)
     errors = torch.zeros(8, dtype=torch.int32, device=device)
@@ -128,6 +129,7 @@ def _opcheck_args(device):
             weights,
             ids,
             buffer,
+            wbuf,
             counts,
             sizes,
             errors,

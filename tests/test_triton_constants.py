@@ -45,28 +45,41 @@ def build(name, kernel, pointers, scalars, constexprs, as_constants):
 # scalar values: typical ones, and all 1 / 0 (Triton specialises ints equal to 1 on its own)
 capture_ptrs = {n: "*i32" for n in
     ("buf_ptr", "ids_ptr", "counts_ptr", "sizes_ptr", "errors_ptr", "stamps_ptr", "step_ptr")}
+# the weights: float32 source rows into a bfloat16 buffer (its integer rounding path)
+capture_ptrs.update(wts_ptr="*fp32", wbuf_ptr="*bf16")
 capture_scalars = [
     dict(n_src=10, n_dst=8, layer_id=2, dp_rank=1, n_first=2, stride_bm=12, stride_bl=4, stride_bk=1,
-         stride_im=4, stride_ik=1, stride_c=1, stride_s=1, top_k=4),
+         stride_im=4, stride_ik=1, stride_wm=4, stride_wk=1, stride_vm=12, stride_vl=4, stride_vk=1,
+         stride_c=1, stride_s=1, top_k=4),
     dict(n_src=1, n_dst=1, layer_id=1, dp_rank=0, n_first=1, stride_bm=1, stride_bl=1, stride_bk=1,
-         stride_im=1, stride_ik=1, stride_c=1, stride_s=1, top_k=1),
+         stride_im=1, stride_ik=1, stride_wm=1, stride_wk=1, stride_vm=1, stride_vl=1, stride_vk=1,
+         stride_c=1, stride_s=1, top_k=1),
 ]
 for (i, sc), order, offset, const in itertools.product(
         enumerate(capture_scalars), (True, False), (True, False), (True, False)):
     ce = dict(ID_MAX=2**15 - 1, CHECK_HIGH=True, K_PAD=4, BLOCK_M=16, S_PAD=4, SOURCE_ORDER=order,
-              HAS_OFFSET=offset, STAMP=True)
+              HAS_OFFSET=offset, STAMP=True, WEIGHTS=True)
     build(f"capture values{i} source_order={order} offset={offset} constants={const}",
           _capture_rows_kernel, capture_ptrs, sc, ce, const)
 ce = dict(ID_MAX=2**15 - 1, CHECK_HIGH=True, K_PAD=4, BLOCK_M=16, S_PAD=4, SOURCE_ORDER=True,
-          HAS_OFFSET=True, STAMP=False)
+          HAS_OFFSET=True, STAMP=False, WEIGHTS=False)
 build("capture unstamped", _capture_rows_kernel, capture_ptrs, capture_scalars[0], ce, False)
+# the other weight dtypes: bfloat16 rows into float16 and float32 buffers (a plain cast)
+for src, dst in (("*bf16", "*fp16"), ("*fp16", "*fp32")):
+    ptrs = dict(capture_ptrs, wts_ptr=src, wbuf_ptr=dst)
+    for order in (True, False):
+        ce = dict(ID_MAX=2**15 - 1, CHECK_HIGH=True, K_PAD=4, BLOCK_M=16, S_PAD=4, SOURCE_ORDER=order,
+                  HAS_OFFSET=True, STAMP=False, WEIGHTS=True)
+        build(f"capture weights {src}->{dst} source_order={order}", _capture_rows_kernel, ptrs,
+              capture_scalars[0], ce, True)
 
 route_ptrs = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
-    buf_ptr="*i32", counts_ptr="*i32", sizes_ptr="*i32", errors_ptr="*i32", stamps_ptr="*i32",
-    step_ptr="*i32")
+    buf_ptr="*i32", wbuf_ptr="*bf16", counts_ptr="*i32", sizes_ptr="*i32", errors_ptr="*i32",
+    stamps_ptr="*i32", step_ptr="*i32")
 route_scalars = dict(n_tokens=10, group_size=8, n_group=4, top_k=4, topk_group=2, scale=2.5,
     stride_lm=32, stride_le=1, stride_wm=4, stride_wk=1, stride_im=4, stride_ik=1, n_dst=8,
-    layer_id=1, dp_rank=1, n_first=2, stride_bm=12, stride_bl=4, stride_bk=1, stride_c=1, stride_s=1)
+    layer_id=1, dp_rank=1, n_first=2, stride_bm=12, stride_bl=4, stride_bk=1, stride_vm=12,
+    stride_vl=4, stride_vk=1, stride_c=1, stride_s=1)
 # (method, UNNORM, GROUP_TOP): DEEPSEEK_V3 also with renormalize=False (its s * scale rule);
 # DEEPSEEK_V2 with its MAX group score (1 key), SOFTMAX_BIAS with a 3-key share sum and its softmax key
 variants = ((RoutingMethod.DEEPSEEK_V3, False, 2), (RoutingMethod.DEEPSEEK_V3, True, 2),
@@ -78,7 +91,7 @@ for (method, unnorm, top), capture, const in itertools.product(variants, (True, 
     sc = dict(route_scalars, **({} if grouped else dict(group_size=32, n_group=1, topk_group=1)))
     ce = dict(METHOD=int(method), UNNORM=unnorm, HAS_BIAS=biased, GROUPED=grouped, GROUP_TOP=top,
               CAPTURE=capture, BLOCK_M=2, NG_PAD=4 if grouped else 1, G_PAD=8 if grouped else 32,
-              K_PAD=4, S_PAD=4, HAS_OFFSET=True, STAMP=True,
+              K_PAD=4, S_PAD=4, HAS_OFFSET=True, STAMP=True, WEIGHTS=capture,
               # DEFAULT with fused shared experts: their constant stores, recorded when capturing
               N_SHARED=2 if method == RoutingMethod.DEFAULT else 0,
               CAPTURE_SHARED=capture and method == RoutingMethod.DEFAULT)
@@ -153,16 +166,27 @@ def test_capture_kernel_writes_only_its_outputs(written):
     the step, which it only reads."""
     stamped = {k: v for k, v in written.items() if k.startswith("capture values")}
     assert len(stamped) == 16
-    wrong = {k: v for k, v in stamped.items() if v != ["buf_ptr", "errors_ptr", "stamps_ptr"]}
+    wrong = {k: v for k, v in stamped.items() if v != ["buf_ptr", "errors_ptr", "stamps_ptr", "wbuf_ptr"]}
     assert not wrong, wrong
     assert written["capture unstamped"] == ["buf_ptr", "errors_ptr"]
+    weighted = {k: v for k, v in written.items() if k.startswith("capture weights")}
+    assert len(weighted) == 4
+    wrong = {k: v for k, v in weighted.items() if v != ["buf_ptr", "errors_ptr", "wbuf_ptr"]}
+    assert not wrong, wrong
+
+
+def test_capture_kernel_compiles_every_weights_dtype(compiled):
+    cases = {k: v for k, v in compiled.items() if k.startswith("capture weights")}
+    assert len(cases) == 4
+    failed = {k: v for k, v in cases.items() if v is not True}
+    assert not failed, failed
 
 
 def test_route_kernel_writes_only_its_outputs(written):
     cases = {k: v for k, v in written.items() if k.startswith("route")}
     assert len(cases) == 24
     expected = {
-        True: ["buf_ptr", "errors_ptr", "ids_ptr", "stamps_ptr", "weights_ptr"],
+        True: ["buf_ptr", "errors_ptr", "ids_ptr", "stamps_ptr", "wbuf_ptr", "weights_ptr"],
         False: ["ids_ptr", "weights_ptr"],
     }
     wrong = {k: v for k, v in cases.items() if v != expected["capture=True" in k]}

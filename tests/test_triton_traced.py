@@ -46,6 +46,8 @@ def _capture_tensors(n: int, seed: int):
     return dict(
         buffer=torch.full((8, 3, 4), POISON, dtype=torch.int32),
         ids=torch.randint(-1, 70, (n, 4), dtype=torch.int32, generator=g),  # -1: a bad id, counted
+        topk_weights=torch.randn(n, 4, generator=g),
+        wbuf=torch.full((8, 3, 4), -7.0, dtype=torch.bfloat16),  # poison
         counts=torch.tensor([3, 5], dtype=torch.int32),
         sizes=torch.tensor([2, 3, 2, 3], dtype=torch.int32),
         errors=torch.zeros(FAULT_SLOTS, dtype=torch.int32),
@@ -57,8 +59,9 @@ def _capture_tensors(n: int, seed: int):
 def _capture(t):
     # SHARDED, rank 1 of 2 with 2 shards each: two sizes precede this rank's rows
     torch.ops.moe_ops.capture_routing_(
-        t["buffer"], t["ids"], t["counts"], t["sizes"], t["errors"], t["stamps"], t["step"], 2, 1, 2
-    )
+        t["buffer"], t["ids"], t["topk_weights"], t["wbuf"], t["counts"], t["sizes"], t["errors"],
+        t["stamps"], t["step"], 2, 1, 2,
+    )  # fmt: skip
 
 
 def _assert_traced_kernel(graphs: list[str], op: str) -> None:
@@ -82,6 +85,7 @@ def test_capture_traces_the_kernel_and_equals_eager(dynamic):
         for name in want:
             assert torch.equal(got[name], want[name]), f"{name} differs from eager at n={n}, counts={live}"
         assert (got["buffer"][:, 2] != POISON).any(), "nothing was captured"
+        assert (got["wbuf"][:, 2] != -7.0).any(), "no weight was captured"
     _assert_traced_kernel(graphs, "capture_routing_")
     if dynamic:
         assert len(graphs) == 1, f"recompiled for a new row count: {len(graphs)} graphs"
@@ -97,7 +101,7 @@ def _route_args(n: int, seed: int, capture: bool):
     )
     if capture:
         c = _capture_tensors(1, seed)
-        del c["ids"]
+        del c["ids"], c["topk_weights"]
         t.update(c)
     return t
 
@@ -114,7 +118,7 @@ def _route(t):
 
 def _route_capture(t):
     torch.ops.moe_ops.route_capture_(
-        t["logits"], t["bias"], t["weights"], t["ids"], t["buffer"], t["counts"], t["sizes"],
+        t["logits"], t["bias"], t["weights"], t["ids"], t["buffer"], t["wbuf"], t["counts"], t["sizes"],
         t["errors"], t["stamps"], t["step"], *_ROUTER_ARGS, 2, 1, 2,
     )  # fmt: skip
 
@@ -143,8 +147,9 @@ def test_opcheck_capture_interpreted():
     t = _capture_tensors(10, 0)
     torch.library.opcheck(
         torch.ops.moe_ops.capture_routing_.default,
-        (t["buffer"], t["ids"], t["counts"], t["sizes"], t["errors"], t["stamps"], t["step"], 2, 1, 2),
-    )
+        (t["buffer"], t["ids"], t["topk_weights"], t["wbuf"], t["counts"], t["sizes"], t["errors"],
+         t["stamps"], t["step"], 2, 1, 2),
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("capture", [False, True], ids=["route_", "route_capture_"])
@@ -152,8 +157,8 @@ def test_opcheck_route_interpreted(capture):
     t = _route_args(10, 0, capture)
     if capture:
         op, args = torch.ops.moe_ops.route_capture_.default, (
-            t["logits"], t["bias"], t["weights"], t["ids"], t["buffer"], t["counts"], t["sizes"],
-            t["errors"], t["stamps"], t["step"], *_ROUTER_ARGS, 2, 1, 2,
+            t["logits"], t["bias"], t["weights"], t["ids"], t["buffer"], t["wbuf"], t["counts"],
+            t["sizes"], t["errors"], t["stamps"], t["step"], *_ROUTER_ARGS, 2, 1, 2,
         )  # fmt: skip
     else:
         op, args = (

@@ -10,6 +10,11 @@ One capturer per model replica (per DP rank). Per step::
     rows = handle.result(copy=False)             # (num_tokens, num_layers, top_k), narrow dtype
     store.write(slot_mapping, rows); handle.release()
 
+With ``weights_dtype`` the capturer also holds ``weights_buffer``, the routing weights beside the ids
+(every target it builds carries it: ``capture(layer, ids, layout, weights=...)``, or
+``route(..., capture=capturer.target(layer))``, which records the router's weights), and each
+snapshot carries them as the channel ``"weights"`` (``handle.result(channel="weights")``).
+
 Everything the capture op reads on the device (the buffer, ``token_counts``, ``shard_sizes``) is
 allocated once in ``__init__`` and updated in place, never reallocated: CUDA graphs bake these
 addresses, and they are marked as static addresses so that inductor's CUDA-graph trees
@@ -24,15 +29,35 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
+from ..channels import Channel
 from ..layout import BatchLayout
 from ..shapes import RoutingShape
 from ..transfer.pipeline import SnapshotHandle, TransferPipeline
 from .errors import FaultCounter
 from .kernels import id_limit
 from .op import capture_into
-from .target import BUFFER_DTYPES, CaptureTarget
+from .target import BUFFER_DTYPES, WEIGHT_DTYPES, CaptureTarget
 
-__all__ = ["MissingSetStepWarning", "RoutingCapturer"]
+__all__ = ["WEIGHTS_CHANNEL", "MissingSetStepWarning", "RoutingCapturer", "weights_channel"]
+
+# the name of the routing weights' channel of a capturer's snapshots
+WEIGHTS_CHANNEL = "weights"
+# weights_dtype -> the host dtype its snapshot channel carries. bfloat16 has no numpy dtype; it
+# travels as its 16 bits in a uint16 channel (2 bytes an entry across PCIe and in the store, as in
+# moe-ops' own formats; float32 host rows would be exact too, at twice the bytes). A stale layer's
+# fill there is 0xFFFF, a bfloat16 NaN, as the float channels' fill is NaN.
+_WEIGHTS_HOST = {
+    torch.float32: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(np.uint16),
+}
+
+
+def weights_channel(num_layers: int, top_k: int, weights_dtype: torch.dtype) -> Channel:
+    """The ``"weights"`` :class:`~moe_ops.channels.Channel` of a capturer whose weights buffer is
+    ``weights_dtype``: ``(num_layers, top_k)`` rows of float32, float16, or bfloat16's bits as
+    uint16 (read them back with ``torch.from_numpy(rows).view(torch.bfloat16)``)."""
+    return Channel(WEIGHTS_CHANNEL, _WEIGHTS_HOST[weights_dtype], (num_layers, top_k))
 
 
 class MissingSetStepWarning(UserWarning):
@@ -96,9 +121,16 @@ class RoutingCapturer:
         ring_depth: snapshots that may be unreleased at once (see :class:`TransferPipeline`).
         out_dtype: host dtype of the snapshots (default: ``shape.id_dtype``, uint8 for <= 256
             experts, uint16 up to 65536, int32 beyond).
+        weights_dtype: None (default): ids only. torch.float32, torch.float16 or torch.bfloat16:
+            also record the routing weights beside the ids, in ``weights_buffer`` of that dtype
+            (the weights a capture is given are cast to it, round to nearest even), and carry them
+            in every snapshot as the channel ``"weights"`` (:func:`weights_channel`: float32 and
+            float16 rows as they are, bfloat16 as its uint16 bits; stale layers read NaN).
 
     Attributes:
         buffer: (max_num_tokens, num_layers, top_k) ``dtype`` on ``device`` - never reallocated.
+        weights_buffer: (max_num_tokens, num_layers, top_k) ``weights_dtype`` on ``device``,
+            NaN-filled at construction, never reallocated; None without ``weights_dtype``.
         token_counts: (dp_size,) int32 on ``device`` - real tokens of each DP rank this step.
         shard_sizes: (dp_size * shards_per_rank,) int32 on ``device``, or None.
         num_tokens: host int, this rank's count of the last :meth:`set_step` (None after a
@@ -130,6 +162,7 @@ class RoutingCapturer:
         shards_per_rank: int | None = None,
         ring_depth: int = 2,
         out_dtype: np.dtype | type | None = None,
+        weights_dtype: torch.dtype | None = None,
     ):
         if not isinstance(shape, RoutingShape):
             raise TypeError(f"shape must be a RoutingShape, got {type(shape).__name__}")
@@ -146,6 +179,11 @@ class RoutingCapturer:
             raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be an int in [0, {dp_size}) (dp_size={dp_size}), got {dp_rank!r}")
+        if weights_dtype is not None and weights_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                "weights_dtype must be None, torch.float32, torch.float16 or torch.bfloat16, got "
+                f"{weights_dtype!r}"
+            )
         if shards_per_rank is not None and (
             isinstance(shards_per_rank, bool) or not isinstance(shards_per_rank, int) or shards_per_rank < 1
         ):
@@ -157,6 +195,7 @@ class RoutingCapturer:
         self.max_num_tokens = max_num_tokens
         self.device = device
         self.dtype = dtype
+        self.weights_dtype = weights_dtype
         self.dp_size = dp_size
         self.dp_rank = dp_rank
         self.shards_per_rank = shards_per_rank
@@ -172,6 +211,18 @@ class RoutingCapturer:
         self.buffer = torch.full(
             (max_num_tokens, shape.num_layers, shape.top_k), -1, dtype=dtype, device=device
         )
+        # NaN: no weight (a row never written reads as "none", as -1 does for an id)
+        self.weights_buffer = None
+        extra_channels = ()
+        if weights_dtype is not None:
+            self.weights_buffer = torch.full(
+                self.buffer.shape, float("nan"), dtype=weights_dtype, device=device
+            )
+            channel = weights_channel(shape.num_layers, shape.top_k, weights_dtype)
+            source = self.weights_buffer
+            if weights_dtype == torch.bfloat16:
+                source = source.view(torch.int16)  # its bits, as the uint16 channel's staging
+            extra_channels = ((channel, source),)
         # One int32 tensor holds what set_step writes, so a step's host values travel in one copy:
         # [token_counts (dp_size) | shard_sizes (dp_size * shards_per_rank, optional) | step (1)].
         n_sizes = 0 if shards_per_rank is None else dp_size * shards_per_rank
@@ -183,7 +234,14 @@ class RoutingCapturer:
         self.layer_stamps = torch.full((shape.num_layers,), -1, dtype=torch.int32, device=device)
         self.fault_counter = FaultCounter(device)
         self.step = 0
-        for t in (self.buffer, self.token_counts, self.shard_sizes, self.step_tensor, self.layer_stamps):
+        for t in (
+            self.buffer,
+            self.weights_buffer,
+            self.token_counts,
+            self.shard_sizes,
+            self.step_tensor,
+            self.layer_stamps,
+        ):
             if t is not None:
                 torch._dynamo.mark_static_address(t)
         self.pipeline = TransferPipeline(
@@ -192,6 +250,7 @@ class RoutingCapturer:
             depth=ring_depth,
             layer_stamps=self.layer_stamps,
             step_tensor=self.step_tensor,
+            extra_channels=extra_channels,
         )
 
     def set_step(
@@ -320,10 +379,12 @@ class RoutingCapturer:
         layer_id: int,
         topk_ids: torch.Tensor,
         layout: BatchLayout | int = BatchLayout.LOCAL,
+        weights: torch.Tensor | None = None,
         *,
         tp_group=None,
     ) -> None:
-        """Records this rank's rows of one MoE layer: ``capture_into(self.target(...), topk_ids)``.
+        """Records this rank's rows of one MoE layer: ``capture_into(self.target(...), topk_ids,
+        weights)``.
 
         Args:
             layer_id: the MODEL layer index (what the MoE layer knows as its ``layer_idx``); it is
@@ -335,11 +396,14 @@ class RoutingCapturer:
                 the capturer has them (a padded all-gather: each rank's block is the sum of its
                 shards), else ``token_counts``; SHARDED needs ``shard_sizes``
                 (:mod:`moe_ops.capture.window`).
+            weights: (n, top_k) float32/bfloat16/float16 on the capturer's device - the routing
+                weights of ``topk_ids``; required when the capturer has ``weights_dtype``, refused
+                (ValueError) when it has not.
             tp_group: SEQUENCE_PARALLEL only, the group to all-gather over.
 
         No host reads, no synchronisation: safe inside torch.compile and CUDA graphs.
         """
-        capture_into(self.target(layer_id, layout, tp_group=tp_group), topk_ids)
+        capture_into(self.target(layer_id, layout, tp_group=tp_group), topk_ids, weights)
 
     def target(
         self,

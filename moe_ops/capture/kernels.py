@@ -9,10 +9,13 @@ CUDA graph captured once replays correctly for any live counts. Two implementati
 Contract (both): with ``(start, c_eff)`` from :mod:`moe_ops.capture.window` (the one row rule),
 ``buffer[r, layer_id, :] = topk_ids[start + r, :]`` for ``r < c_eff``, except that an id below 0 or
 beyond the buffer dtype's range is stored as -1 and counted (FAULT_BAD_ID, one per id); every
-other element of ``buffer`` keeps its value. A call whose window was clamped adds 1 to slot 0 of
-``errors`` and 1 to the slot of each fault bit (:mod:`moe_ops.capture.errors`). With a stamp
-(``stamps`` non-empty), ``stamps[layer_id] = step[0]`` records that the layer was captured in the
-current step (the snapshot reads layers whose stamp is stale as the fill value).
+other element of ``buffer`` keeps its value. With a weights buffer (``weights_buffer`` 3-D; the
+kernel's WEIGHTS), ``weights_buffer[r, layer_id, :] = topk_weights[start + r, :]`` for the same
+rows, cast to its dtype (round to nearest even, as torch's ``.to``); weights are not checked (a NaN
+is stored as a NaN, a row whose id became -1 keeps its weight). A call whose window was clamped
+adds 1 to slot 0 of ``errors`` and 1 to the slot of each fault bit (:mod:`moe_ops.capture.errors`).
+With a stamp (``stamps`` non-empty), ``stamps[layer_id] = step[0]`` records that the layer was
+captured in the current step (the snapshot reads layers whose stamp is stale as the fill value).
 
 :func:`record_faults` and :func:`record_stamp` are shared with the fused router kernel, so both
 paths record in exactly the same way.
@@ -115,6 +118,31 @@ if HAS_TRITON:
         tl.store(stamps_ptr + layer_id, tl.load(step_ptr))
 
     @triton.jit
+    def to_bfloat16(w):
+        """``w`` rounded to bfloat16, nearest even, in integer arithmetic on its float32 bits:
+        torch's rule (c10's ``round_to_nearest_even``), bit for bit, on the GPU and in the
+        interpreter alike (the interpreter's own float32 -> bfloat16 cast truncates: 0.4196 became
+        0.41796875, not torch's 0.419921875). A NaN becomes 0x7FC0 (still a NaN)."""
+        bits = w.to(tl.float32).to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(w != w, 0x7FC0, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def store_weights(wbuf_ptr, w, dst_rows, cols, layer_id, mask, stride_vm, stride_vl, stride_vk):
+        """Stores a tile of weights ``w`` (BLOCK_M, K_PAD) at rows ``dst_rows`` (int64) of layer
+        ``layer_id`` of the weights buffer where ``mask``, cast to its dtype (round to nearest
+        even, as torch's ``.to``). Shared by the capture and router kernels."""
+        dst = wbuf_ptr + tl.cast(layer_id, tl.int64) * stride_vl + dst_rows[:, None] * stride_vm
+        if wbuf_ptr.dtype.element_ty == tl.bfloat16:  # noqa: SIM108 - a compile-time branch of the kernel
+            v = to_bfloat16(w)
+        else:
+            # float32 (exact from every source dtype) or float16 (a hardware cvt.rn, and numpy's
+            # round-to-nearest-even cast in the interpreter)
+            v = w.to(wbuf_ptr.dtype.element_ty)
+        tl.store(dst + cols[None, :] * stride_vk, v, mask=mask)
+
+    @triton.jit
     def checked_ids(ids, mask, ID_MAX: tl.constexpr, CHECK_HIGH: tl.constexpr):
         """(ids with -1 where an id does not fit, where that happened among ``mask``)."""
         bad = ids < 0
@@ -144,8 +172,10 @@ if HAS_TRITON:
     )
     def _capture_rows_kernel(
         ids_ptr,
+        wts_ptr,
         # the capture's pointers: moe_ops.capture.spec.KERNEL_POINTERS, in its order
         buf_ptr,
+        wbuf_ptr,
         counts_ptr,
         sizes_ptr,
         errors_ptr,
@@ -154,6 +184,8 @@ if HAS_TRITON:
         n_src,
         stride_im,
         stride_ik,
+        stride_wm,
+        stride_wk,
         top_k,
         # the capture's scalars: moe_ops.capture.spec.KERNEL_SCALARS, in its order
         n_dst,
@@ -163,6 +195,9 @@ if HAS_TRITON:
         stride_bm,
         stride_bl,
         stride_bk,
+        stride_vm,
+        stride_vl,
+        stride_vk,
         stride_c,
         stride_s,
         ID_MAX: tl.constexpr,
@@ -173,6 +208,7 @@ if HAS_TRITON:
         SOURCE_ORDER: tl.constexpr,
         HAS_OFFSET: tl.constexpr,
         STAMP: tl.constexpr,
+        WEIGHTS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         row0 = pid * BLOCK_M
@@ -194,15 +230,22 @@ if HAS_TRITON:
             # n=1 in a 61-layer CUDA graph on an H200: 1.29 us per layer with the dependent load,
             # 1.13 us this way; a plain copy 0.96 us). Used when start is 0 (LOCAL, rank 0) or the
             # source is small.
+            in_src = (rows < n_src)[:, None] & col_ok
             ids = tl.load(
-                ids_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_ik,
-                mask=(rows < n_src)[:, None] & col_ok,
+                ids_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_ik, mask=in_src
             )
+            if WEIGHTS:
+                # loaded beside the ids, before the counts arrive, for the same reason
+                w = tl.load(
+                    wts_ptr + rows.to(tl.int64)[:, None] * stride_wm + cols[None, :] * stride_wk, mask=in_src
+                )
             start, c_eff, flags = rows_window(count, sizes, n_src, n_dst, HAS_OFFSET)
             dst_rows = rows.to(tl.int64) - start
             ok = ((dst_rows >= 0) & (dst_rows < c_eff))[:, None] & col_ok
             ids, bad = checked_ids(ids, ok, ID_MAX, CHECK_HIGH)
             tl.store(layer_base + dst_rows[:, None] * stride_bm, ids.to(buf_ptr.dtype.element_ty), mask=ok)
+            if WEIGHTS:
+                store_weights(wbuf_ptr, w, dst_rows, cols, layer_id, ok, stride_vm, stride_vl, stride_vk)
             # last: branches with atomics, which nothing above should wait behind
             record_bad_ids(errors_ptr, bad)
             if pid == 0:
@@ -219,6 +262,19 @@ if HAS_TRITON:
                 ids, bad = checked_ids(ids, mask, ID_MAX, CHECK_HIGH)
                 dst = layer_base + rows.to(tl.int64)[:, None] * stride_bm
                 tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mask)
+                if WEIGHTS:
+                    src_w = wts_ptr + src.to(tl.int64)[:, None] * stride_wm + cols[None, :] * stride_wk
+                    store_weights(
+                        wbuf_ptr,
+                        tl.load(src_w, mask=mask),
+                        rows.to(tl.int64),
+                        cols,
+                        layer_id,
+                        mask,
+                        stride_vm,
+                        stride_vl,
+                        stride_vk,
+                    )
                 record_bad_ids(errors_ptr, bad)
             if pid == 0:
                 record_faults(errors_ptr, flags)
@@ -227,7 +283,15 @@ if HAS_TRITON:
 
 
 def _plan(
-    n_src: int, top_k: int, n_dst: int, n_first: int, n_sizes: int, buf_dtype, ids_dtype, stamped: bool
+    n_src: int,
+    top_k: int,
+    n_dst: int,
+    n_first: int,
+    n_sizes: int,
+    buf_dtype,
+    ids_dtype,
+    stamped: bool,
+    weighted: bool = False,
 ) -> tuple[tuple[int], int, dict]:
     """(grid, warps, constexprs) of one launch: host arithmetic on shapes and dtypes only.
 
@@ -251,7 +315,7 @@ def _plan(
         K_PAD=k_pad,
         BLOCK_M=block_m,
         SOURCE_ORDER=source_order,
-        **kernel_constexprs(n_sizes, n_first, stamped),
+        **kernel_constexprs(n_sizes, n_first, stamped, weighted),
     )
     return grid, num_warps, constexprs
 
@@ -263,6 +327,8 @@ _capture_plan = functools.lru_cache(maxsize=4096)(_plan)
 def capture_rows_triton(
     buffer: torch.Tensor,
     topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights_buffer: torch.Tensor,
     token_counts: torch.Tensor,
     sizes: torch.Tensor,
     errors: torch.Tensor,
@@ -278,8 +344,10 @@ def capture_rows_triton(
 
     The capture op's arguments, in its order (:data:`moe_ops.capture.spec.CAPTURE_OP`):
     topk_ids: (n, top_k) integer, any strides - source rows
+    topk_weights: (n, top_k) float32/bfloat16/float16, any strides - their weights; read only
+        when ``weights_buffer`` is 3-D (else any tensor, e.g. the (0,) stand-in)
     the others: a :class:`~moe_ops.capture.spec.CaptureSpec`'s fields (their invariants there);
-        ``buffer`` is written in place, rows [0, c_eff) of layer ``layer_id``
+        ``buffer`` (and ``weights_buffer``) is written in place, rows [0, c_eff) of layer ``layer_id``
     wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
         when torch.compile traces the op; see :mod:`moe_ops._runtime.library`)
     """
@@ -294,14 +362,18 @@ def capture_rows_triton(
         buffer.dtype,
         topk_ids.dtype,
         stamps.numel() > 0,
+        weights_buffer.dim() == 3,
     )
     plan = _plan if has_symbols(*plan_args) else _capture_plan
     grid, num_warps, constexprs = plan(*plan_args)
     stride_im, stride_ik = topk_ids.stride()
+    # no weights: the (0,) stand-in, never read (WEIGHTS False)
+    stride_wm, stride_wk = topk_weights.stride() if topk_weights.dim() == 2 else (0, 0)
     args = kernel_args(
-        (topk_ids,),
-        (n_src, stride_im, stride_ik, top_k),
+        (topk_ids, topk_weights),
+        (n_src, stride_im, stride_ik, stride_wm, stride_wk, top_k),
         buffer,
+        weights_buffer,
         token_counts,
         sizes,
         errors,
@@ -362,6 +434,8 @@ def checked_ids_torch(ids: torch.Tensor, id_max: int) -> tuple[torch.Tensor, tor
 def capture_rows_torch(
     buffer: torch.Tensor,
     topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights_buffer: torch.Tensor,
     token_counts: torch.Tensor,
     sizes: torch.Tensor,
     errors: torch.Tensor,
@@ -390,5 +464,10 @@ def capture_rows_torch(
             n_bad = (bad & valid[:, None]).sum()
             dst = buffer[:window, layer_id]
             dst.copy_(torch.where(valid[:, None], ids.to(buffer.dtype), dst))
+            if weights_buffer.dim() == 3:
+                # torch's cast (round to nearest even), as the kernel's
+                w = topk_weights[src].to(weights_buffer.dtype)
+                wdst = weights_buffer[:window, layer_id]
+                wdst.copy_(torch.where(valid[:, None], w, wdst))
         add_faults(errors, fault_delta(flags, n_bad))
         record_stamp_torch(stamps, step, layer_id)

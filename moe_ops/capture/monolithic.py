@@ -33,6 +33,12 @@ validated once, from :meth:`CaptureTarget.of` (a registered custom op, so ``torc
 it and CUDA graphs record it; no Python callback and no host read runs per step, and per call only
 the ids are checked).
 
+Routing weights: a monolithic kernel's ``routing_replay_out`` holds ids only, so experts whose
+kernel writes it refuse a capturer with a ``weights_buffer`` (ValueError from
+:meth:`RoutingReplayExperts.check_capture_fn`, before anything is allocated) rather than leave the
+weights unwritten; routed variants, whose router captures, record the router's weights through
+``route(..., capture=LayerCapture.target(layout))``.
+
 The scratch is shared by every call of one experts object and is written and read on the current
 stream, in order; one experts object must not run on two streams at once.
 """
@@ -203,6 +209,13 @@ class RoutingReplayExperts:
                 "a SHARDED dispatch needs capturer.shard_sizes (dp_size * shards_per_rank entries)"
             )
         target = fn.target(self.config.layout)  # the buffer, the layer, the counts
+        if target.has_weights and self.supports_routing_replay_capture():
+            raise ValueError(
+                f"MoE kernel {self.kernel_name} records expert ids only (routing_replay_out is int16 ids, "
+                "it has no weights output), but the capturer has a weights_buffer: its weights would "
+                "stay unwritten (NaN). Use a capturer without weights_dtype, or a router + experts path "
+                "(route(..., capture=...) records the router's weights)"
+            )
         buffer = target.buffer
         if buffer.shape[2] != self.config.top_k:
             raise ValueError(

@@ -1,7 +1,8 @@
 """The capture op: ``capture_routing`` and its registered custom op ``torch.ops.moe_ops.capture_routing_``.
 
-Destination-passing: the op writes into the caller's persistent buffer and returns nothing. It
-declares ``buffer``, the fault counter and the layer stamps as mutated and has a fake implementation,
+Destination-passing: the op writes into the caller's persistent buffer (and, with a weights target,
+its weights buffer) and returns nothing. It declares ``buffer``, ``weights_buffer``, the fault
+counter and the layer stamps as mutated and has a fake implementation,
 so ``torch.compile(fullgraph=True)`` sees the writes without a graph break and CUDA graphs can capture
 it after one warm-up call (the warm-up compiles the Triton kernel and allocates the device-wide fault
 counter).
@@ -20,7 +21,7 @@ from .spec import CAPTURE_OP
 
 if HAS_TRITON:
     from .kernels import _capture_rows_kernel as capture_kernel
-from .target import CaptureTarget, check_process_group
+from .target import CaptureTarget, check_process_group, no_weights
 
 __all__ = ["capture_into", "capture_routing", "check_process_group", "target_tensors", "tp_world_size"]
 
@@ -46,8 +47,11 @@ capture_routing_reference_op = reference_op(
     "capture_routing_", capture_rows_torch, mutates=_MUTATES, schema=_SCHEMA
 )
 # eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._runtime.library); the
-# buffer and the ids are checked, the target validated the rest on the buffer's device
-_capture_call = eager_caller("capture_routing_", checked=CAPTURE_OP.positions("buffer", "topk_ids"))
+# buffers, the ids and the weights are checked, the target validated the rest on the buffer's device
+_capture_call = eager_caller(
+    "capture_routing_",
+    checked=CAPTURE_OP.positions("buffer", "topk_ids", "topk_weights", "weights_buffer"),
+)
 
 
 def target_tensors(target: CaptureTarget) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,10 +73,11 @@ def tp_world_size(tp_group) -> int:
 
 
 def _gather_sequence_parallel(topk_ids: torch.Tensor, tp_group) -> torch.Tensor:
-    """All-gathers the TP shards of ``topk_ids`` along dim 0 (TP-rank order).
+    """All-gathers the TP shards of ``topk_ids`` (or of their weights) along dim 0 (TP-rank order).
 
-    The one allocation of the capture path: the gathered (tp * n, top_k) tensor. Uses functional
-    collectives so torch.compile traces it; NCCL all-gathers are CUDA-graph capturable.
+    The one allocation of the capture path: the gathered (tp * n, top_k) tensor (two with
+    weights). Uses functional collectives so torch.compile traces it; NCCL all-gathers are
+    CUDA-graph capturable.
     """
     from torch.distributed import _functional_collectives as funcol
 
@@ -84,21 +89,36 @@ def _gather_sequence_parallel(topk_ids: torch.Tensor, tp_group) -> torch.Tensor:
     return gathered
 
 
-def capture_into(target: CaptureTarget, topk_ids: torch.Tensor) -> None:
-    """Records this DP rank's rows of ``topk_ids`` (rows in ``target.layout``) into the target.
+def capture_into(
+    target: CaptureTarget, topk_ids: torch.Tensor, topk_weights: torch.Tensor | None = None
+) -> None:
+    """Records this DP rank's rows of ``topk_ids`` (rows in ``target.layout``) into the target, and
+    the same rows of ``topk_weights`` into its ``weights_buffer``.
 
     topk_ids: (n, top_k) integer on the buffer's device, any strides.
+    topk_weights: (n, top_k) float32/bfloat16/float16 on the buffer's device, any strides - the
+        routing weights of ``topk_ids``, column for column; required by a target with a
+        ``weights_buffer`` (cast to its dtype, round to nearest even; a NaN is stored as NaN, not
+        faulted; a row whose id is stored as -1 keeps its weight), refused (ValueError) by one
+        without.
 
-    The target was validated when it was built; this checks the ids (ValueError before anything
-    is written). No host reads, no synchronisation, no allocation (except the all-gather output of
-    SEQUENCE_PARALLEL with tp_size > 1).
+    The target was validated when it was built; this checks the ids and the weights (ValueError
+    before anything is written). No host reads, no synchronisation, no allocation (except the
+    all-gather outputs of SEQUENCE_PARALLEL with tp_size > 1, which gathers the weights too).
     """
     target.check_ids(topk_ids)
+    target.check_weights(topk_weights, topk_ids)
+    if topk_weights is not None and topk_weights.requires_grad:
+        topk_weights = topk_weights.detach()  # a record, not part of the graph autograd sees
     layout = target.layout
     if layout == BatchLayout.SEQUENCE_PARALLEL and tp_world_size(target.tp_group) > 1:
         topk_ids = _gather_sequence_parallel(topk_ids, target.tp_group)
+        if topk_weights is not None:
+            topk_weights = _gather_sequence_parallel(topk_weights, target.tp_group)
         target.check_ids(topk_ids)
-    _capture_call(*CAPTURE_OP.join((topk_ids,), target.spec))
+    if topk_weights is None:
+        topk_weights = no_weights(target.buffer)
+    _capture_call(*CAPTURE_OP.join((topk_ids, topk_weights), target.spec))
 
 
 def capture_routing(
@@ -112,8 +132,11 @@ def capture_routing(
     shard_sizes: torch.Tensor | None = None,
     tp_group=None,
     fault_counter: FaultCounter | None = None,
+    weights_buffer: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
 ) -> None:
-    """Records this DP rank's routed expert ids of one MoE layer into ``buffer[:, layer_id]``.
+    """Records this DP rank's routed expert ids of one MoE layer into ``buffer[:, layer_id]`` (and
+    their routing weights into ``weights_buffer[:, layer_id]``).
 
     Args:
         buffer: (max_tokens, num_layers, top_k) int32 (int16/int64 allowed), no internal overlap -
@@ -135,6 +158,14 @@ def capture_routing(
             over (None: tp_size 1, which is LOCAL); anything else is a TypeError.
         fault_counter: where faults are recorded (None: the device-wide counter that
             :func:`moe_ops.check_capture_errors` reads).
+        weights_buffer: (max_tokens, num_layers, top_k) float32/bfloat16/float16 on the buffer's
+            device, no internal overlap, not overlapping ``buffer`` - written in place: the same
+            rows of layer ``layer_id`` as ``buffer``, from ``topk_weights`` cast to its dtype (round
+            to nearest even); None: no weights.
+        topk_weights: (n, top_k) float32/bfloat16/float16, any strides, same device - the
+            weights of ``topk_ids``, column for column; required with ``weights_buffer``, refused
+            without it. Weights are not checked: a NaN is stored as NaN, and a row whose id is
+            stored as -1 keeps its weight.
 
     Row selection: :mod:`moe_ops.capture.window`. Counts inconsistent with the tensors are clamped
     on the device, and ids that are negative or do not fit the buffer dtype are stored as -1; both
@@ -153,5 +184,6 @@ def capture_routing(
         shard_sizes=shard_sizes,
         tp_group=tp_group,
         fault_counter=fault_counter,
+        weights_buffer=weights_buffer,
     )
-    capture_into(target, topk_ids)
+    capture_into(target, topk_ids, topk_weights)

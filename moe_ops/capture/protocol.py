@@ -8,7 +8,7 @@ is typed :class:`Capturer` and reads only its own part of it, checked where it i
     part     members                                           read by
     state    buffer, token_counts, dp_rank, shard_sizes        CaptureTarget.of, bind_routing_capture,
              (+ fault_counter, layer_stamps, step_tensor,      LayerCapture (the monolithic experts)
-             shape: read when present)
+             weights_buffer, shape: read when present)
     record   target(model_layer, layout), capture(...)         the reference model, DistributedStep,
                                                                attach_capture (transformers, Megatron)
     step     set_step, clear_counts, dp_size, max_num_tokens   StepRunner (StepCapturer)
@@ -16,7 +16,7 @@ is typed :class:`Capturer` and reads only its own part of it, checked where it i
 A state-only object (the four state members, e.g. a dataclass around tensors a serving engine
 already has) is enough for the state paths; ``attach_capture`` needs only ``capture`` (a recorder
 that keeps every call's ids is one, ``moe_ops.integrations.hf_generate``). The optional state
-members are read in one place each: the fault counter and the stamps by
+members are read in one place each: the fault counter, the stamps and the weights buffer by
 :meth:`~moe_ops.CaptureTarget.of`, ``shape`` (the MoE-only layer axis) by :func:`buffer_column`.
 """
 
@@ -68,13 +68,17 @@ class Capturer(StepCapturer, Protocol):
             the device-wide counter)
         layer_stamps: (num_layers,) int32 or None, with step_tensor: (1,) int32 - stale-layer
             stamps (:class:`~moe_ops.CaptureTarget`); absent: no stamps
+        weights_buffer: (max_tokens, num_layers, top_k) float32/bfloat16/float16 or None - the
+            routing weights beside the ids (:class:`~moe_ops.CaptureTarget`); absent or None: ids
+            only
         shape: RoutingShape or None - the MoE-only layer axis, model layer -> buffer column
             (:func:`buffer_column`); absent: the model layer is the column
 
     Record:
         target(model_layer, layout, *, tp_group) -> CaptureTarget - one MoE layer's target, for
             routers that capture as they route (``route(..., capture=...)``)
-        capture(model_layer, topk_ids, layout, *, tp_group) - records one MoE layer's ids
+        capture(model_layer, topk_ids, layout, weights, *, tp_group) - records one MoE layer's
+            ids (and, with a weights buffer, their weights)
     """
 
     buffer: torch.Tensor
@@ -84,6 +88,7 @@ class Capturer(StepCapturer, Protocol):
     fault_counter: FaultCounter | None
     layer_stamps: torch.Tensor | None
     step_tensor: torch.Tensor | None
+    weights_buffer: torch.Tensor | None
     shape: RoutingShape | None
 
     def target(
@@ -97,10 +102,12 @@ class Capturer(StepCapturer, Protocol):
         layer_id: int,
         topk_ids: torch.Tensor,
         layout: BatchLayout | int = ...,
+        weights: torch.Tensor | None = None,
         *,
         tp_group: object = None,
     ) -> None:
-        """Records this rank's rows of one MoE layer's ``topk_ids`` (a model layer index)."""
+        """Records this rank's rows of one MoE layer's ``topk_ids`` (a model layer index) and,
+        with a weights buffer, their ``weights``."""
         ...
 
 

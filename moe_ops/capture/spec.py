@@ -1,15 +1,16 @@
 """``CaptureSpec``: the capture's device arguments, written once.
 
 Every path that records ids - the capture op, the router with fused capture, their kernels and
-their PyTorch twins - takes the same nine values: the buffer and the layer they go to, the count
-tensors the row window is computed from on the device, the fault counter, the layer stamps and the
-step. :class:`CaptureSpec` names them once, with their invariants; everything else is generated
-from it (as :mod:`moe_ops.flashinfer.ops` generates FlashInfer's schemas from one table):
+their PyTorch twins - takes the same ten values: the buffer and the layer they go to, the routing
+weights' buffer beside it (or an empty stand-in), the count tensors the row window is computed from
+on the device, the fault counter, the layer stamps and the step. :class:`CaptureSpec` names them
+once, with their invariants; everything else is generated from it (as :mod:`moe_ops.flashinfer.ops`
+generates FlashInfer's schemas from one table):
 
 * an op's argument list and schema: :class:`OpArgs` - :data:`CAPTURE_OP` for
   ``moe_ops::capture_routing_``, :meth:`OpArgs.fused` for an op that does its own work and captures
-  in the same launch (``moe_ops::route_capture_``); the schema strings are the ones those ops have
-  always had, so compiled graphs and callers keep working;
+  in the same launch (``moe_ops::route_capture_``); a field added here changes both schemas (the
+  weights buffer did: graphs compiled against the earlier schemas are traced again);
 * the kernels' capture arguments: :func:`kernel_args` / :meth:`CaptureSpec.kernel_args` - a
   capturing Triton kernel takes its own pointers, :data:`KERNEL_POINTERS`, its own scalars,
   :data:`KERNEL_SCALARS` (the rule :meth:`OpArgs.fused` applies to op arguments) - and
@@ -61,6 +62,11 @@ class CaptureSpec:
     # (max_tokens, num_layers, top_k) int16/int32/int64, no internal overlap - the replay buffer;
     # written: rows [0, c_eff) of layer layer_id, every other element keeps its value
     buffer: torch.Tensor = dataclasses.field(metadata=_WRITTEN)
+    # (max_tokens, num_layers, top_k) float32/bfloat16/float16 - the routing weights beside the ids,
+    # same rows, layers and top_k as buffer, no internal overlap, not overlapping buffer; or (0,)
+    # float32: no weights (WEIGHTS False). Written like buffer: the same rows of layer layer_id get
+    # the weights of the rows whose ids go to buffer, cast to its dtype (round to nearest even)
+    weights_buffer: torch.Tensor = dataclasses.field(metadata=_WRITTEN)
     # (dp_size,) int32 on the buffer's device, any stride - real tokens of each DP rank; read on the device
     token_counts: torch.Tensor
     # (S,) int32, any stride - the row counts the layout reads (moe_ops.capture.window.plan_window)
@@ -89,7 +95,9 @@ class CaptureSpec:
 
     def kernel_constexprs(self) -> dict:
         """The kernels' capture constexprs (:data:`KERNEL_CONSTEXPRS`)."""
-        return kernel_constexprs(self.sizes.shape[0], self.n_first, self.stamps.numel() > 0)
+        return kernel_constexprs(
+            self.sizes.shape[0], self.n_first, self.stamps.numel() > 0, self.weights_buffer.dim() == 3
+        )
 
 
 def _generated(arg: str, items: Sequence[str]) -> Callable:
@@ -106,7 +114,7 @@ _values = _generated("spec", [f"spec.{n}" for n in _NAMES])
 # (the rule OpArgs.fused applies to op arguments); kernel_args builds that list. Pointers come
 # first because torch 2.11's mutation analysis of traced kernels maps written parameters to
 # tensors by position. Strides other than the innermost are runtime values (see the kernels).
-KERNEL_POINTERS = ("buf_ptr", "counts_ptr", "sizes_ptr", "errors_ptr", "stamps_ptr", "step_ptr")
+KERNEL_POINTERS = ("buf_ptr", "wbuf_ptr", "counts_ptr", "sizes_ptr", "errors_ptr", "stamps_ptr", "step_ptr")
 KERNEL_SCALARS = (
     "n_dst",
     "layer_id",
@@ -115,18 +123,22 @@ KERNEL_SCALARS = (
     "stride_bm",
     "stride_bl",
     "stride_bk",
+    "stride_vm",
+    "stride_vl",
+    "stride_vk",
     "stride_c",
     "stride_s",
 )
 # the capture's constexprs (kernel_constexprs): sizes entries rounded up to a power of two, whether
-# this rank's block has an offset, whether the layer is stamped
-KERNEL_CONSTEXPRS = ("S_PAD", "HAS_OFFSET", "STAMP")
+# this rank's block has an offset, whether the layer is stamped, whether weights are recorded
+KERNEL_CONSTEXPRS = ("S_PAD", "HAS_OFFSET", "STAMP", "WEIGHTS")
 
 
 def kernel_args(
     pointers: tuple,
     scalars: tuple,
     buffer: torch.Tensor,
+    weights_buffer: torch.Tensor,
     token_counts: torch.Tensor,
     sizes: torch.Tensor,
     errors: torch.Tensor,
@@ -141,9 +153,12 @@ def kernel_args(
     spec's fields in field order (a launcher that has them as separate arguments calls this
     without building a spec). Host metadata only."""
     stride_bm, stride_bl, stride_bk = buffer.stride()
+    # no weights: a (0,) stand-in, never read (WEIGHTS False)
+    stride_vm, stride_vl, stride_vk = weights_buffer.stride() if weights_buffer.dim() == 3 else (0, 0, 0)
     return (
         *pointers,
         buffer,
+        weights_buffer,
         token_counts,
         sizes,
         errors,
@@ -157,15 +172,23 @@ def kernel_args(
         stride_bm,
         stride_bl,
         stride_bk,
+        stride_vm,
+        stride_vl,
+        stride_vk,
         token_counts.stride(0),
         sizes.stride(0),
     )
 
 
-def kernel_constexprs(n_sizes: int, n_first: int, stamped: bool) -> dict:
+def kernel_constexprs(n_sizes: int, n_first: int, stamped: bool, weighted: bool = False) -> dict:
     """:data:`KERNEL_CONSTEXPRS` for ``n_sizes`` sizes entries, ``n_first`` of them before this
-    rank's rows, and stamps present (``stamped``)."""
-    return dict(S_PAD=next_power_of_2(n_sizes), HAS_OFFSET=bool(n_first > 0), STAMP=bool(stamped))
+    rank's rows, stamps present (``stamped``) and a weights buffer present (``weighted``)."""
+    return dict(
+        S_PAD=next_power_of_2(n_sizes),
+        HAS_OFFSET=bool(n_first > 0),
+        STAMP=bool(stamped),
+        WEIGHTS=bool(weighted),
+    )
 
 
 def absent_kernel_args(pointers: tuple, scalars: tuple, like: torch.Tensor, *, distinct: bool) -> tuple:
@@ -227,7 +250,7 @@ class OpArgs:
 
     Args:
         args: the op's arguments in schema order; those named like a spec field are the spec's
-            (all nine, in any order), the others the op's own.
+            (all ten, in any order), the others the op's own.
 
     A destination-passing op: the schema returns nothing and the written arguments are mutated
     (``Tensor(aN!)``, N the argument's position, as ``torch.library.infer_schema`` numbers them).
@@ -307,6 +330,6 @@ class OpArgs:
         return self._join(host + _values(spec))
 
 
-# moe_ops::capture_routing_: the buffer, the ids, then the rest of the spec (the op's schema since
-# it was registered: compiled graphs and callers hold this order)
-CAPTURE_OP = OpArgs((SPEC_ARGS[0], Arg("topk_ids", "Tensor"), *SPEC_ARGS[1:]))
+# moe_ops::capture_routing_: the buffer, the ids and their weights (an empty tensor when the spec has
+# no weights buffer), then the rest of the spec
+CAPTURE_OP = OpArgs((SPEC_ARGS[0], Arg("topk_ids", "Tensor"), Arg("topk_weights", "Tensor"), *SPEC_ARGS[1:]))

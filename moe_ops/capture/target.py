@@ -30,6 +30,7 @@ from .window import plan_window
 __all__ = [
     "BUFFER_DTYPES",
     "ID_DTYPES",
+    "WEIGHT_DTYPES",
     "CaptureTarget",
     "LayerIndexError",
     "RoutingCapturerLike",
@@ -37,6 +38,8 @@ __all__ = [
     "check_capturer",
     "check_layer_id",
     "check_process_group",
+    "check_weights_buffer",
+    "no_weights",
 ]
 
 BUFFER_DTYPES = (torch.int16, torch.int32, torch.int64)
@@ -44,6 +47,8 @@ BUFFER_DTYPES = (torch.int16, torch.int32, torch.int64)
 # (quint8, qint32, bits8, uint1, int4, ...) are not ids; unsigned wider than 8 bits has partial
 # CUDA support in the torch releases this package runs on.
 ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+# dtypes of a weights buffer (and of the weights a capture records into it, cast on the way)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _has_internal_overlap(t: torch.Tensor) -> bool:
@@ -86,6 +91,84 @@ def check_buffer(buffer: object) -> None:
             f"{tuple(buffer.stride())} for shape {tuple(buffer.shape)}): rows would be written over "
             "each other; allocate it with torch.full or torch.empty"
         )
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) bytes of ``t``'s elements in its storage's address space."""
+    start = t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the byte ranges ``a`` and ``b`` span in memory intersect (conservative: two
+    interleaved views that share no element also count). Reads addresses, not device values."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.data_ptr() == 0 or b.data_ptr() == 0:
+        return False  # meta tensors: no memory
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def check_weights_buffer(weights_buffer: object, buffer: torch.Tensor) -> None:
+    """ValueError/TypeError unless ``weights_buffer`` is a float32/bfloat16/float16 tensor of
+    ``buffer``'s shape on its device, without internal overlap and not overlapping ``buffer``.
+
+    The overlap with ``buffer`` is checked on concrete tensors (eagerly); traced
+    (``torch.compile``, fake tensors) there are no addresses to compare, and the eager build of the
+    same target - a capturer's first call, a warm-up - is the one that checks."""
+    if not isinstance(weights_buffer, torch.Tensor):
+        raise TypeError(f"weights_buffer must be a torch.Tensor or None, got {type(weights_buffer).__name__}")
+    if weights_buffer.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weights_buffer must be float32, bfloat16 or float16, got {weights_buffer.dtype}")
+    if weights_buffer.shape != buffer.shape:
+        raise ValueError(
+            f"weights_buffer must have the buffer's shape {tuple(buffer.shape)} (max_tokens, num_layers, "
+            f"top_k), got {tuple(weights_buffer.shape)}"
+        )
+    if weights_buffer.device != buffer.device:
+        raise ValueError(
+            f"weights_buffer must be on the buffer's device {buffer.device}, got {weights_buffer.device}"
+        )
+    if _has_internal_overlap(weights_buffer):
+        raise ValueError(
+            f"weights_buffer must not overlap itself (strides {tuple(weights_buffer.stride())} for shape "
+            f"{tuple(weights_buffer.shape)}): rows would be written over each other"
+        )
+    if (
+        not torch.compiler.is_compiling()
+        and not isinstance(weights_buffer, FakeTensor)
+        and not isinstance(buffer, FakeTensor)
+        and _may_overlap(weights_buffer, buffer)
+    ):
+        raise ValueError(
+            "weights_buffer must not overlap buffer (they share memory): the ids and the weights would "
+            "be written over each other; allocate it with its own torch.full or torch.empty"
+        )
+
+
+@torch._dynamo.assume_constant_result
+def _no_weights(device: torch.device) -> torch.Tensor:
+    """A persistent (0,) float32 tensor per device: the weights buffer of a target without one,
+    and the weights a capture without weights passes (never read: the kernels' WEIGHTS is False)."""
+    t = _EMPTY_WEIGHTS.get(device)
+    if t is None:
+        t = torch.empty(0, dtype=torch.float32, device=device)
+        torch._dynamo.mark_static_address(t)
+        t = _EMPTY_WEIGHTS.setdefault(device, t)
+    return t
+
+
+_EMPTY_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def no_weights(like: torch.Tensor) -> torch.Tensor:
+    """The (0,) float32 stand-in for "no weights" on ``like``'s device (cached per device; a fresh
+    fake one while ``like`` is a fake tensor traced outside dynamo)."""
+    if isinstance(like, FakeTensor):
+        return torch.empty(0, dtype=torch.float32, device=like.device)
+    return _no_weights(like.device)
 
 
 # The capture state a target is built from; the one protocol of a capturer is
@@ -186,6 +269,10 @@ class CaptureTarget:
     tp_group: object = None
     # where faults are recorded; None: the device-wide counter of the buffer's device
     fault_counter: FaultCounter | None = None
+    # (max_tokens, num_layers, top_k) float32/bfloat16/float16 on the buffer's device, no internal
+    # overlap, not overlapping buffer: the routing weights of the rows whose ids go to buffer, cast
+    # to its dtype; None: no weights (a capture then refuses topk_weights)
+    weights_buffer: torch.Tensor | None = None
     # (num_layers,) int32 on the buffer's device: stamps[layer_id] = step_tensor[0] once captured;
     # None: no stamp (a bare capture outside a capturer)
     layer_stamps: torch.Tensor | None = None
@@ -202,6 +289,8 @@ class CaptureTarget:
     def __post_init__(self) -> None:
         layout = layout_from_value(self.layout)
         check_buffer(self.buffer)
+        if self.weights_buffer is not None:
+            check_weights_buffer(self.weights_buffer, self.buffer)
         check_layer_id(self.layer_id, self.buffer.shape[1])
         device = self.buffer.device
         sizes, n_first = plan_window(layout, self.token_counts, self.dp_rank, self.shard_sizes, device)
@@ -241,8 +330,18 @@ class CaptureTarget:
         errors, stamps, step = _device_tensors(
             self.buffer, self.fault_counter, self.layer_stamps, self.step_tensor
         )
+        weights = self.weights_buffer if self.weights_buffer is not None else no_weights(self.buffer)
         spec = CaptureSpec(
-            self.buffer, self.token_counts, sizes, errors, stamps, step, self.layer_id, self.dp_rank, n_first
+            self.buffer,
+            weights,
+            self.token_counts,
+            sizes,
+            errors,
+            stamps,
+            step,
+            self.layer_id,
+            self.dp_rank,
+            n_first,
         )
         object.__setattr__(self, "spec", spec)
 
@@ -260,7 +359,7 @@ class CaptureTarget:
 
         ``shard_sizes`` is passed to GATHERED and SHARDED when the capturer has them (the window
         rule reads them; see :mod:`moe_ops.capture.window`), never to the other layouts; the
-        capturer's fault counter and stamps, when it has them, come along.
+        capturer's fault counter, stamps and weights buffer, when it has them, come along.
         """
         check_capturer(capturer)
         layout = layout_from_value(layout)
@@ -276,7 +375,13 @@ class CaptureTarget:
             fault_counter=getattr(capturer, "fault_counter", None),
             layer_stamps=getattr(capturer, "layer_stamps", None),
             step_tensor=getattr(capturer, "step_tensor", None),
+            weights_buffer=getattr(capturer, "weights_buffer", None),
         )
+
+    @property
+    def has_weights(self) -> bool:
+        """True when this target records routing weights beside the ids (``weights_buffer``)."""
+        return self.weights_buffer is not None
 
     def check_ids(self, topk_ids: torch.Tensor) -> None:
         """The checks that need the ids: ``topk_ids`` (n, top_k) integer on the buffer's device
@@ -301,6 +406,37 @@ class CaptureTarget:
             raise ValueError(
                 f"buffer has {self.buffer.shape[0]} rows but the LOCAL batch has {topk_ids.shape[0]} rows "
                 "(padding included): size the buffer for the largest local batch (max_tokens)"
+            )
+
+    def check_weights(self, topk_weights: torch.Tensor | None, topk_ids: torch.Tensor) -> None:
+        """The checks of a call's weights: a target with a ``weights_buffer`` needs
+        ``topk_weights`` (the ids' shape, float32/bfloat16/float16, the buffer's device, any
+        strides; float64 is refused: the kernel would round it twice, through float32); a target
+        without one refuses them. Raises ValueError/TypeError."""
+        if self.weights_buffer is None:
+            if topk_weights is not None:
+                raise ValueError(
+                    "topk_weights given but this target has no weights_buffer: build the target (or "
+                    "the capturer, weights_dtype=...) with a weights buffer, or pass topk_weights=None"
+                )
+            return
+        if topk_weights is None:
+            raise ValueError(
+                "topk_weights is required: this target records routing weights beside the ids "
+                f"(weights_buffer {self.weights_buffer.dtype}); pass the router's (n, top_k) weights"
+            )
+        if not isinstance(topk_weights, torch.Tensor):
+            raise TypeError(f"topk_weights must be a torch.Tensor or None, got {type(topk_weights).__name__}")
+        if topk_weights.dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"topk_weights must be float32, bfloat16 or float16, got {topk_weights.dtype}")
+        if topk_weights.shape != topk_ids.shape:
+            raise ValueError(
+                f"topk_weights must have the ids' shape {tuple(topk_ids.shape)} (n, top_k), got "
+                f"{tuple(topk_weights.shape)}"
+            )
+        if topk_weights.device != self.buffer.device:
+            raise ValueError(
+                f"topk_weights must be on the buffer's device {self.buffer.device}, got {topk_weights.device}"
             )
 
     def check_num_experts(self, num_experts: int) -> None:

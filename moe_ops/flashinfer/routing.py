@@ -182,7 +182,9 @@ def route_flashinfer(
             topk_indices=topk_indices,
             routing_replay_out=replay,
         )
-    if capture is not None:
-        capture_into(capture, replay)
     weights = topk_values if topk_values.dtype == torch.float32 else topk_values.float()
+    if capture is not None:
+        # the weights route returns, column for column with the replay ids (the kernel writes both
+        # in its own order, one row at a time)
+        capture_into(capture, replay, weights if capture.has_weights else None)
     return weights, topk_indices

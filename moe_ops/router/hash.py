@@ -244,7 +244,7 @@ def route_hashed(
     if capture is None or capture.layout == BatchLayout.SEQUENCE_PARALLEL:
         route_(*args, *scalars)
         if capture is not None:
-            capture_into(capture, ids)
+            capture_into(capture, ids, weights if capture.has_weights else None)
         return weights, ids
     route_capture = _route_hash_capture_call
     if not use_triton:

@@ -62,7 +62,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from ..capture.errors import FAULT_BAD_ID, FAULT_SLOT
-    from ..capture.kernels import record_faults, record_stamp
+    from ..capture.kernels import record_faults, record_stamp, to_bfloat16
     from ..capture.window import rows_window
     from ._hash import hash_ids
     from ._weights import N_METHODS, chosen_weights, gathered_row_softmax
@@ -87,6 +87,8 @@ if HAS_TRITON:
             "n_first",
             "stride_bm",
             "stride_bl",
+            "stride_vm",
+            "stride_vl",
         ]
     )
     def _route_hash_kernel(
@@ -98,6 +100,7 @@ if HAS_TRITON:
         faults_ptr,
         # the capture's pointers: moe_ops.capture.spec.KERNEL_POINTERS, in its order
         buf_ptr,
+        wbuf_ptr,
         counts_ptr,
         sizes_ptr,
         errors_ptr,
@@ -125,6 +128,9 @@ if HAS_TRITON:
         stride_bm,
         stride_bl,
         stride_bk,
+        stride_vm,
+        stride_vl,
+        stride_vk,
         stride_c,
         stride_s,
         METHOD: tl.constexpr,
@@ -136,6 +142,7 @@ if HAS_TRITON:
         S_PAD: tl.constexpr,
         HAS_OFFSET: tl.constexpr,
         STAMP: tl.constexpr,
+        WEIGHTS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if CAPTURE:
@@ -176,6 +183,14 @@ if HAS_TRITON:
             dst = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + (rows64 - start) * stride_bm
             dst += kcol * stride_bk
             tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mine & k_ok)
+            if WEIGHTS:
+                # the weights just stored, to the same rows (a faulty row's 0 beside its -1 ids)
+                wdst = wbuf_ptr + tl.cast(layer_id, tl.int64) * stride_vl + (rows64 - start) * stride_vm
+                if wbuf_ptr.dtype.element_ty == tl.bfloat16:
+                    wv = to_bfloat16(w)
+                else:
+                    wv = w.to(wbuf_ptr.dtype.element_ty)
+                tl.store(wdst + kcol * stride_vk, wv, mask=mine & k_ok)
             # a faulty row's -1 ids count as the capture op counts a negative id (FAULT_BAD_ID):
             # the fused record equals routing, then capture_routing, fault bits included. One
             # atomic under a branch, not capture's masked per-id atomic: an address or mask that
@@ -316,4 +331,4 @@ def route_hash_rows_torch(
         faults.index_add_(0, slot, faulty.sum().to(faults.dtype).reshape(1))
         faults[1] |= flags.to(faults.dtype)
     if capture is not None:
-        capture_rows_torch(*CAPTURE_OP.join((ids,), capture))
+        capture_rows_torch(*CAPTURE_OP.join((ids, weights), capture))

@@ -9,6 +9,7 @@ Two implementations of one destination-passing contract:
 
 Contract (both): ``weights[t], ids[t]`` are token ``t``'s routing (see
 :mod:`moe_ops.router.methods`). With a capture destination, ``buffer[r, layer_id] = ids[start + r]``
+(and, with a weights buffer, ``weights_buffer[r, layer_id] = weights[start + r]`` cast to its dtype)
 for ``r < c_eff``, where ``(start, c_eff)`` come from :func:`moe_ops.capture.window.rows_window`,
 the capture op's own device-side offset rule, and faults are recorded the same way: the result is
 bit-identical to routing and then calling ``capture_routing``.
@@ -104,7 +105,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ..capture.kernels import record_faults, record_stamp
+    from ..capture.kernels import record_faults, record_stamp, store_weights
     from ..capture.window import rows_window
     from ._select import keep_groups, ordered_keys, topk_rounds
     from ._weights import N_METHODS, chosen_weights, row_softmax
@@ -128,6 +129,8 @@ if HAS_TRITON:
             "n_first",
             "stride_bm",
             "stride_bl",
+            "stride_vm",
+            "stride_vl",
         ]
     )
     def _route_kernel(
@@ -139,6 +142,7 @@ if HAS_TRITON:
         # first: torch 2.11's mutation analysis of traced kernels maps written parameters to
         # tensors by position)
         buf_ptr,
+        wbuf_ptr,
         counts_ptr,
         sizes_ptr,
         errors_ptr,
@@ -164,6 +168,9 @@ if HAS_TRITON:
         stride_bm,
         stride_bl,
         stride_bk,
+        stride_vm,
+        stride_vl,
+        stride_vk,
         stride_c,
         stride_s,
         METHOD: tl.constexpr,
@@ -179,6 +186,7 @@ if HAS_TRITON:
         S_PAD: tl.constexpr,
         HAS_OFFSET: tl.constexpr,
         STAMP: tl.constexpr,
+        WEIGHTS: tl.constexpr,
         # fused shared experts: columns top_k .. top_k + N_SHARED - 1 hold ids num_experts + j at
         # weight 1.0; CAPTURE_SHARED records them too (the buffer is top_k + N_SHARED wide)
         N_SHARED: tl.constexpr = 0,
@@ -252,6 +260,28 @@ if HAS_TRITON:
                     shared_id = tl.zeros((BLOCK_M,), tl.int32) + (n_group * group_size + j)
                     dst_j = row_dst + (top_k + j) * stride_bk
                     tl.store(dst_j, shared_id.to(buf_ptr.dtype.element_ty), mask=mine)
+                    if WEIGHTS:  # their weight, 1.0 (exact in every weights dtype)
+                        wdst_j = (
+                            wbuf_ptr
+                            + tl.cast(layer_id, tl.int64) * stride_vl
+                            + (rows64 - start) * stride_vm
+                            + (top_k + j) * stride_vk
+                        )
+                        one = tl.full((BLOCK_M,), 1.0, tl.float32).to(wbuf_ptr.dtype.element_ty)
+                        tl.store(wdst_j, one, mask=mine)
+            if WEIGHTS:
+                # the weights in registers, to the same rows under the ids' store mask
+                store_weights(
+                    wbuf_ptr,
+                    w,
+                    rows64 - start,
+                    kcol,
+                    layer_id,
+                    mine[:, None] & k_ok,
+                    stride_vm,
+                    stride_vl,
+                    stride_vk,
+                )
             if pid == 0:
                 record_faults(errors_ptr, flags)
                 if STAMP:
@@ -285,8 +315,9 @@ def route_rows_triton(
     unnormalized: the method's other weight rule (``RouteConfig.unnormalized``)
     num_fused_shared_experts: s, the shared columns appended at weight 1.0
     group_top: the keys a group score sums (``RouteConfig.group_top``; read with n_group > 1)
-    capture: where to record this rank's ids, or None; its buffer is top_k wide (the routed
-        columns are recorded) or top_k + s wide (the shared columns too)
+    capture: where to record this rank's ids (and, with its weights buffer, their weights), or
+        None; its buffer is top_k wide (the routed columns are recorded) or top_k + s wide (the
+        shared columns too)
     block_m, num_warps: override :func:`launch_config` (tests and tuning)
     wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
         when torch.compile traces the op; see :mod:`moe_ops._runtime.library`)
@@ -405,8 +436,9 @@ def route_rows_torch(
         write_shared_columns(weights, ids, router_logits.shape[1], n_shared)
     if capture is not None:
         # the buffer's width says what is recorded: the routed columns, or the shared ones too
-        recorded = ids[:, : capture.buffer.shape[2]]
-        capture_rows_torch(*CAPTURE_OP.join((recorded,), capture))
+        # (the weights just written beside them: read only with a weights buffer, the twin's WEIGHTS)
+        width = capture.buffer.shape[2]
+        capture_rows_torch(*CAPTURE_OP.join((ids[:, :width], weights[:, :width]), capture))
 
 
 def write_shared_columns(weights: torch.Tensor, ids: torch.Tensor, num_experts: int, n_shared: int) -> None:

@@ -1,7 +1,8 @@
 """``moe_ops.route`` and its registered custom ops ``moe_ops::route_`` and ``moe_ops::route_capture_``.
 
 Destination-passing, like the capture op: ``route`` allocates the two outputs and calls one op that
-writes them (and, with a capture target, the replay buffer and the fault counter). Each op declares
+writes them (and, with a capture target, the replay buffer, its weights buffer and the fault
+counter). Each op declares
 what it mutates and has a fake implementation, so ``torch.compile(fullgraph=True)`` traces ``route``
 without a graph break and CUDA graphs capture it after one warm-up call (which compiles the Triton
 kernel and allocates the fault counter).
@@ -167,7 +168,7 @@ route_capture_reference_op = reference_op(
 # target validated the count tensors (int32: no gradient) on the buffer's device
 _route_call = eager_caller("route_", checked=(0, 1))
 _route_capture_call = eager_caller(
-    "route_capture_", checked=ROUTE_CAPTURE.positions("router_logits", "bias", "buffer")
+    "route_capture_", checked=ROUTE_CAPTURE.positions("router_logits", "bias", "buffer", "weights_buffer")
 )
 
 
@@ -264,6 +265,9 @@ def route(
             raises ValueError naming the reason (a method without groups; a sum on DEEPSEEK_V2,
             which chooses on the logits; TOPK_SHARE_SUM summing none or more than a group holds).
             ``backend="flashinfer"`` takes TOP2_SUM only.
+            all-gather first). A target with a ``weights_buffer`` records the returned weights
+            there too (the same rows, cast to its dtype: from the kernel's registers, or the twin's
+            output).
         backend: "auto" (Triton on CUDA, the PyTorch reference on CPU or for rows wider than the
             kernel's tile; never FlashInfer, see docs/routing.md; imports nothing of
             ``moe_ops.flashinfer``), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
@@ -382,7 +386,7 @@ def route(
     capture.check_ids(recorded)
     if capture.layout == BatchLayout.SEQUENCE_PARALLEL:
         route_(router_logits, bias, weights, ids, *route_args)
-        capture_into(capture, recorded)
+        capture_into(capture, recorded, weights[:, : recorded.shape[1]] if capture.has_weights else None)
         return weights, ids
     route_capture = _route_capture_call if use_triton else torch.ops.moe_ops.route_capture_reference_
     route_capture(*ROUTE_CAPTURE.join((router_logits, bias, weights, ids, *route_args), capture.spec))

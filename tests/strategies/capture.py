@@ -20,15 +20,20 @@ from moe_ops import BatchLayout
 from .layouts import BUFFER_VIEWS, COUNT_VIEWS, ID_VIEWS, PAD_ID, POISON, buffer_view, count_view, ids_view
 
 __all__ = [
+    "CAPTURE_WEIGHT_DTYPES",
     "GPU_CASES",
+    "W_POISON",
     "CaptureCase",
+    "CaptureWeightsCase",
     "LayoutBatch",
     "capture_cases",
+    "capture_weights_cases",
     "layout_batches",
     "layout_queries",
     "layout_token_id",
     "limit_id_cases",
     "refused_ids",
+    "same_floats",
 ]
 
 
@@ -192,6 +197,90 @@ def layout_queries(draw):
     pads = draw(st.lists(st.integers(0, 16), min_size=dp_size, max_size=dp_size))
     local_sizes = [c + p for c, p in zip(counts, pads)] if draw(st.booleans()) else None
     return counts, local_sizes, draw(st.integers(0, dp_size - 1)), draw(st.sampled_from([1, 1, 2, 4]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# routing weights beside the ids: a CaptureCase with a weights buffer and the weights of its rows
+# ---------------------------------------------------------------------------------------------------
+
+CAPTURE_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+W_POISON = -7.0  # weights-buffer cells that must not be written (exact in every weight dtype)
+
+
+def same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype and shape, NaN where the other has NaN, and the same bits everywhere else (a
+    NaN's payload is not compared: torch's own casts give different NaN bits on CPU and CUDA)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(bits)[~nan], b.contiguous().view(bits)[~nan])
+
+
+@dataclass
+class CaptureWeightsCase:
+    """A capture case (``case``) whose target has a weights buffer: the rows' weights in
+    ``source_dtype`` and memory layout ``source_view`` (ID_VIEWS), a ``buffer_dtype`` weights
+    buffer in ``buffer_view`` (BUFFER_VIEWS) poisoned with W_POISON."""
+
+    case: CaptureCase
+    source_dtype: torch.dtype
+    buffer_dtype: torch.dtype
+    source_view: str
+    buffer_view: str
+    seed: int
+    # a NaN among this rank's weights (stored as NaN), and a weight beyond float16's range
+    special: bool
+
+    def source_rows(self) -> torch.Tensor:
+        """(n, top_k) ``source_dtype`` weights of the case's rows (contiguous, on the CPU)."""
+        n, k = self.case.rows.shape
+        rng = np.random.default_rng(self.seed)
+        rows = (rng.standard_normal((n, k)) * rng.choice([0.01, 1.0, 300.0])).astype(np.float32)
+        if self.special and self.case.c:
+            rows[self.case.start, 0] = np.nan
+            rows[self.case.start + self.case.c - 1, -1] = 1e5  # float16: inf
+        return torch.from_numpy(rows).to(self.source_dtype)
+
+    def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights buffer poisoned, topk_weights) on ``device``, in the case's memory layouts."""
+        c = self.case
+        shape = (c.max_tokens, c.num_layers, c.top_k)
+        wbuf = buffer_view(
+            torch.full(shape, W_POISON, dtype=self.buffer_dtype, device=device), self.buffer_view
+        )
+        return wbuf, ids_view(self.source_rows().to(device), self.source_view)
+
+    def expected(self, before: torch.Tensor) -> torch.Tensor:
+        """``before`` with this rank's rows of the source weights in the layer, cast by torch."""
+        c = self.case
+        out = before.clone()
+        block = self.source_rows()[c.start : c.start + c.c].to(out.dtype)
+        out[: c.c, c.layer_id] = block.to(out.device)
+        return out
+
+
+@st.composite
+def capture_weights_cases(
+    draw,
+    source_dtypes=CAPTURE_WEIGHT_DTYPES,
+    buffer_dtypes=CAPTURE_WEIGHT_DTYPES,
+    views: bool = True,
+    **capture_kw,
+):
+    """A :class:`CaptureWeightsCase` over ``capture_cases(**capture_kw)``."""
+    case = draw(capture_cases(views=views, **capture_kw))
+    return CaptureWeightsCase(
+        case=case,
+        source_dtype=draw(st.sampled_from(source_dtypes)),
+        buffer_dtype=draw(st.sampled_from(buffer_dtypes)),
+        source_view=draw(st.sampled_from(ID_VIEWS)) if views else "contiguous",
+        buffer_view=draw(st.sampled_from(BUFFER_VIEWS)) if views else "contiguous",
+        seed=draw(st.integers(0, 2**32 - 1)),
+        special=draw(st.booleans()),
+    )
 
 
 # What the GPU property tests draw from: a few compiles, not hundreds (each costs ~0.4 s).
