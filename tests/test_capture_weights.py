@@ -8,6 +8,7 @@ recorded for every routing method; the capturer's "weights" channel; the errors 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -28,6 +29,7 @@ from strategies import (
     routed_capture_cases,
     router_configs,
     same_floats,
+    shared_capture_cases,
 )
 
 import moe_ops
@@ -287,27 +289,62 @@ def test_sequence_parallel_gathers_the_weights_too():
 CPU_BACKENDS = ["torch", "triton"]
 
 
-def _check_route(backend: str, device: str, case, router, wdtype) -> None:
+def _check_route(backend: str, device: str, case, router, wdtype, **extra) -> None:
+    """``extra``: more route arguments (a hash table, fused shared experts); the buffer's width
+    says which of the returned columns are recorded."""
     if backend == "triton":
         skip_unless_triton_runs(device)
     logits, bias = router.tensors(device)
     cfg = router.config
+    kw = {**cfg.route_kwargs(bias), **extra}
     buffer, _, counts, sizes = case.tensors(device)
+    width = buffer.shape[2]
     wbuf = torch.full(buffer.shape, W_POISON, dtype=wdtype, device=device)
     ids_before, w_before = buffer.clone(), wbuf.clone()
     target = CaptureTarget(buffer, case.layer_id, weights_buffer=wbuf, **_target_kw(case, counts, sizes))
-    weights, ids = route(
-        logits, cfg.top_k, cfg.method, capture=target, backend=backend, **cfg.route_kwargs(bias)
-    )
+    weights, ids = route(logits, cfg.top_k, cfg.method, capture=target, backend=backend, **kw)
+    rows = slice(case.start, case.start + case.c)
     expected_ids = ids_before.clone()
-    expected_ids[: case.c, case.layer_id] = ids[case.start : case.start + case.c].to(buffer.dtype)
+    expected_ids[: case.c, case.layer_id] = ids[rows, :width].to(buffer.dtype)
     assert torch.equal(buffer, expected_ids)
     expected_w = w_before.clone()
-    expected_w[: case.c, case.layer_id] = weights[case.start : case.start + case.c].to(wdtype)
+    expected_w[: case.c, case.layer_id] = weights[rows, :width].to(wdtype)
     assert same_floats(wbuf, expected_w), f"{cfg.name} {case.layout.name}: recorded weights are not route's"
     # and capturing weights changed nothing of the routing
-    w2, ids2 = route(logits, cfg.top_k, cfg.method, backend=backend, **cfg.route_kwargs(bias))
+    kw.pop("capture_shared_experts", None)
+    w2, ids2 = route(logits, cfg.top_k, cfg.method, backend=backend, **kw)
     assert torch.equal(ids, ids2) and same_floats(weights, w2)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_hash_routing_records_its_weights(backend, data):
+    """A hash layer (route with a token-id table) records the table's ids and their weights."""
+    case, router = data.draw(
+        routed_capture_cases(configs=router_configs((RoutingMethod.SQRTSOFTPLUS, RoutingMethod.DEEPSEEK_V3)))
+    )
+    cfg = router.config
+    # hash routing chooses nothing: no groups, no bias
+    cfg = dataclasses.replace(cfg, n_group=None, topk_group=None, group_score=None, has_bias=False)
+    router = dataclasses.replace(router, config=cfg)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    vocab = 13
+    table = torch.stack([torch.randperm(cfg.num_experts, generator=gen)[: cfg.top_k] for _ in range(vocab)])
+    tokens = torch.randint(0, vocab, (case.rows.shape[0],), generator=gen)
+    wdtype = data.draw(st.sampled_from(CAPTURE_WEIGHT_DTYPES))
+    _check_route(backend, "cpu", case, router, wdtype, hash_table=table, token_ids=tokens)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@settings(max_examples=20, deadline=None)
+@given(data=shared_capture_cases(configs=router_configs(max_experts=64, max_top_k=6)))
+def test_fused_shared_experts_record_their_weights(backend, data):
+    """With fused shared experts the weights buffer holds the recorded columns' weights: the routed
+    ones, and with capture_shared_experts the shared columns' 1.0."""
+    case, router, n_shared, keep = data
+    extra = dict(num_fused_shared_experts=n_shared, capture_shared_experts=keep)
+    _check_route(backend, "cpu", case, router, torch.float32, **extra)
 
 
 @pytest.mark.parametrize("method", list(RoutingMethod), ids=lambda m: m.name)
