@@ -56,6 +56,7 @@ from benchmarks.host import host_us_per_call
 from benchmarks.registry import benchmark, main, sizes_option, switch
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
 from moe_ops._runtime.library import HAS_WRAP_TRITON, trace_triton_kernels
+from moe_ops.router.methods import validate_route_args
 from moe_ops.router.reference import route_reference
 
 LAYERS = 61  # DeepSeek-V3's MoE-bearing depth: the capture buffer's layer axis
@@ -138,10 +139,14 @@ def peer_triton_gathered(case: Case, x: Inputs) -> Callable[[], object] | None:
 
 
 def _reference(case: Case, x: Inputs) -> Callable[[], object]:
-    n_group = case.n_group or 1
-    topk_group = case.topk_group or 1
-    scale = case.routed_scaling_factor or 1.0
-    return lambda: route_reference(x.logits, case.top_k, case.method, x.bias, n_group, topk_group, scale)
+    # the validated config: groups, scale and the method's own group score (DeepSeek-V2: MAX)
+    cfg = validate_route_args(
+        x.logits, case.top_k, case.method, x.bias, case.n_group, case.topk_group, case.routed_scaling_factor
+    )
+    n_group, topk_group, scale, top = cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.group_top
+    return lambda: route_reference(
+        x.logits, case.top_k, case.method, x.bias, n_group, topk_group, scale, group_top=top
+    )
 
 
 def peer_eager_reference(case: Case, x: Inputs) -> Callable[[], object]:

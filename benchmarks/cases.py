@@ -16,7 +16,9 @@ from moe_ops.distributed import ParallelLayout
 
 __all__ = [
     "BENCH_CASES",
+    "BENCH_DEEPSEEK_V2",
     "BENCH_DEEPSEEK_V3",
+    "BENCH_DEEPSEEK_V4",
     "BENCH_DIST_SHAPE",
     "BENCH_RENORMALIZE_128",
     "BENCH_RENORMALIZE_512",
@@ -120,6 +122,16 @@ BENCH_DEEPSEEK_V3 = BenchRouter(
 )
 BENCH_RENORMALIZE_128 = BenchRouter("renormalize-128", RoutingMethod.RENORMALIZE, 128, 8, test=_ROUTER_TEST)
 BENCH_RENORMALIZE_512 = BenchRouter("renormalize-512", RoutingMethod.RENORMALIZE, 512, 8, test=_ROUTER_TEST)
+# DeepSeek-V2/V2.5: 160 experts, top-6, 8 groups keep 3 (a group's score its best), routed scaling
+# 16.0, no bias (the router tests' MODEL_ROUTERS "DeepSeek-V2" with the model's scale)
+BENCH_DEEPSEEK_V2 = BenchRouter(
+    "deepseek-v2", RoutingMethod.DEEPSEEK_V2, 160, 6, 8, 3, 16.0, False, _ROUTER_TEST
+)
+# DeepSeek-V4: sqrt(softplus) + bias, 256 experts, top-6, no groups, routed scaling 1.5
+# (transformers' DeepseekV4Config defaults; MODEL_ROUTERS "DeepSeek-V4")
+BENCH_DEEPSEEK_V4 = BenchRouter(
+    "deepseek-v4", RoutingMethod.SQRTSOFTPLUS, 256, 6, None, None, 1.5, True, _ROUTER_TEST
+)
 # DeepSeek-V3's capture shape: 61 layers, 58 of them MoE (the first 3 dense), top-8 of 256 experts
 BENCH_DIST_SHAPE = RoutingShape(num_layers=58, num_experts=256, top_k=8)
 
@@ -129,7 +141,13 @@ BENCH_CASES: dict[str, tuple] = {
         BenchCapture("LOCAL", BatchLayout.LOCAL, 1, 61, 8, _CAPTURE_TEST),
         BenchCapture("GATHERED", BatchLayout.GATHERED, 4, 61, 8, _CAPTURE_TEST),
     ),
-    "routing": (BENCH_DEEPSEEK_V3, BENCH_RENORMALIZE_128, BENCH_RENORMALIZE_512),
+    "routing": (
+        BENCH_DEEPSEEK_V3,
+        BENCH_RENORMALIZE_128,
+        BENCH_RENORMALIZE_512,
+        BENCH_DEEPSEEK_V2,
+        BENCH_DEEPSEEK_V4,
+    ),
     "transfer": (
         BenchShape(
             "deepseek-v3",
@@ -140,6 +158,8 @@ BENCH_CASES: dict[str, tuple] = {
     "replay": (
         replace(BENCH_DEEPSEEK_V3, test=_REPLAY_TEST),
         replace(BENCH_RENORMALIZE_128, test=_REPLAY_TEST),
+        replace(BENCH_DEEPSEEK_V2, test=_REPLAY_TEST),
+        replace(BENCH_DEEPSEEK_V4, test=_REPLAY_TEST),
     ),
     "e2e": (
         BenchModel("deepseek_small", "tests/test_benchmarks.py::test_e2e_preset_is_the_benchmarked_shape"),

@@ -317,11 +317,15 @@ def test_capture_and_routing_keep_their_cases_sizes_and_flags(benches):
         ("deepseek-v3", "DEEPSEEK_V3", 256, 8, 8, 4),
         ("renormalize-128", "RENORMALIZE", 128, 8, None, None),
         ("renormalize-512", "RENORMALIZE", 512, 8, None, None),
+        ("deepseek-v2", "DEEPSEEK_V2", 160, 6, 8, 3),
+        ("deepseek-v4", "SQRTSOFTPLUS", 256, 6, None, None),
     ]
     assert [(c.routed_scaling_factor, c.has_bias) for c in benches["routing"].cases] == [
         (2.5, True),
         (None, False),
         (None, False),
+        (16.0, False),
+        (1.5, True),
     ]
     module = sys.modules["benchmarks.bench_routing"]
     assert module.Case is type(BENCH_CASES["routing"][0]) and module.CASES is BENCH_CASES["routing"]
