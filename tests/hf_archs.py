@@ -8,8 +8,8 @@ import pytest
 
 from moe_ops.integrations.hf import (
     MIN_REPLAY_TRANSFORMERS_VERSION,
-    MIN_TRANSFORMERS_VERSION,
     SUPPORTED_ARCHITECTURES,
+    needs_release,
 )
 
 try:
@@ -26,10 +26,7 @@ def missing(arch: str, *, replay: bool = False) -> str | None:
     spec = SUPPORTED_ARCHITECTURES[arch]
     absent = [name for name in (spec.config_class, spec.model_class) if not hasattr(transformers, name)]
     if absent:
-        return (
-            f"transformers {transformers.__version__} has no {', '.join(absent)}: {arch} needs "
-            f"transformers>={MIN_TRANSFORMERS_VERSION}"
-        )
+        return f"transformers {transformers.__version__} has no {', '.join(absent)}: {needs_release(arch)}"
     required = MIN_REPLAY_TRANSFORMERS_VERSION.get(arch)
     if replay and required is not None:
         from packaging.version import Version

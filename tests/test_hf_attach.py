@@ -141,6 +141,8 @@ LAYER_CASES = [(arch, {}) for arch in ARCHS] + [
     ("deepseek_v3", {"first_k_dense_replace": 2, "num_hidden_layers": 4}),
     ("glm4_moe_lite", {"mlp_layer_types": ["sparse", "dense", "dense", "sparse"], "num_hidden_layers": 4}),
     ("qwen3_5_moe", {"num_hidden_layers": 4}),  # linear, full, linear, full attention
+    ("deepseek_v4", {"num_hash_layers": 2, "num_hidden_layers": 4}),  # hash, hash, routed, routed
+    ("deepseek_v4", {"scoring_func": "sigmoid"}),
 ]
 
 
@@ -194,6 +196,26 @@ def test_counts_change_between_steps_on_one_attachment():
             with torch.no_grad():
                 model(x)
             assert_captured(capturer, reference, start=0, c=c)
+
+
+@pytest.mark.parametrize("arch", [arch_param("deepseek_v4", id="deepseek_v4")])
+def test_deepseek_v4_hash_layer_captures_its_tables_ids(arch):
+    """DeepseekV4HashRouter(hidden_states, input_ids): the wrapped forward passes input_ids on, and
+    the capture records tid2eid[input_ids], column order kept, beside the routed layers' choice."""
+    model = build_tiny_model(arch)
+    router = model.model.layers[0].mlp.gate
+    assert type(router).__name__ == "DeepseekV4HashRouter"
+    x = tokens(2, 5, seed=4)
+    _, reference = run_with_reference(model, x)
+    capturer = capturer_for(model, max_num_tokens=16)
+    with attach_capture(model, capturer):
+        capturer.set_step([10])
+        with torch.no_grad():
+            model(x)
+    expected = router.tid2eid[x.reshape(-1)].to(torch.int32)
+    assert len({tuple(r) for r in expected.tolist()}) > 1, "the table must route tokens differently"
+    assert torch.equal(capturer.buffer[:10, 0], expected)
+    assert_captured(capturer, reference, start=0, c=10)
 
 
 # ---------------------------------------------------------------------------------------------------

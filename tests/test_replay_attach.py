@@ -70,7 +70,8 @@ def skip_where_replay_is_refused(arch: str) -> None:
 ARCHS = list(SUPPORTED_ARCHITECTURES)
 VOCAB = 128  # the tiny models' vocabulary
 # Rules the tiny defaults do not reach: renormalised Qwen3, DeepSeek-V3 and GLM-4.7-Flash without
-# renormalisation, DeepSeek-V2 scaled and group-limited, dots1 renormalised and scaled.
+# renormalisation, DeepSeek-V2 scaled and group-limited, dots1 renormalised and scaled, DeepSeek-V4
+# with sigmoid scores (DEEPSEEK_V3's rule, on its hash layer too) and another scale.
 RULE_CASES = [(arch, {}) for arch in ARCHS] + [
     ("qwen3_moe", {"norm_topk_prob": True}),
     ("deepseek_v3", {"norm_topk_prob": False}),
@@ -80,6 +81,7 @@ RULE_CASES = [(arch, {}) for arch in ARCHS] + [
         {"routed_scaling_factor": 2.0, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2},
     ),
     ("dots1", {"norm_topk_prob": True, "routed_scaling_factor": 2.5}),
+    ("deepseek_v4", {"scoring_func": "sigmoid", "routed_scaling_factor": 2.5}),
 ]
 RULE_PARAMS = [arch_param(a, o, id=f"{a}{'-' if o else ''}{'-'.join(o)}", replay=True) for a, o in RULE_CASES]
 # PhiMoE's sparsemixer weighs an expert by a softmax over the experts within 2 * router_jitter_noise
@@ -226,6 +228,10 @@ def oracle_weights(router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Ten
         return w * router.routed_scaling_factor
     if arch == "deepseek_v2":
         return x.softmax(-1).gather(1, ids) * router.routed_scaling_factor
+    if arch == "deepseek_v4":  # both routers: score_fn is ACT2FN[config.scoring_func]
+        sqrt_softplus = type(router.score_fn).__name__ == "SqrtSoftplusActivation"
+        w = (torch.nn.functional.softplus(x).sqrt() if sqrt_softplus else x.sigmoid()).gather(1, ids)
+        return w / (w.sum(-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
     assert arch == "phimoe"  # sparsemixer (eval) with its selected experts replaced by ids
     eps, out, masked = router.router_jitter_noise, [], x
     for k in range(2):
@@ -273,6 +279,43 @@ def test_perturbed_routers_replay_the_recorded_ids(arch):
         expected = oracle_weights(router, logits_of[column], recorded[:, column])
         assert_close_scaled(spy.weights[layer][0].double(), expected)
     assert check_replay_errors(raise_error=False) == 0
+
+
+@needs_hf
+@pytest.mark.parametrize(
+    ("arch", "scoring_func"),
+    [arch_param("deepseek_v4", s, id=s, replay=True) for s in ("sqrtsoftplus", "sigmoid")],
+)
+def test_deepseek_v4_hash_layer_forces_recorded_rows_and_takes_the_table_elsewhere(arch, scoring_func):
+    """A hash layer (DeepseekV4HashRouter(hidden_states, input_ids)): recorded rows reach the experts
+    although the table chooses others; a row of -1 keeps the table's ids (the router's own); a faulty
+    row (an expert twice) takes tid2eid[input_ids] - the input_ids the wrapped forward passed on -
+    and is counted. Weights: the scoring function's rule at the ids the experts got."""
+    model = build_tiny_model(arch, scoring_func=scoring_func)
+    router = model.model.layers[0].mlp.gate
+    assert type(router).__name__ == "DeepseekV4HashRouter"
+    x = tokens(2, 4, seed=15)
+    table_ids = router.tid2eid[x.reshape(-1)]  # (8, top_k): the model's own choice
+    replayer = replayer_of(model)
+    recorded = distinct_rows(np.random.default_rng(14), 8, replayer.shape)
+    # rows 0-3 recorded, not the table's; row 4 -1 (route live); row 5 an expert twice (faulty)
+    recorded[:4, 0] = (table_ids[:4].numpy() + 1) % replayer.shape.num_experts
+    recorded[4, 0] = -1
+    recorded[5, 0] = recorded[5, 0, 0]
+    logits_seen = []
+    hook = router.register_forward_hook(lambda mod, args, out: logits_seen.append(out[0].detach()))
+    check_replay_errors(raise_error=False)  # start from a zero fault count
+    with attach_replay(model, replayer), ExpertsSpy(model) as spy, torch.no_grad():
+        replayer.set_batch(recorded)
+        model(x)
+    hook.remove()
+    got = spy.calls[0][0]
+    assert torch.equal(got[:4], torch.from_numpy(recorded[:4, 0]).to(got.dtype))
+    assert not torch.equal(got[:4], table_ids[:4]), "the recorded rows must differ from the table's"
+    assert torch.equal(got[4:6], table_ids[4:6]), "a -1 row and a faulty row take the table's ids"
+    assert torch.equal(got[6:], torch.from_numpy(recorded[6:, 0]).to(got.dtype))
+    assert_close_scaled(spy.weights[0][0].double(), oracle_weights(router, logits_seen[0], got))
+    assert check_replay_errors(raise_error=False) == 1  # the faulty row, not the -1 row
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -405,9 +448,15 @@ def test_compiled_training_step_replays_new_batches_without_recompiling(arch):
 
 
 # The rule builders dynamo traces at every call besides those of the compiled training step above
-# (Qwen3-MoE, DeepSeek-V3): a scaled DeepSeek-V2 (a partial over the scale), PhiMoE (its multiplier
-# class looked up in transformers' module), Qwen3.5-MoE (the multimodal model, hybrid attention).
-COMPILED_RULE_CASES = [("deepseek_v2", {"routed_scaling_factor": 2.0}), ("phimoe", {}), ("qwen3_5_moe", {})]
+# (Qwen3-MoE, DeepSeek-V3): a scaled DeepSeek-V2 (replay_routing's routed_scaling_factor), PhiMoE
+# (its multiplier class looked up in transformers' module), Qwen3.5-MoE (the multimodal model, hybrid
+# attention), DeepSeek-V4 (a hash layer: its table and the input_ids the wrapper passes on).
+COMPILED_RULE_CASES = [
+    ("deepseek_v2", {"routed_scaling_factor": 2.0}),
+    ("phimoe", {}),
+    ("qwen3_5_moe", {}),
+    ("deepseek_v4", {}),
+]
 
 
 @needs_hf
@@ -676,6 +725,7 @@ FIELD_CHANGES = [
     # the best of 4 groups of 2: top-2 differs from greedy's where the second best is in another group
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "num_group": 4, "topk_group": 1}),
     ("phimoe", {"router_jitter_noise": 0.5}),
+    ("deepseek_v4", {"routed_scaling_factor": 2.5}),
 ]
 FIELD_PARAMS = [arch_param(a, f, id=f"{a}-{'-'.join(f)}", replay=True) for a, f in FIELD_CHANGES]
 # Router fields no weight rule reads: the module's own (training), its size (num_experts,
@@ -729,14 +779,20 @@ def test_rule_fields_changed_after_attaching_take_effect(arch, fields):
     assert check_replay_errors(raise_error=False) == 0
 
 
+# routed_scaling_factor reaches the weights through a weights_fn (DeepSeek-V3) or replay_routing's
+# float argument (DeepSeek-V2, DeepSeek-V4); each value other than the tiny model's
+SCALE_CHANGES = [("deepseek_v3", 1.0), ("deepseek_v2", 2.0), ("deepseek_v4", 2.5)]
+
+
 @needs_hf
-def test_a_changed_rule_field_recompiles_once_and_never_per_step():
+@pytest.mark.parametrize(("arch", "scale"), [arch_param(a, c, id=a, replay=True) for a, c in SCALE_CHANGES])
+def test_a_changed_rule_field_recompiles_once_and_never_per_step(arch, scale):
     """fullgraph torch.compile with replay attached: no graph break; new batches reuse the graph; a
     changed routed_scaling_factor recompiles once (dynamo guards on it) and the compiled model then
     equals an eager one built with the new value, replaying the same batches."""
-    model = build_tiny_model("deepseek_v3")
-    reference = build_tiny_model("deepseek_v3")  # the same weights, the new value from the start
-    set_router_fields(reference, {"routed_scaling_factor": 1.0})
+    model = build_tiny_model(arch)
+    reference = build_tiny_model(arch)  # the same weights, the new value from the start
+    set_router_fields(reference, {"routed_scaling_factor": scale})
     x = tokens(2, 4, seed=13)
     replayer, ref_replayer = replayer_of(model), replayer_of(reference)
     rng = np.random.default_rng(12)
@@ -749,7 +805,7 @@ def test_a_changed_rule_field_recompiles_once_and_never_per_step():
                 replayer.set_batch(batch)
                 torch.testing.assert_close(compiled(x).logits, model(x).logits, rtol=0, atol=0)
         old_scale = model(x).logits  # the last batch at the old scale
-        set_router_fields(model, {"routed_scaling_factor": 1.0})
+        set_router_fields(model, {"routed_scaling_factor": scale})
         with CompileCounters() as changed:
             for batch in batches[1:]:
                 replayer.set_batch(batch)
@@ -921,7 +977,9 @@ def test_the_reference_model_has_its_own_attach_path():
 
 @needs_hf
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "arch", [arch_param(a, id=a, replay=True) for a in ("qwen3_moe", "deepseek_v3", "deepseek_v4")]
+)
 def test_gpu_cuda_graph_replays_each_batch_set_in_place(arch):
     """torch.cuda.graph around the eager model with replay attached: set_batch between replays is
     all it takes for the graph to replay the next batch (batched_mm experts: transformers' default

@@ -81,6 +81,7 @@ __all__ = [
     "build_tiny_model",
     "check_transformers_version",
     "find_routers",
+    "needs_release",
     "normalize_arch",
     "replay_rule",
     "tiny_config",
@@ -167,6 +168,12 @@ class HFArchitecture:
     decoder_config: str | None = None
     # fields of the outer config of a nested one (a tiny vision tower, ...); empty otherwise
     outer: Mapping[str, Any] = field(default_factory=dict)
+    # the transformers release this architecture was checked on, where its classes are newer than
+    # MIN_TRANSFORMERS_VERSION (skip reasons and errors name it); None: every release this takes
+    checked_on: str | None = None
+    # fills what transformers' initialisation leaves to the checkpoint, as a checkpoint would
+    # (DeepSeek-V4's hash tables, all zeros at init): (model, generator) -> None; None: nothing
+    tiny_init: Callable[[nn.Module, torch.Generator], None] | None = field(default=None, compare=False)
 
 
 # Sizes every tiny model shares: 3 decoder layers, hidden 64, 4 heads of 16, vocabulary 128. Token
@@ -231,9 +238,53 @@ _TINY_QWEN3_5_MOE: Mapping[str, Any] = MappingProxyType(
 )
 
 
+# DeepSeek-V4: multi-head latent attention with one shared key/value head (its released shape),
+# hyper-connections of 2 streams, 8 experts top-2 with sqrtsoftplus scores, layer 0 a hash layer
+# (num_hash_layers, which its config folds into mlp_layer_types for any layer count) and the
+# others routed; attention as its config defaults for 3 layers (heavily compressed, 128 tokens per
+# entry: a tiny batch compresses nothing, the sliding window of 8 does the attending).
+_TINY_DEEPSEEK_V4: Mapping[str, Any] = MappingProxyType(
+    {
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "q_lora_rank": 32,
+        "partial_rotary_factor": 0.5,
+        "intermediate_size": 32,  # DeepseekV4Config's alias of moe_intermediate_size
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_hash_layers": 1,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "index_n_heads": 2,
+        "index_head_dim": 16,
+        "index_topk": 4,
+        "sliding_window": 8,
+        "hc_mult": 2,
+    }
+)
+
+
+def _fill_deepseek_v4_tables(model: nn.Module, gen: torch.Generator) -> None:
+    """What a DeepSeek-V4 checkpoint holds and transformers' initialisation zeroes: each hash
+    router's ``tid2eid`` (top_k distinct experts per token id, drawn from ``gen``: all zeros would
+    route every token to expert 0 top_k times) and each routed router's ``e_score_correction_bias``
+    (std 0.02, the order of the tiny model's score spread, so that the bias changes choices)."""
+    with torch.no_grad():
+        for module in model.modules():
+            name = type(module).__name__
+            if name == "DeepseekV4HashRouter":
+                vocab, top_k = module.tid2eid.shape
+                rows = [torch.randperm(module.num_experts, generator=gen)[:top_k] for _ in range(vocab)]
+                module.tid2eid.copy_(torch.stack(rows))
+            elif name == "DeepseekV4TopKRouter":
+                bias = module.e_score_correction_bias
+                bias.copy_(torch.randn(bias.shape, generator=gen, dtype=torch.float32) * 0.02)
+
+
 # Every router class here has the same (router_logits, weights, ids) contract and the same class
 # name in transformers 5.17 and 5.24 (checked against both sources; GLM-4.7-Flash's and
-# Qwen3.5-MoE's against 5.13 too, the oldest release this integration takes).
+# Qwen3.5-MoE's against 5.13 too, the oldest release this integration takes), except those with a
+# checked_on release (DeepSeek-V4: 5.24 only; 5.17 has no deepseek_v4 module).
 SUPPORTED_ARCHITECTURES: Mapping[str, HFArchitecture] = MappingProxyType(
     {
         a.name: a
@@ -393,6 +444,17 @@ SUPPORTED_ARCHITECTURES: Mapping[str, HFArchitecture] = MappingProxyType(
                 n_group=1,
                 topk_group=1,
                 n_shared_experts=1,
+            ),
+            # DeepSeek-V4: two router classes, the hash router's forward takes (hidden_states,
+            # input_ids), which every wrapper passes through
+            HFArchitecture(
+                "deepseek_v4",
+                "DeepseekV4Config",
+                "DeepseekV4ForCausalLM",
+                ("DeepseekV4TopKRouter", "DeepseekV4HashRouter"),
+                _TINY_DEEPSEEK_V4,
+                checked_on="5.24",
+                tiny_init=_fill_deepseek_v4_tables,
             ),
             # Qwen3.5-MoE as released (model_type "qwen3_5_moe"): the multimodal model, its decoder
             # in text_config, its routers at model.language_model.layers.<i>.mlp.gate; a one-block
@@ -684,7 +746,12 @@ def _deepseek_v2_rule(router: nn.Module) -> ReplayRule:
     """DeepSeek-V2: softmax over every expert; ``greedy`` takes its top-k, ``group_limited_greedy``
     the top-k inside the best groups (by their best expert: DEEPSEEK_V2 with its groups, so faulty
     rows route live as the model does); either way the weights are
-    ``softmax(x)[ids] * routed_scaling_factor`` (this router never applies ``norm_topk_prob``)."""
+    ``softmax(x)[ids] * routed_scaling_factor`` (this router never applies ``norm_topk_prob``).
+
+    DEEPSEEK_V2's own rule with ``routed_scaling_factor=`` gives these weights to float32 rounding
+    (tested), but the scale stays a tensor multiply (``weights_fn``) for the reason
+    :func:`_sigmoid_bias_rule` gives: a changed field is a symbolic float under ``torch.compile``,
+    which ``replay_routing``'s float argument turns into a graph break (fullgraph: an error)."""
     if router.topk_method not in ("greedy", "group_limited_greedy"):
         raise ValueError(
             f"DeepSeek-V2 topk_method must be 'greedy' or 'group_limited_greedy', got {router.topk_method!r}"
@@ -700,6 +767,58 @@ def _deepseek_v2_rule(router: nn.Module) -> ReplayRule:
         **groups,
         weights_fn=functools.partial(_scaled_softmax, scale=scale),
         description="softmax(x)[ids] * routed_scaling_factor",
+    )
+
+
+# DeepSeek-V4's score function (the router's ``score_fn``, transformers' ACT2FN[scoring_func]) by
+# class name -> the method whose weight rule is the router's ``score * scale / (sum + 1e-20)``
+_DEEPSEEK_V4_SCORES: Mapping[str, tuple[RoutingMethod, str]] = MappingProxyType(
+    {
+        "SqrtSoftplusActivation": (RoutingMethod.SQRTSOFTPLUS, "sqrt(softplus(x))"),
+        "Sigmoid": (RoutingMethod.DEEPSEEK_V3, "sigmoid(x)"),
+    }
+)
+
+
+def _scored_weights(
+    router_logits: torch.Tensor, ids: torch.Tensor, *, score_fn: nn.Module, scale: float
+) -> torch.Tensor:
+    # DeepSeek-V4's weights, in its routers' own order of operations with their own score function
+    weights = score_fn(router_logits).gather(1, ids)
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scale
+
+
+def _deepseek_v4_rule(router: nn.Module) -> ReplayRule:
+    """DeepSeek-V4: scores ``q = score_fn(x)`` (``scoring_func="sqrtsoftplus"``: SQRTSOFTPLUS;
+    ``"sigmoid"``: DEEPSEEK_V3 without groups), weights ``q[ids] * routed_scaling_factor /
+    (sum q[ids] + 1e-20)`` always (the router never reads ``norm_topk_prob``). A routed layer
+    (``DeepseekV4TopKRouter``) chooses by ``q + e_score_correction_bias``; a hash layer
+    (``DeepseekV4HashRouter``) takes ``tid2eid[input_ids]``, its forward's argument 1, for rows
+    without a usable record, and has no bias. The method decides the ids (and routes faulty rows
+    live); the weights are the router's own operations (``weights_fn``), the scale a tensor
+    multiply, for the compile reason :func:`_sigmoid_bias_rule` gives."""
+    score = type(router.score_fn).__name__
+    if score not in _DEEPSEEK_V4_SCORES:
+        raise ValueError(
+            f"DeepSeek-V4 scoring_func must be 'sqrtsoftplus' or 'sigmoid' (the router's score_fn "
+            f"SqrtSoftplusActivation or Sigmoid), got a router scoring with {score}"
+        )
+    method, formula = _DEEPSEEK_V4_SCORES[score]
+    description = f"q = {formula}; q[ids] * routed_scaling_factor / (sum + 1e-20)"
+    weights = functools.partial(_scored_weights, score_fn=router.score_fn, scale=router.routed_scaling_factor)
+    if hasattr(router, "tid2eid"):
+        return ReplayRule(
+            method,
+            weights_fn=weights,
+            hash_table_attr="tid2eid",
+            token_ids_arg=1,
+            description=f"{description}; ids tid2eid[input_ids] where not recorded",
+        )
+    return ReplayRule(
+        method,
+        weights_fn=weights,
+        bias_attr="e_score_correction_bias",
+        description=f"{description}; chosen by q + e_score_correction_bias",
     )
 
 
@@ -786,6 +905,7 @@ REPLAY_RULES: Mapping[str, Callable[[nn.Module], ReplayRule]] = MappingProxyType
         "glm4_moe_lite": _sigmoid_bias_rule,
         "qwen3_5_moe": _renormalize_rule,
         "qwen3_5_moe_text": _renormalize_rule,
+        "deepseek_v4": _deepseek_v4_rule,
     }
 )
 
@@ -877,11 +997,19 @@ def _transformers():
 def _class(transformers, name: str, arch: str):
     cls = getattr(transformers, name, None)
     if cls is None:
-        raise ImportError(
-            f"transformers {transformers.__version__} has no {name} (needed for {arch}; every supported "
-            f"architecture is in transformers>={MIN_TRANSFORMERS_VERSION})"
-        )
+        raise ImportError(f"transformers {transformers.__version__} has no {name}: {needs_release(arch)}")
     return cls
+
+
+def needs_release(arch: str) -> str:
+    """Which transformers ``arch`` needs, in words (for errors and skip reasons)."""
+    spec = SUPPORTED_ARCHITECTURES[normalize_arch(arch)]
+    if spec.checked_on is not None:
+        return (
+            f"{spec.name} needs a transformers with {', '.join(spec.router_classes)} "
+            f"(checked on {spec.checked_on})"
+        )
+    return f"{spec.name} needs transformers>={MIN_TRANSFORMERS_VERSION}"
 
 
 # Overrides of a nested (multimodal) config that belong to the outer config: transformers applies
@@ -931,4 +1059,6 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
+    if spec.tiny_init is not None:
+        spec.tiny_init(model, torch.Generator().manual_seed(seed))
     return model.to(device=device, dtype=dtype).eval()
