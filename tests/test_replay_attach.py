@@ -978,7 +978,19 @@ def test_the_reference_model_has_its_own_attach_path():
 @needs_hf
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "arch", [arch_param(a, id=a, replay=True) for a in ("qwen3_moe", "deepseek_v3", "deepseek_v4")]
+    "arch",
+    [arch_param(a, id=a, replay=True) for a in ("qwen3_moe", "deepseek_v3")]
+    + [
+        # transformers' DeepSeek-V4 forward builds its sliding-window mask with
+        # torch.tensor(0.0, device=...) (masking_utils.eager_mask): a host-to-device copy that CUDA
+        # graph capture refuses (H200, transformers 5.17) before any router runs - the model is
+        # not capturable, whatever replays it
+        pytest.param(
+            "deepseek_v4",
+            id="deepseek_v4",
+            marks=pytest.mark.skip(reason="transformers' DeepSeek-V4 forward is not CUDA-graph capturable"),
+        )
+    ],
 )
 def test_gpu_cuda_graph_replays_each_batch_set_in_place(arch):
     """torch.cuda.graph around the eager model with replay attached: set_batch between replays is

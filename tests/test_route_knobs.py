@@ -48,9 +48,18 @@ def peer_weights(
 ) -> np.ndarray:
     """The peers' weights at ``ids`` in float64 numpy: the method's score ``s`` of ``x[ids]``
     (``sigmoid``; SQRTSOFTPLUS: ``sqrt(softplus)``, softplus ``x`` above 20 as torch's), divided by
-    ``sum s + 1e-20`` when ``renormalize``, times ``scale`` (1.0 when None)."""
+    ``sum s + 1e-20`` when ``renormalize``, times ``scale`` (1.0 when None); the softmax methods
+    (SOFTMAX_BIAS, DEEPSEEK_V2): the row's softmax at ``ids``, divided by its sum there when
+    ``renormalize``."""
     x = logits.double().cpu().numpy()
     chosen = np.take_along_axis(x, ids.long().cpu().numpy(), axis=1)
+    if method in (RoutingMethod.SOFTMAX_BIAS, RoutingMethod.DEEPSEEK_V2):
+        # softmax scores over the whole row, unbiased: p[sel], or p[sel] / sum p[sel]
+        e = np.exp(x - x.max(axis=1, keepdims=True))
+        p = np.take_along_axis(e / e.sum(axis=1, keepdims=True), ids.long().cpu().numpy(), axis=1)
+        if renormalize:
+            p = p / p.sum(axis=1, keepdims=True)
+        return p * (1.0 if scale is None else scale)
     with np.errstate(over="ignore", invalid="ignore"):
         if method == RoutingMethod.SQRTSOFTPLUS:
             s = np.sqrt(np.where(chosen > 20.0, chosen, np.log1p(np.exp(chosen))))

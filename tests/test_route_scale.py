@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_helpers import skip_unless_triton_runs
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import GPU_ROUTER_CASES, MODEL_ROUTERS, ROUTED_SCALES, router_cases, scaled_router_cases
 
@@ -232,7 +232,8 @@ GPU_SCALED_CASES = router_cases(
 
 
 @pytest.mark.gpu
-@settings(max_examples=40, deadline=None)
+# cuda_device only names the device (no state between examples)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=GPU_SCALED_CASES)
 def test_scaled_route_and_replay_gpu(cuda_device, case):
     _check_scaled("triton", case, cuda_device)

@@ -59,7 +59,8 @@ def kernel_capture(impl, buffer, ids, counts, layer_id, dp_rank, layout, shard_s
     empty = torch.empty(0, dtype=torch.int32, device=buffer.device)
     sizes, n_first = plan_window(BatchLayout(layout), counts, dp_rank, shard_sizes, buffer.device)
     fn = capture_rows_triton if impl_name == "triton" else capture_rows_torch
-    fn(buffer, ids, counts, sizes, errors, empty, empty, layer_id, dp_rank, n_first)
+    no_weights = torch.empty(0, dtype=torch.float32, device=buffer.device)  # ids only (WEIGHTS off)
+    fn(buffer, ids, no_weights, no_weights, counts, sizes, errors, empty, empty, layer_id, dp_rank, n_first)
     return FaultReport.of(errors.tolist())
 
 

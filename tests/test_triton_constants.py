@@ -99,16 +99,16 @@ for (method, unnorm, top), capture, const in itertools.product(variants, (True, 
           route_ptrs, sc, ce, const)
 from moe_ops.router.hash_kernels import _route_hash_kernel
 hash_ptrs = dict(logits_ptr="*fp32", table_ptr="*i64", tok_ptr="*i64", weights_ptr="*fp32",
-    ids_ptr="*i32", faults_ptr="*i32", buf_ptr="*i32", counts_ptr="*i32", sizes_ptr="*i32",
-    errors_ptr="*i32", stamps_ptr="*i32", step_ptr="*i32")
+    ids_ptr="*i32", faults_ptr="*i32", buf_ptr="*i32", wbuf_ptr="*bf16", counts_ptr="*i32",
+    sizes_ptr="*i32", errors_ptr="*i32", stamps_ptr="*i32", step_ptr="*i32")
 hash_scalars = dict(n_tokens=10, num_experts=32, vocab=100, top_k=4, scale=2.5, stride_lm=32,
     stride_le=1, stride_hv=4, stride_hk=1, stride_t=1, stride_wm=4, stride_wk=1, stride_im=4,
     stride_ik=1, n_dst=8, layer_id=1, dp_rank=1, n_first=2, stride_bm=12, stride_bl=4, stride_bk=1,
-    stride_c=1, stride_s=1)
+    stride_vm=12, stride_vl=4, stride_vk=1, stride_c=1, stride_s=1)
 for method, capture, const in itertools.product(
         (RoutingMethod.DEEPSEEK_V3, RoutingMethod.DEFAULT), (True, False), (True, False)):
     ce = dict(METHOD=int(method), UNNORM=False, CAPTURE=capture, BLOCK_M=2, E_PAD=32, K_PAD=4, S_PAD=4,
-              HAS_OFFSET=True, STAMP=True)
+              HAS_OFFSET=True, STAMP=True, WEIGHTS=capture)
     build(f"hash {method.name} capture={capture} constants={const}", _route_hash_kernel, hash_ptrs,
           hash_scalars, ce, const)
 # what the compile caches' keys hash for each traced op: its kernels' source, helpers included
@@ -216,7 +216,7 @@ def test_hash_kernel_compiles_with_constant_scalars_and_writes_only_its_outputs(
     failed = {k: v for k, v in cases.items() if v is not True}
     assert not failed, failed
     expected = {
-        True: ["buf_ptr", "errors_ptr", "faults_ptr", "ids_ptr", "stamps_ptr", "weights_ptr"],
+        True: ["buf_ptr", "errors_ptr", "faults_ptr", "ids_ptr", "stamps_ptr", "wbuf_ptr", "weights_ptr"],
         False: ["faults_ptr", "ids_ptr", "weights_ptr"],
     }
     wrong = {k: v for k, v in written.items() if k.startswith("hash ") and v != expected["capture=True" in k]}
