@@ -190,9 +190,9 @@ def test_a_wire_format_declares_its_weights_in_one_place():
     [
         (
             lambda: encode_routing_weights(np.ones((1, 2, 2), np.int32)),
-            "float16 or float32 array, got dtype int32",
+            r"float16 or float32 array \(or uint16 bfloat16 bits\), got dtype int32",
         ),
-        (lambda: encode_routing_weights(np.ones((1, 2, 2))), "float16 or float32 array, got dtype float64"),
+        (lambda: encode_routing_weights(np.ones((1, 2, 2))), r"bfloat16 bits\), got dtype float64"),
         (
             lambda: encode_routing_weights(np.ones((1, 2, 2), np.float32), dtype="float16"),
             "dtype must be one of",
@@ -329,3 +329,18 @@ def test_ids_and_weights_from_the_ring_to_the_wire_and_back(w_dtype, counts, sta
         assert np.isnan(bf16[:, stale]).all() and np.isnan(bf16[f.missing]).all()
         f32 = decode_routing_weights(encode_routing_weights(f.channels["weights"], dtype="float32"))
         assert _same(f32, w_want)
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_WIRE_DTYPES)
+def test_bfloat16_bits_from_a_capture_channel_encode_as_their_values(dtype):
+    """A RoutingCapturer with a bfloat16 weights buffer snapshots uint16 bits (0xFFFF where a layer
+    was not captured): they encode as the bfloat16 values they are, NaN kept."""
+    rng = np.random.default_rng(5)
+    values = rng.random((4, 3, 2)).astype(np.float32)
+    bits = bfloat16_bits(values)
+    bits[1, 2] = 0xFFFF  # the channel's fill: a stale layer
+    got = decode_routing_weights(encode_routing_weights(bits, dtype=dtype))
+    want = from_bfloat16_bits(bits)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)  # exact, NaN where NaN
+    assert np.isnan(got[1, 2]).all() and not np.isnan(np.delete(got.reshape(12, 2), 5, axis=0)).any()

@@ -185,7 +185,9 @@ def encode_routing_weights(weights: np.ndarray, *, format: str = "npy", dtype: s
 
     Args:
         weights: float16 / float32 array (any shape; ``(n, num_layers, top_k)`` beside the ids), NaN
-            where no weight was recorded (a layer not captured, a dropped step: the channel's fill).
+            where no weight was recorded (a layer not captured, a dropped step: the channel's fill);
+            or uint16 - bfloat16 bits, what a ``RoutingCapturer(weights_dtype=torch.bfloat16)``
+            snapshot's ``"weights"`` channel holds (widened exactly; 0xFFFF, its fill, is NaN).
         format: a name in :data:`WIRE_FORMATS` whose :attr:`WireFormat.weights` is set: ``"npy"``.
         dtype: one of :data:`WEIGHT_WIRE_DTYPES` - ``"bfloat16"`` (default, moe-ops' own, 2 bytes an
             entry: each value rounded to the nearest bfloat16, ties to even, NaN kept NaN
@@ -193,7 +195,7 @@ def encode_routing_weights(weights: np.ndarray, *, format: str = "npy", dtype: s
             (vLLM's ``routed_expert_weights``: a float32 ``.npy``, exact; build its layer axis with
             :func:`moe_ops.wire.npy.vllm_weights_layout`).
 
-    Raises ValueError for a dtype other than float16 / float32, an unknown ``format`` or
+    Raises ValueError for a dtype other than float16 / float32 / uint16, an unknown ``format`` or
     ``dtype``, or a format with no place for weights (``"sglang"``, ``"nemo_rl"``: the message
     names the format and what to use instead).
     """

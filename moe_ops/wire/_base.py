@@ -172,11 +172,17 @@ def dtype_names(dtypes: tuple[np.dtype, ...], last: str = ", ") -> str:
 
 
 def weight_array(weights: Any, what: str = "weights") -> np.ndarray:
-    """``weights`` as a float16 / float32 ndarray; ValueError naming ``what`` otherwise (float64 is
-    refused rather than rounded twice: routers return float32 at most)."""
+    """``weights`` as a float16 / float32 ndarray; a uint16 array is bfloat16 bits (the capture
+    channel's host form for a bfloat16 weights buffer) and widens to float32 exactly. ValueError
+    naming ``what`` otherwise (float64 is refused rather than rounded twice: routers return float32
+    at most)."""
     weights = np.asarray(weights)
+    if weights.dtype.newbyteorder("=") == np.dtype(np.uint16):
+        return from_bfloat16_bits(weights)
     if weights.dtype.newbyteorder("=") not in (np.dtype(np.float16), np.dtype(np.float32)):
-        raise ValueError(f"{what} must be a float16 or float32 array, got dtype {weights.dtype}")
+        raise ValueError(
+            f"{what} must be a float16 or float32 array (or uint16 bfloat16 bits), got dtype {weights.dtype}"
+        )
     return weights
 
 
