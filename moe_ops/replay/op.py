@@ -496,6 +496,8 @@ def replay_routing(
     token_ids: torch.Tensor | None = None,
     num_fused_shared_experts: int = 0,
     group_score: GroupScore | str | int | None = None,
+    weights: str = "computed",
+    recorded_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routes every token through the experts the rollout recorded, weighted from the live logits.
 
@@ -533,6 +535,17 @@ def replay_routing(
             after the routed ones, ids ``num_experts + j`` at weight 1.0 (constants: no gradient
             flows through them). ``recorded_ids`` holds the routed columns only (what capture
             records by default); a shared id in it is outside ``[0, num_experts)``, a fault (below).
+        weights: "computed" (default) - the weights are the method's rule of the trainer's logits;
+            "recorded" - the rollout's weights, ``recorded_weights``, on every replayed row, with
+            the gradient of the computed ones (straight-through, docs/replay.md "Recorded
+            weights"): ``recorded + (computed - computed.detach())``, whose value is the record
+            exactly and whose derivative w.r.t. the logits is the computed weights'. A row routed
+            live (no record, a faulty record: its ids differ from the recorded ones) or whose
+            recorded weights are not all finite (a layer not captured: NaN) keeps the computed
+            weights.
+        recorded_weights: (n, top_k) float16/bfloat16/float32/float64 on the logits' device - the
+            rollout's weights beside ``recorded_ids`` (its weights channel); ``weights="recorded"``
+            only.
 
     Returns:
         weights: (n, top_k + s) float32 (float64 for float64 logits) - the method's weight rule
@@ -593,6 +606,64 @@ def replay_routing(
         n_shared,
         cfg.group_top,
     )
+    recorded_mode = _check_weights_mode(weights, recorded_weights, recorded_ids, router_logits)
     if torch.is_grad_enabled() and router_logits.requires_grad:
-        return ReplayRoutingFunction.apply(*args)
-    return _forward(*args)
+        out, ids = ReplayRoutingFunction.apply(*args)
+    else:
+        out, ids = _forward(*args)
+    if recorded_mode:
+        out = _straight_through(out, ids, recorded_ids, recorded_weights)
+    return out, ids
+
+
+_WEIGHTS_MODES = ("computed", "recorded")
+_RECORDED_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_weights_mode(
+    weights: object, recorded_weights: object, recorded_ids: torch.Tensor, router_logits: torch.Tensor
+) -> bool:
+    """Whether ``weights="recorded"``; ValueError (TypeError for a non-tensor) naming the argument
+    otherwise. Shapes, dtypes and devices only (no host sync)."""
+    if not isinstance(weights, str) or weights not in _WEIGHTS_MODES:
+        raise ValueError(f"weights must be one of {_WEIGHTS_MODES}, got {weights!r}")
+    if weights == "computed":
+        if recorded_weights is not None:
+            raise ValueError('recorded_weights is only used with weights="recorded"; pass None')
+        return False
+    if recorded_weights is None:
+        raise ValueError('weights="recorded" needs recorded_weights: the rollout\'s (n, top_k) float weights')
+    if not isinstance(recorded_weights, torch.Tensor):
+        raise TypeError(f"recorded_weights must be a torch.Tensor, got {type(recorded_weights).__name__}")
+    if tuple(recorded_weights.shape) != tuple(recorded_ids.shape):
+        raise ValueError(
+            f"recorded_weights must have recorded_ids' shape {tuple(recorded_ids.shape)}, "
+            f"got {tuple(recorded_weights.shape)}"
+        )
+    if recorded_weights.dtype not in _RECORDED_WEIGHT_DTYPES:
+        raise ValueError(
+            f"recorded_weights must be float16, bfloat16, float32 or float64, got {recorded_weights.dtype}"
+        )
+    if recorded_weights.device != router_logits.device:
+        raise ValueError(
+            f"recorded_weights must be on router_logits' device {router_logits.device}, "
+            f"got {recorded_weights.device}"
+        )
+    return True
+
+
+def _straight_through(
+    out: torch.Tensor, ids: torch.Tensor, recorded_ids: torch.Tensor, recorded_weights: torch.Tensor
+) -> torch.Tensor:
+    """``weights="recorded"``: on each row replayed from its record (returned ids equal to the
+    recorded ones) whose recorded weights are finite, ``recorded + (computed - computed.detach())``
+    - the record's value exactly (``c - c`` is 0 for a finite ``c``) and the computed weights'
+    derivative; the computed weights elsewhere. The routed columns only (fused shared experts keep
+    their constant 1.0). Fixed shapes, no host reads."""
+    k = recorded_ids.shape[1]
+    computed = out[:, :k]
+    rec = recorded_weights.to(computed.dtype)
+    replayed = (ids[:, :k].to(torch.int64) == recorded_ids.to(torch.int64)).all(dim=1, keepdim=True)
+    use = replayed & torch.isfinite(rec).all(dim=1, keepdim=True)
+    routed = torch.where(use, rec + (computed - computed.detach()), computed)
+    return routed if out.shape[1] == k else torch.cat([routed, out[:, k:]], dim=1)
