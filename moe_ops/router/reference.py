@@ -55,7 +55,7 @@ def _canonical(keys: torch.Tensor) -> torch.Tensor:
 
 def sqrt_softplus(x: torch.Tensor) -> torch.Tensor:
     """``q = sqrt(softplus(x))`` (DeepSeek-V4's router score), in ``x``'s dtype, with the operations
-    of the Triton helper ``moe_ops.router._weights.sqrt_softplus`` in the same order, so that the
+    of the Triton helper ``moe_ops.router._select.sqrt_softplus`` in the same order, so that the
     kernels and this twin round alike (ids decided by one rounding agree).
 
     softplus is ``x`` above :data:`SOFTPLUS_THRESHOLD` (torch's rule), else ``log1p(exp(x))``,
