@@ -72,7 +72,6 @@ import numpy as np
 import torch
 
 __all__ = [
-    "BIAS_KEYS",
     "BIAS_METHODS",
     "GRADIENT_OF",
     "GROUP_METHODS",
@@ -237,8 +236,6 @@ SCALED_RULES = frozenset({
     WeightRule.SQRTSOFTPLUS_SCALED,
     WeightRule.SQRTSOFTPLUS_TIMES_SCALE,
 })  # fmt: skip
-# Selection keys that add the optional (num_experts,) bias (the others sort the raw logits).
-BIAS_KEYS = SCORE_KEYS
 
 
 @dataclass(frozen=True)
@@ -246,7 +243,7 @@ class MethodSpec:
     """One routing method: everything validation, the references, the router kernel and the replay
     kernels and twins need to know about it (one row of :data:`METHODS`)."""
 
-    # what selection sorts; BIAS_KEYS are sorted as something other than the raw logits
+    # what selection sorts; SCORE_KEYS are sorted as something other than the raw logits
     key: SelectionKey
     # the weights of the chosen experts (the reference's literal rule; the kernels and twins
     # evaluate weight.computed)
