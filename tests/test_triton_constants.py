@@ -128,7 +128,8 @@ print(json.dumps({"compiled": results, "written": written, "cache": cache_source
 
 @pytest.fixture(scope="module")
 def ttir_results() -> dict:
-    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    # the caller's PYTHONPATH stays behind ours: a Triton put there (another release) is the one built
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
     run = subprocess.run(
         [sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300

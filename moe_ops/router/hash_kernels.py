@@ -165,6 +165,9 @@ if HAS_TRITON:
             table_ptr, tok_ptr, rows64, row_ok, kcol, k_ok, vocab, num_experts, stride_t, stride_hv, stride_hk
         )
         good = out_ok & ~faulty  # only in-range ids are ever addresses
+        # the ids are stored before the gather below: stored after it, triton 3.6 failed to build the
+        # capturing kernel for one- and two-column tiles ("operand #0 does not dominate this use")
+        tl.store(ids_ptr + rows64 * stride_im + kcol * stride_ik, ids, mask=out_ok)
         row_good = row_ok & ~faulty
         row_off = rows64 * stride_lm
         xs = tl.load(logits_ptr + row_off + ids.to(tl.int64) * stride_le, mask=good, other=0.0)
@@ -177,7 +180,6 @@ if HAS_TRITON:
         w = chosen_weights(xs, good, row_good, scale, x_max, z, RULES, True)
         w = tl.where(good, w, 0.0)
         tl.store(weights_ptr + rows64 * stride_wm + kcol * stride_wk, w, mask=out_ok)
-        tl.store(ids_ptr + rows64 * stride_im + kcol * stride_ik, ids, mask=out_ok)
         if CAPTURE:
             mine = (rows >= start) & (rows < start + c_eff)
             dst = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + (rows64 - start) * stride_bm
