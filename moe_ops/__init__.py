@@ -35,7 +35,7 @@ _EXPORTS = {
     "moe_ops.layout": ("BatchLayout", "infer_layout"),
     "moe_ops.replay": ("RoutingMismatch", "replay_routing", "routing_mismatch"),
     "moe_ops.replay.replayer": ("RoutingReplayer", "replay_batch"),
-    "moe_ops.router": ("GroupScore", "RoutingMethod", "route"),
+    "moe_ops.router": ("GroupScore", "NonFiniteRowsError", "RoutingMethod", "check_nonfinite_rows", "route"),
     "moe_ops.shapes": ("RoutingShape", "narrow_dtype", "resolve_routing_shape"),
     "moe_ops.store": ("FinishedRouting", "RoutingLedger", "ScheduledStep", "SlotStore"),
     "moe_ops.transfer": ("RingFullError", "SnapshotHandle", "TransferPipeline"),
@@ -74,7 +74,7 @@ if TYPE_CHECKING:  # what static tools read; at run time __getattr__ resolves th
     from .layout import BatchLayout, infer_layout
     from .replay import RoutingMismatch, replay_routing, routing_mismatch
     from .replay.replayer import RoutingReplayer, replay_batch
-    from .router import GroupScore, RoutingMethod, route
+    from .router import GroupScore, NonFiniteRowsError, RoutingMethod, check_nonfinite_rows, route
     from .shapes import RoutingShape, narrow_dtype, resolve_routing_shape
     from .store import FinishedRouting, RoutingLedger, ScheduledStep, SlotStore
     from .transfer import RingFullError, SnapshotHandle, TransferPipeline
@@ -119,6 +119,7 @@ __all__ = [
     "GroupScore",
     "LayerCapture",
     "MoEDispatchConfig",
+    "NonFiniteRowsError",
     "RingFullError",
     "RoutingCapturer",
     "RoutingLedger",
@@ -140,6 +141,7 @@ __all__ = [
     "capture_error_counter",
     "capture_routing",
     "check_capture_errors",
+    "check_nonfinite_rows",
     "decode_routing",
     "decode_routing_bytes",
     "decode_routing_weights",

@@ -61,7 +61,14 @@ from ..capture.kernels import size_hint
 from ..router._hash import hash_ids_torch
 from ..router.kernels import launch_config, tile_shape
 from ..router.methods import METHODS, RoutingMethod
-from ..router.reference import rule_gradient, rule_weights, select_experts, selection_keys
+from ..router.nonfinite import count_zeroed_rows, nonfinite_counter
+from ..router.reference import (
+    rule_gradient,
+    rule_weights,
+    select_experts,
+    selection_keys,
+    zero_nonfinite_rows,
+)
 
 __all__ = [
     "REPLAY_FAULT_HASH",
@@ -173,6 +180,8 @@ def replay_rows_torch(
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
     group_top: int = 2,
+    *,
+    nonfinite: torch.Tensor | None = None,
 ) -> None:
     """PyTorch twin of :func:`replay_rows_triton`: same arguments, same writes, same fault record.
 
@@ -189,6 +198,9 @@ def replay_rows_torch(
     hash_table: (vocab, k) integer or None - a hash layer's table: live and faulty rows take
         ``hash_table[token_ids]`` (module doc)
     token_ids: (n,) integer or None - each row's token id (with ``hash_table``)
+    nonfinite: (1,) int32 or None - the non-finite rows counter (``moe_ops.router.nonfinite``):
+        rows whose weights were not all finite are written as 0 and counted there; None: the
+        logits' device's
 
     Live ids are :func:`moe_ops.router.reference.select_experts` of every row in the compute dtype
     (the route twin's rule, so equal to ``route(backend="torch")`` bit for bit), used where needed.
@@ -211,7 +223,9 @@ def replay_rows_torch(
     # a bad hash row's -1 ids are never an address: row 0's experts stand in, weighed 0
     safe = torch.where(hash_bad[:, None], 0, final)
     w = replay_weights(x, safe, method, routed_scaling_factor, unnormalized)
-    weights.copy_(torch.where(hash_bad[:, None], 0.0, w))
+    w, zeroed = zero_nonfinite_rows(torch.where(hash_bad[:, None], 0.0, w))
+    count_zeroed_rows(nonfinite_counter(x.device) if nonfinite is None else nonfinite, zeroed)
+    weights.copy_(w)
     ids.copy_(final)
     flags = torch.where(out_of_range.any(), REPLAY_FAULT_OUT_OF_RANGE, 0) | torch.where(
         repeated.any(), REPLAY_FAULT_REPEATED, 0
@@ -264,7 +278,14 @@ def replay_backward_torch(
     _, rule = METHODS[RoutingMethod(method)].computed(unnormalized)
     ids = ids.long()
     dead = (ids < 0).any(1, keepdim=True)  # a bad hash row (forward: ids -1, weights 0)
-    grad = rule_gradient(g, weights, x, torch.where(dead, 0, ids), rule, routed_scaling_factor)
+    safe = torch.where(dead, 0, ids)
+    # a row the forward zeroed (non-finite weights): its weights are the constant 0, so its gradient
+    # is 0 - zeroed here explicitly, as the kernel does: autograd through a where would give NaN
+    # (the unselected branch's NaN times 0). The forward's rule, recomputed from the logits.
+    forward = replay_weights(x, safe, RoutingMethod(method), routed_scaling_factor, unnormalized)
+    _, zeroed = zero_nonfinite_rows(forward)
+    dead = dead | zeroed[:, None]
+    grad = rule_gradient(g, weights, x, safe, rule, routed_scaling_factor)
     grad_logits.copy_(torch.where(dead, 0.0, grad))
 
 
@@ -277,10 +298,12 @@ if HAS_TRITON:
     from ..router._weights import (
         N_METHODS,
         chosen_weights,
+        finite_rows,
         gathered_row_softmax,
         gradient_column,
         gradient_rows,
         gradient_sigmoid,
+        record_zeroed,
         row_softmax,
         unscaled_gradient_inputs,
     )
@@ -391,6 +414,8 @@ if HAS_TRITON:
         weights_ptr,
         ids_ptr,
         errors_ptr,
+        # (1,) int32: the non-finite rows counter (moe_ops.router.nonfinite)
+        nonfinite_ptr,
         row_count_ptr,
         table_ptr,
         tok_ptr,
@@ -476,6 +501,9 @@ if HAS_TRITON:
             logits_ptr, row_off, ids, keep_ok, keep, group_size, n_group, scale_c, stride_le,
             RULES, NG_PAD, G_PAD, COMPUTE,
         )  # fmt: skip
+        # a row with a non-finite weight: zeroed, counted once below (with the live rows')
+        w, zeroed = finite_rows(w, keep_ok, True)
+        n_zeroed = tl.sum(zeroed.to(tl.int32))
         tl.store(w_dst, w, mask=keep_ok)
         tl.store(ids_dst, ids, mask=keep_ok)
 
@@ -494,7 +522,9 @@ if HAS_TRITON:
                     logits_ptr, row_off, live_ids, live_ok, need_live & ~hash_bad, group_size, n_group,
                     scale_c, stride_le, RULES, NG_PAD, G_PAD, COMPUTE,
                 )  # fmt: skip
-                tl.store(w_dst, tl.where(live_ok, lw, 0.0), mask=need_live & k_ok)
+                lw, live_zeroed = finite_rows(tl.where(live_ok, lw, 0.0), live_ok, True)
+                n_zeroed += tl.sum(live_zeroed.to(tl.int32))
+                tl.store(w_dst, lw, mask=need_live & k_ok)
                 tl.store(ids_dst, live_ids, mask=need_live & k_ok)
                 if tl.max(hash_bad.to(tl.int32)) > 0:
                     # rows a faulty record already counts are not counted again
@@ -513,8 +543,12 @@ if HAS_TRITON:
                     logits_ptr, row_off, live_ids, live_ok, need_live, group_size, n_group, scale_c,
                     stride_le, RULES, NG_PAD, G_PAD, COMPUTE,
                 )  # fmt: skip
+                lw, live_zeroed = finite_rows(lw, live_ok, True)
+                n_zeroed += tl.sum(live_zeroed.to(tl.int32))
                 tl.store(w_dst, lw, mask=live_ok)
                 tl.store(ids_dst, live_ids, mask=live_ok)
+        # one atomic per program that zeroed a row (recorded or live)
+        record_zeroed(nonfinite_ptr, n_zeroed)
         # Last: a branch with atomics, one pair per program that saw a faulty row. The per-row values
         # are repeated over the K_PAD columns: column 0 counts the rows.
         n_faulty = tl.sum(tl.where(kcol == 0, faulty, False).to(tl.int32))
@@ -571,6 +605,32 @@ if HAS_TRITON:
         g_i, w_i = unscaled_gradient_inputs(g_i, w_i, scale, inv_scale, METHOD)
         s_i, ds_i = gradient_sigmoid(logits_ptr, rows64, id_i, ok, w_i, stride_lm, stride_le, METHOD)
         return id_i, g_i, w_i, s_i, ds_i
+
+    @triton.jit
+    def _zeroed_rows(
+        logits_ptr, ids_ptr, rows64, row_ok, top_k, num_experts, scale, stride_lm, stride_le,
+        stride_im, stride_ik, METHOD: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+        K_PAD: tl.constexpr, COMPUTE: tl.constexpr,
+    ):  # fmt: skip
+        """(BLOCK_M,) bool: the rows whose forward weights were not all finite (the forward wrote
+        them as 0, :func:`moe_ops.router._weights.finite_rows`), from the forward's own rule
+        (``_gathered_weights``: the k gathered logits, DEFAULT's row softmax) at the saved ids, in
+        the recorded path's (BLOCK_M, K_PAD) layout. The saved weights cannot say it (a zero weight
+        is also a finite one). Costs k gathered loads per row (L2 hits: pass 1 read them) and one
+        layout conversion of the (BLOCK_M,) result; a bad hash row (ids -1) is never zeroed here."""
+        kcol = tl.arange(0, K_PAD)[None, :]
+        rows = rows64[:, None] + kcol * 0
+        rows_ok = row_ok[:, None] & (kcol * 0 == 0)
+        cell_ok = rows_ok & (kcol < top_k)
+        ids = tl.load(ids_ptr + rows * stride_im + kcol * stride_ik, mask=cell_ok, other=-1)
+        has_ids = tl.min(tl.where(cell_ok, ids, 0), axis=1, keep_dims=True) >= 0
+        ok = cell_ok & has_ids
+        w = _gathered_weights(
+            logits_ptr, rows * stride_lm, ids, ok, rows_ok & has_ids, num_experts, 1, scale, stride_le,
+            METHOD, 1, E_PAD, COMPUTE,
+        )  # fmt: skip
+        _, zeroed = finite_rows(w, ok, True)
+        return tl.max(zeroed.to(tl.int32), axis=1) > 0
 
     # Like the forward: nothing that changes per step or per layer is a specialisation key (the token
     # count and the row strides of the incoming gradient, which autograd may hand over expanded, and
@@ -659,7 +719,13 @@ if HAS_TRITON:
             )  # fmt: skip
             gs = gradient_column(g_i, w_i, s_i, ds_i, dot, denom, scale_c, RULES)
             dense += tl.where(cols[None, :] == id_i[:, None], gs[:, None], 0.0)
-        dense = tl.where(has_id[:, None] > 0, dense, 0.0)
+        # rows the forward zeroed (non-finite weights, the constant 0): gradient 0, recomputed from the
+        # logits as the forward decided it (NaN * 0 would otherwise reach the row)
+        zeroed = _zeroed_rows(
+            logits_ptr, ids_ptr, rows64, row_ok, top_k, num_experts, scale_c, stride_lm, stride_le,
+            stride_im, stride_ik, RULES, BLOCK_M, E_PAD, K_PAD, COMPUTE,
+        )  # fmt: skip
+        dense = tl.where((has_id[:, None] > 0) & ~zeroed[:, None], dense, 0.0)
         dst = grad_ptr + rows64[:, None] * stride_om + cols[None, :] * stride_oe
         tl.store(dst, dense.to(grad_ptr.dtype.element_ty), mask=ok2)
 
@@ -681,6 +747,7 @@ def replay_rows_triton(
     token_ids: torch.Tensor | None = None,
     group_top: int = 2,
     *,
+    nonfinite: torch.Tensor | None = None,
     block_m: int | None = None,
     num_warps: int | None = None,
     wrap=identity,
@@ -715,6 +782,8 @@ def replay_rows_triton(
     bias_arg = bias if bias is not None else (router_logits.new_empty(0) if traced else router_logits)
     rows_arg = row_count if row_count is not None else (errors.new_empty(0) if traced else errors)
     hashed = hash_table is not None
+    if nonfinite is None:
+        nonfinite = nonfinite_counter(router_logits.device)
     table_arg = hash_table if hashed else (recorded_ids.new_empty(0) if traced else recorded_ids)
     tok_arg = token_ids if hashed else (recorded_ids.new_empty(0) if traced else recorded_ids)
     wrap(_replay_kernel)[(programs,)](
@@ -724,6 +793,7 @@ def replay_rows_triton(
         weights,
         ids,
         errors,
+        nonfinite,
         rows_arg,
         table_arg,
         tok_arg,

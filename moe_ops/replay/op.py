@@ -41,6 +41,7 @@ from ..router.methods import (
     method_from_value,
     validate_route_args,
 )
+from ..router.nonfinite import counter_for
 from ..router.op import choose_triton
 from ..router.shared import check_num_fused_shared_experts
 from .kernels import (
@@ -174,6 +175,7 @@ def _forward_twin(
     weights: torch.Tensor,
     ids: torch.Tensor,
     errors: torch.Tensor,
+    nonfinite: torch.Tensor,
     method: int,
     n_group: int,
     topk_group: int,
@@ -185,7 +187,8 @@ def _forward_twin(
     group_top: int = 2,
 ) -> None:
     """Writes every row's replayed (or live) ``weights`` and ``ids``; counts faulty rows (and a
-    call whose row count is not ``row_count``) in ``errors`` (contract in kernels.py)."""
+    call whose row count is not ``row_count``) in ``errors`` and rows whose weights were zeroed
+    (not all finite) in ``nonfinite`` (contract in kernels.py)."""
     replay_rows_torch(
         router_logits,
         recorded_ids,
@@ -202,6 +205,7 @@ def _forward_twin(
         hash_table,
         token_ids,
         group_top,
+        nonfinite=nonfinite,
     )
 
 
@@ -228,6 +232,7 @@ def _forward_triton(
     weights: torch.Tensor,
     ids: torch.Tensor,
     errors: torch.Tensor,
+    nonfinite: torch.Tensor,
     method: int,
     n_group: int,
     topk_group: int,
@@ -248,12 +253,12 @@ def _forward_triton(
         # launch atomic with respect to a check's read-and-subtract (moe_ops._runtime.faults); on
         # CUDA the kernel's atomics need no lock
         with cpu_counter_lock(errors.device):
-            replay_rows_triton(*args, *rest, wrap=wrap)
+            replay_rows_triton(*args, *rest, nonfinite=nonfinite, wrap=wrap)
     else:
-        replay_rows_triton(*args, *rest, wrap=wrap)
+        replay_rows_triton(*args, *rest, nonfinite=nonfinite, wrap=wrap)
 
 
-_FORWARD_MUTATES = ("weights", "ids", "errors")
+_FORWARD_MUTATES = ("weights", "ids", "errors", "nonfinite")
 _BACKWARD_MUTATES = ("grad_logits",)
 _FORWARD_SCHEMA = torch.library.infer_schema(_forward_twin, mutates_args=_FORWARD_MUTATES)
 _BACKWARD_SCHEMA = torch.library.infer_schema(_backward_twin, mutates_args=_BACKWARD_MUTATES)
@@ -296,7 +301,7 @@ replay_routing_backward_reference_op = reference_op(
 # Forward: the logits, the recorded ids, the bias and the row count are checked; the outputs were
 # made on the logits' device and the counter is that device's. Backward: the incoming gradient and
 # the logits; weights, ids and grad_logits are the forward's and this call's own.
-_forward_call = eager_caller("replay_routing_", checked=(0, 1, 2, 10, 12, 13))
+_forward_call = eager_caller("replay_routing_", checked=(0, 1, 2, 11, 13, 14))
 _backward_call = eager_caller("replay_routing_backward_", checked=(0, 1))
 _reference_forward = torch.ops.moe_ops.replay_routing_reference_
 _reference_backward = torch.ops.moe_ops.replay_routing_backward_reference_
@@ -341,6 +346,7 @@ def _forward(
         weights[:, :k] if n_shared else weights,
         ids[:, :k] if n_shared else ids,
         _errors_for(router_logits),
+        counter_for(router_logits),
         method,
         n_group,
         topk_group,

@@ -181,6 +181,27 @@ if HAS_TRITON:
         return w
 
     @triton.jit
+    def finite_rows(w, ok, KEEP: tl.constexpr):
+        """(w, zeroed): the weights with 0 in every column of a row that holds a NaN or +-inf
+        weight in a cell where ``ok``, and those rows (``(BLOCK_M,)`` bool, or ``(BLOCK_M, 1)`` with
+        ``KEEP``; False on rows with no ``ok`` cell). docs/routing.md "Non-finite logits": the row
+        contributes nothing and is counted once (:func:`record_zeroed`). A where and a row
+        reduction; finite rows keep every bit. The twin is
+        ``moe_ops.router.reference.zero_nonfinite_rows``."""
+        # NaN fails w == w; +-inf fails |w| < inf
+        bad = ok & ~((w == w) & (tl.abs(w) < float("inf")))
+        zeroed = _row_max(bad.to(tl.int32), KEEP) > 0
+        return tl.where(_column(zeroed, KEEP), 0.0, w), zeroed
+
+    @triton.jit
+    def record_zeroed(counter_ptr, n_zeroed):
+        """Adds a program's zeroed rows to the non-finite rows counter (``moe_ops.router.nonfinite``):
+        one atomic per program that zeroed a row, none otherwise (a branch, as the hash kernel's
+        faults). ``n_zeroed``: the program's count, ``tl.sum`` of :func:`finite_rows`' rows."""
+        if n_zeroed > 0:
+            tl.atomic_add(counter_ptr, n_zeroed)
+
+    @triton.jit
     def unscaled_gradient_inputs(g_i, w_i, scale, inv_scale, METHOD: tl.constexpr):
         """(g, w) of one column as the method's gradient rule reads them: ``(scale * g, w * inv_scale)``
         (``inv_scale``: ``1 / scale``, 1 for a scale of 0) for a rule that does not hold
@@ -285,11 +306,13 @@ if HAS_TRITON:
     __all__ += [
         "N_METHODS",
         "chosen_weights",
+        "finite_rows",
         "gathered_row_softmax",
         "gradient_column",
         "gradient_rows",
         "gradient_sigmoid",
         "masked_softmax",
+        "record_zeroed",
         "row_softmax",
         "unscaled_gradient_inputs",
     ]

@@ -27,6 +27,7 @@ from ..layout import BatchLayout
 from ._hash import HASH_FAULT_ENTRY, HASH_FAULT_TOKEN_ID
 from .hash_kernels import route_hash_rows_torch, route_hash_rows_triton
 from .methods import RouteConfig
+from .nonfinite import counter_for
 
 if HAS_TRITON:
     from .hash_kernels import _route_hash_kernel
@@ -157,36 +158,46 @@ def _route_hash_twin(
     weights: torch.Tensor,
     ids: torch.Tensor,
     faults: torch.Tensor,
+    nonfinite: torch.Tensor,
     method: int,
     routed_scaling_factor: float,
     unnormalized: bool,
 ) -> None:
-    """Writes every row's hash routing into ``weights`` and ``ids`` (hash_kernels.py)."""
+    """Writes every row's hash routing into ``weights`` and ``ids`` (hash_kernels.py); counts faulty
+    rows in ``faults`` and rows with non-finite weights (zeroed) in ``nonfinite``."""
     route_hash_rows_torch(
         router_logits, hash_table, token_ids, weights, ids, faults, method, routed_scaling_factor,
-        unnormalized=unnormalized,
+        unnormalized=unnormalized, nonfinite=nonfinite,
     )  # fmt: skip
 
 
+def _launcher_args(route_args) -> tuple[tuple, dict]:
+    """The hash ops' own arguments as the launchers take them: (positional, keywords)."""
+    *tensors, nonfinite, method, scale, unnormalized = route_args
+    return (*tensors, method, scale), dict(unnormalized=unnormalized, nonfinite=nonfinite)
+
+
 def _route_hash(*args, wrap=identity) -> None:
-    *route_args, unnormalized = args
-    route_hash_rows_triton(*route_args, unnormalized=unnormalized, wrap=wrap)
+    positional, knobs = _launcher_args(args)
+    route_hash_rows_triton(*positional, wrap=wrap, **knobs)
 
 
-_MUTATES = ("weights", "ids", "faults")
+_MUTATES = ("weights", "ids", "faults", "nonfinite")
 _SCHEMA = torch.library.infer_schema(_route_hash_twin, mutates_args=_MUTATES)
 # route_hash_capture_: the hash router's arguments with a CaptureSpec's fused in (as route_capture_)
 ROUTE_HASH_CAPTURE = OpArgs.fused(parse_args(_SCHEMA))
 
 
 def _route_hash_capture(*args, wrap=identity) -> None:
-    (*route_args, unnormalized), capture = ROUTE_HASH_CAPTURE.split(args)
-    route_hash_rows_triton(*route_args, capture, unnormalized=unnormalized, wrap=wrap)
+    route_args, capture = ROUTE_HASH_CAPTURE.split(args)
+    positional, knobs = _launcher_args(route_args)
+    route_hash_rows_triton(*positional, capture, wrap=wrap, **knobs)
 
 
 def _route_hash_capture_twin(*args) -> None:
-    (*route_args, unnormalized), capture = ROUTE_HASH_CAPTURE.split(args)
-    route_hash_rows_torch(*route_args, capture, unnormalized=unnormalized)
+    route_args, capture = ROUTE_HASH_CAPTURE.split(args)
+    positional, knobs = _launcher_args(route_args)
+    route_hash_rows_torch(*positional, capture, **knobs)
 
 
 _KERNELS = (_route_hash_kernel,) if HAS_TRITON else ()
@@ -239,6 +250,7 @@ def route_hashed(
         capture.check_num_experts(cfg.num_experts)
         capture.check_ids(ids)
     args = (router_logits, hash_table, token_ids, weights, ids, _faults_for(router_logits))
+    args = (*args, counter_for(router_logits))
     scalars = (int(cfg.method), cfg.routed_scaling_factor, cfg.unnormalized)
     route_ = _route_hash_call if use_triton else torch.ops.moe_ops.route_hash_reference_
     if capture is None or capture.layout == BatchLayout.SEQUENCE_PARALLEL:

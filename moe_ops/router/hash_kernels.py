@@ -38,7 +38,8 @@ from ..capture.kernels import capture_rows_torch, size_hint
 from ..capture.spec import CAPTURE_OP, CaptureSpec, absent_kernel_args, kernel_constexprs
 from ._hash import hash_ids_torch
 from .methods import METHODS, RoutingMethod
-from .reference import rule_weights
+from .nonfinite import count_zeroed_rows, nonfinite_counter
+from .reference import rule_weights, zero_nonfinite_rows
 
 __all__ = ["hash_launch_config", "route_hash_rows_torch", "route_hash_rows_triton"]
 
@@ -65,7 +66,7 @@ if HAS_TRITON:
     from ..capture.kernels import record_faults, record_stamp, to_bfloat16
     from ..capture.window import rows_window
     from ._hash import hash_ids
-    from ._weights import N_METHODS, chosen_weights, gathered_row_softmax
+    from ._weights import N_METHODS, chosen_weights, finite_rows, gathered_row_softmax, record_zeroed
 
     _BAD_ID_SLOT = tl.constexpr(FAULT_SLOT[FAULT_BAD_ID])
 
@@ -98,6 +99,8 @@ if HAS_TRITON:
         weights_ptr,
         ids_ptr,
         faults_ptr,
+        # (1,) int32: the non-finite rows counter (moe_ops.router.nonfinite)
+        nonfinite_ptr,
         # the capture's pointers: moe_ops.capture.spec.KERNEL_POINTERS, in its order
         buf_ptr,
         wbuf_ptr,
@@ -179,6 +182,8 @@ if HAS_TRITON:
         )
         w = chosen_weights(xs, good, row_good, scale, x_max, z, RULES, True)
         w = tl.where(good, w, 0.0)
+        # a row with a non-finite weight: zeroed, counted last (a faulty row is not: its ids are -1)
+        w, zeroed = finite_rows(w, good, True)
         tl.store(weights_ptr + rows64 * stride_wm + kcol * stride_wk, w, mask=out_ok)
         if CAPTURE:
             mine = (rows >= start) & (rows < start + c_eff)
@@ -206,6 +211,7 @@ if HAS_TRITON:
         if n_faulty > 0:
             tl.atomic_add(faults_ptr, n_faulty)
             tl.atomic_or(faults_ptr + 1, hash_flags)
+        record_zeroed(nonfinite_ptr, tl.sum(zeroed.to(tl.int32)))
         if CAPTURE:  # noqa: SIM102 - a constexpr branch: Triton drops it when False; `and` would not
             if pid == 0:
                 record_faults(errors_ptr, flags)
@@ -225,6 +231,7 @@ def route_hash_rows_triton(
     capture: CaptureSpec | None = None,
     *,
     unnormalized: bool = False,
+    nonfinite: torch.Tensor | None = None,
     block_m: int | None = None,
     num_warps: int | None = None,
     wrap=identity,
@@ -238,6 +245,8 @@ def route_hash_rows_triton(
     ids: (n, top_k) int32 - written (-1 on faulty rows)
     faults: (2,) int32 - [faulty rows, OR of HASH_FAULT_* bits], added to
     capture: where to record this rank's ids, or None
+    nonfinite: (1,) int32 - the non-finite rows counter (``moe_ops.router.nonfinite``), added to;
+        None: the logits' device's
     block_m, num_warps: override :func:`hash_launch_config` (tests and tuning)
     wrap: as :func:`moe_ops.router.kernels.route_rows_triton`
 
@@ -250,7 +259,9 @@ def route_hash_rows_triton(
     block_m = block_m or default_m
     num_warps = num_warps or default_warps
     programs = triton.cdiv(n_tokens, block_m)
-    pointers = (router_logits, hash_table, token_ids, weights, ids, faults)
+    if nonfinite is None:
+        nonfinite = nonfinite_counter(router_logits.device)
+    pointers = (router_logits, hash_table, token_ids, weights, ids, faults, nonfinite)
     scalars = (
         n_tokens,
         num_experts,
@@ -314,6 +325,7 @@ def route_hash_rows_torch(
     capture: CaptureSpec | None = None,
     *,
     unnormalized: bool = False,
+    nonfinite: torch.Tensor | None = None,
 ) -> None:
     """PyTorch twin of :func:`route_hash_rows_triton`: same arguments, same writes, same faults.
 
@@ -325,7 +337,9 @@ def route_hash_rows_torch(
     table_ids, faulty, flags = hash_ids_torch(hash_table, token_ids, router_logits.shape[1])
     rule, _ = METHODS[RoutingMethod(method)].computed(unnormalized)
     w = rule_weights(x, torch.where(faulty[:, None], 0, table_ids), rule, routed_scaling_factor)
-    weights.copy_(torch.where(faulty[:, None], 0.0, w))
+    w, zeroed = zero_nonfinite_rows(torch.where(faulty[:, None], 0.0, w))
+    count_zeroed_rows(nonfinite_counter(x.device) if nonfinite is None else nonfinite, zeroed)
+    weights.copy_(w)
     ids.copy_(table_ids)
     # under the CPU counters' lock (moe_ops._runtime.faults); on CUDA an atomic index_add_
     with cpu_counter_lock(faults.device):

@@ -37,7 +37,8 @@ from ..capture.errors import cpu_counter_lock
 from ..capture.kernels import capture_rows_torch, size_hint
 from ..capture.spec import CAPTURE_OP, CaptureSpec, absent_kernel_args, kernel_constexprs
 from .methods import METHODS, RoutingMethod
-from .reference import rule_weights, select_experts, selection_keys
+from .nonfinite import count_zeroed_rows, nonfinite_counter
+from .reference import rule_weights, select_experts, selection_keys, zero_nonfinite_rows
 
 __all__ = [
     "TRITON_MAX_TILE",
@@ -108,7 +109,7 @@ if HAS_TRITON:
     from ..capture.kernels import record_faults, record_stamp, store_weights
     from ..capture.window import rows_window
     from ._select import keep_groups, ordered_keys, topk_rounds
-    from ._weights import N_METHODS, chosen_weights, row_softmax
+    from ._weights import N_METHODS, chosen_weights, finite_rows, record_zeroed, row_softmax
 
     # Nothing that changes per step or per layer is a specialisation key: the token count, the
     # capture window's arguments and the row strides are runtime ints, and so are top_k and the
@@ -138,6 +139,8 @@ if HAS_TRITON:
         bias_ptr,
         weights_ptr,
         ids_ptr,
+        # (1,) int32: the non-finite rows counter (moe_ops.router.nonfinite)
+        nonfinite_ptr,
         # the capture's pointers: moe_ops.capture.spec.KERNEL_POINTERS, in its order (pointers
         # first: torch 2.11's mutation analysis of traced kernels maps written parameters to
         # tensors by position)
@@ -239,6 +242,9 @@ if HAS_TRITON:
         # the method's weights (moe_ops.router._weights): the SOFTMAX rule's softmax over the whole
         # row from the logits in registers, every other rule from the k chosen logits
         w = chosen_weights(xs, out_ok, row_ok, scale, x_max, z, RULES, False)
+        # a row with a non-finite weight is zeroed (and counted last, below): what is stored and
+        # captured is the zeroed weights
+        w, zeroed = finite_rows(w, out_ok, False)
 
         rows64 = rows.to(tl.int64)
         tl.store(weights_ptr + rows64[:, None] * stride_wm + kcol[None, :] * stride_wk, w, mask=out_ok)
@@ -286,6 +292,8 @@ if HAS_TRITON:
                 record_faults(errors_ptr, flags)
                 if STAMP:
                     record_stamp(stamps_ptr, step_ptr, layer_id)
+        # last, as the capture's faults: one atomic per program that zeroed a row
+        record_zeroed(nonfinite_ptr, tl.sum(zeroed.to(tl.int32)))
 
 
 def route_rows_triton(
@@ -302,6 +310,7 @@ def route_rows_triton(
     unnormalized: bool = False,
     num_fused_shared_experts: int = 0,
     group_top: int = 2,
+    nonfinite: torch.Tensor | None = None,
     block_m: int | None = None,
     num_warps: int | None = None,
     wrap=identity,
@@ -318,6 +327,8 @@ def route_rows_triton(
     capture: where to record this rank's ids (and, with its weights buffer, their weights), or
         None; its buffer is top_k wide (the routed columns are recorded) or top_k + s wide (the
         shared columns too)
+    nonfinite: (1,) int32 - the non-finite rows counter, added to (rows whose routed weights were
+        not all finite, written as 0; ``moe_ops.router.nonfinite``); None: the logits' device's
     block_m, num_warps: override :func:`launch_config` (tests and tuning)
     wrap: applied to the ``@triton.jit`` kernel before the launch (``torch.library.wrap_triton``
         when torch.compile traces the op; see :mod:`moe_ops._runtime.library`)
@@ -339,7 +350,9 @@ def route_rows_triton(
     bias_arg = bias
     if bias is None:
         bias_arg = router_logits if wrap is identity else router_logits.new_empty(0)
-    pointers = (router_logits, bias_arg, weights, ids)
+    if nonfinite is None:
+        nonfinite = nonfinite_counter(router_logits.device)
+    pointers = (router_logits, bias_arg, weights, ids, nonfinite)
     scalars = (
         n_tokens,
         num_experts // n_group,
@@ -382,7 +395,7 @@ def route_rows_triton(
         CAPTURE_SHARED=capture is not None and n_shared > 0 and capture.buffer.shape[2] > top_k,
     )
     if router_logits.device.type == "cpu":
-        # interpreted Triton updates the fault counter in Python (see capture.errors); on CUDA the
+        # interpreted Triton updates the fault counters in Python (see capture.errors); on CUDA the
         # kernel's atomics need no lock, and a context manager per launch is host time for nothing
         with cpu_counter_lock(router_logits.device):
             wrap(_route_kernel)[(programs,)](*args, **constexprs, num_warps=num_warps)
@@ -412,6 +425,7 @@ def route_rows_torch(
     unnormalized: bool = False,
     num_fused_shared_experts: int = 0,
     group_top: int = 2,
+    nonfinite: torch.Tensor | None = None,
 ) -> None:
     """PyTorch twin of :func:`route_rows_triton`: same arguments, same writes, same fault bits.
 
@@ -429,7 +443,8 @@ def route_rows_torch(
     x = router_logits.to(torch.float32)
     ref_ids = select_experts(selection_keys(x, method, bias), top_k, n_group, topk_group, group_top)
     rule, _ = METHODS[method].computed(unnormalized)
-    ref_weights = rule_weights(x, ref_ids, rule, routed_scaling_factor)
+    ref_weights, zeroed = zero_nonfinite_rows(rule_weights(x, ref_ids, rule, routed_scaling_factor))
+    count_zeroed_rows(nonfinite_counter(x.device) if nonfinite is None else nonfinite, zeroed)
     weights[:, :top_k].copy_(ref_weights)
     ids[:, :top_k].copy_(ref_ids)
     if n_shared:

@@ -26,6 +26,7 @@ from .kernels import TRITON_MAX_TILE, route_rows_torch, route_rows_triton, tile_
 if HAS_TRITON:
     from .kernels import _route_kernel
 from .methods import GroupScore, RouteConfig, RoutingMethod, validate_route_args
+from .nonfinite import counter_for
 from .policy import auto_runs_triton
 from .shared import check_capture_shared_experts, check_num_fused_shared_experts
 
@@ -40,6 +41,7 @@ def _route(
     bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
     weights: torch.Tensor,
     ids: torch.Tensor,
+    nonfinite: torch.Tensor,
     method: int,
     n_group: int,
     topk_group: int,
@@ -50,7 +52,8 @@ def _route(
     *,
     wrap=identity,
 ) -> None:
-    """Writes every token's routing into ``weights`` and ``ids`` (see kernels.py)."""
+    """Writes every token's routing into ``weights`` and ``ids`` (see kernels.py) and adds the rows
+    whose weights were zeroed (not all finite) to ``nonfinite`` (``moe_ops.router.nonfinite``)."""
     route_rows_triton(
         router_logits,
         bias,
@@ -63,6 +66,7 @@ def _route(
         unnormalized=unnormalized,
         group_top=group_top,
         num_fused_shared_experts=num_fused_shared_experts,
+        nonfinite=nonfinite,
         wrap=wrap,
     )
 
@@ -72,6 +76,7 @@ def _route_twin(
     bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
     weights: torch.Tensor,
     ids: torch.Tensor,
+    nonfinite: torch.Tensor,
     method: int,
     n_group: int,
     topk_group: int,
@@ -93,15 +98,26 @@ def _route_twin(
         unnormalized=unnormalized,
         group_top=group_top,
         num_fused_shared_experts=num_fused_shared_experts,
+        nonfinite=nonfinite,
     )
 
 
-_ROUTE_MUTATES = ("weights", "ids")
+_ROUTE_MUTATES = ("weights", "ids", "nonfinite")
 _ROUTE_SCHEMA = torch.library.infer_schema(_route_twin, mutates_args=_ROUTE_MUTATES)
 # route_capture_: route_'s arguments with a CaptureSpec's fused in (moe_ops.capture.spec generates
 # the list and the schema): route's tensors, the spec's tensors, route's scalars, the spec's
 # scalars, then route's defaulted num_fused_shared_experts (last, so older positional calls hold)
 ROUTE_CAPTURE = OpArgs.fused(parse_args(_ROUTE_SCHEMA))
+
+
+def _launcher_args(args) -> tuple[tuple, dict]:
+    """route_capture_'s arguments as the launchers take them: (positional, keywords)."""
+    route_args, capture = ROUTE_CAPTURE.split(args)
+    logits, bias, weights, ids, nonfinite, *scalars, unnormalized, group_top, n_shared = route_args
+    knobs = dict(
+        nonfinite=nonfinite, unnormalized=unnormalized, group_top=group_top, num_fused_shared_experts=n_shared
+    )
+    return (logits, bias, weights, ids, *scalars, capture), knobs
 
 
 def _route_capture(*args, wrap=identity) -> None:
@@ -111,27 +127,14 @@ def _route_capture(*args, wrap=identity) -> None:
     :class:`~moe_ops.capture.spec.CaptureSpec`'s, as in ``moe_ops::capture_routing_``; the rows are
     LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
     """
-    (*route_args, unnormalized, group_top, n_shared), capture = ROUTE_CAPTURE.split(args)
-    route_rows_triton(
-        *route_args,
-        capture,
-        unnormalized=unnormalized,
-        group_top=group_top,
-        num_fused_shared_experts=n_shared,
-        wrap=wrap,
-    )
+    positional, knobs = _launcher_args(args)
+    route_rows_triton(*positional, wrap=wrap, **knobs)
 
 
 def _route_capture_twin(*args) -> None:
     """PyTorch twin of :func:`_route_capture`."""
-    (*route_args, unnormalized, group_top, n_shared), capture = ROUTE_CAPTURE.split(args)
-    route_rows_torch(
-        *route_args,
-        capture,
-        unnormalized=unnormalized,
-        group_top=group_top,
-        num_fused_shared_experts=n_shared,
-    )
+    positional, knobs = _launcher_args(args)
+    route_rows_torch(*positional, **knobs)
 
 
 _CAPTURE_MUTATES = ROUTE_CAPTURE.mutates
@@ -375,8 +378,9 @@ def route(
     # the op runs the Triton kernel on CUDA (and on the CPU under the interpreter), the twin on the
     # CPU otherwise; the reference ops run the twin everywhere
     route_ = _route_call if use_triton else torch.ops.moe_ops.route_reference_
+    outputs = (weights, ids, counter_for(router_logits))
     if capture is None:
-        route_(router_logits, bias, weights, ids, *route_args)
+        route_(router_logits, bias, *outputs, *route_args)
         return weights, ids
 
     # what is recorded: the routed columns (a view, no copy), or every column with the knob; the
@@ -385,9 +389,9 @@ def route(
     capture.check_num_experts(cfg.num_experts + n_shared if keep_shared else cfg.num_experts)
     capture.check_ids(recorded)
     if capture.layout == BatchLayout.SEQUENCE_PARALLEL:
-        route_(router_logits, bias, weights, ids, *route_args)
+        route_(router_logits, bias, *outputs, *route_args)
         capture_into(capture, recorded, weights[:, : recorded.shape[1]] if capture.has_weights else None)
         return weights, ids
     route_capture = _route_capture_call if use_triton else torch.ops.moe_ops.route_capture_reference_
-    route_capture(*ROUTE_CAPTURE.join((router_logits, bias, weights, ids, *route_args), capture.spec))
+    route_capture(*ROUTE_CAPTURE.join((router_logits, bias, *outputs, *route_args), capture.spec))
     return weights, ids

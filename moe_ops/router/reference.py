@@ -33,6 +33,7 @@ __all__ = [
     "sqrt_softplus_slope",
     "unscaled_gradient_inputs",
     "weights_for_ids",
+    "zero_nonfinite_rows",
 ]
 
 # The gradient rules of the weight rules that hold routed_scaling_factor (WeightRule.holds_scale).
@@ -198,6 +199,19 @@ def _rule_weights(
     if rule == WeightRule.SIGMOID:
         return s
     raise ValueError(f"rule must be a WeightRule, got {rule!r}")
+
+
+def zero_nonfinite_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, zeroed): ``w`` with 0 in every column of a row that holds a NaN or +-inf weight,
+    and the (n,) bool mask of those rows - docs/routing.md "Non-finite logits": such a row
+    contributes nothing (as padding) and is counted once. Rows whose weights are all finite are
+    returned bit for bit. The twin of the kernels' ``moe_ops.router._weights.finite_rows``; every
+    twin (router, hash router, replay forward and backward) calls it.
+
+    w: (n, k) float - the method's weights of the routed columns, as the rule computed them
+    """
+    zeroed = ~torch.isfinite(w).all(dim=1)
+    return torch.where(zeroed[:, None], torch.zeros_like(w), w), zeroed
 
 
 def rule_gradient(
