@@ -31,16 +31,17 @@ from moe_ops.router.op import ROUTE_CAPTURE
 # torch.ops.moe_ops.* hold them), written out: a generated schema must be this string. The weights
 # buffer added topk_weights and weights_buffer to the capture op, weights_buffer to route_capture_;
 # route_capture_ also gained the group score's key count (group_top, after unnormalized) and one
-# argument with a default, at its end (num_fused_shared_experts=0).
+# argument with a default, at its end (num_fused_shared_experts=0), and the non-finite rows counter
+# (nonfinite, mutated, after ids: route_'s own tensors come first).
 CAPTURE_SCHEMA = (
     "(Tensor(a0!) buffer, Tensor topk_ids, Tensor topk_weights, Tensor(a3!) weights_buffer, "
     "Tensor token_counts, Tensor sizes, Tensor(a6!) errors, Tensor(a7!) stamps, Tensor step, "
     "SymInt layer_id, SymInt dp_rank, SymInt n_first) -> ()"
 )
 ROUTE_CAPTURE_SCHEMA = (
-    "(Tensor router_logits, Tensor? bias, Tensor(a2!) weights, Tensor(a3!) ids, Tensor(a4!) buffer, "
-    "Tensor(a5!) weights_buffer, Tensor token_counts, Tensor sizes, Tensor(a8!) errors, "
-    "Tensor(a9!) stamps, Tensor step, SymInt method, SymInt n_group, SymInt topk_group, "
+    "(Tensor router_logits, Tensor? bias, Tensor(a2!) weights, Tensor(a3!) ids, Tensor(a4!) nonfinite, "
+    "Tensor(a5!) buffer, Tensor(a6!) weights_buffer, Tensor token_counts, Tensor sizes, "
+    "Tensor(a9!) errors, Tensor(a10!) stamps, Tensor step, SymInt method, SymInt n_group, SymInt topk_group, "
     "float routed_scaling_factor, bool unnormalized, SymInt group_top, SymInt layer_id, SymInt dp_rank, "
     "SymInt n_first, SymInt num_fused_shared_experts=0) -> ()"
 )
@@ -218,7 +219,7 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(
 
 def test_route_capture_arguments_round_trip():
     """route's arguments and a spec, joined into the op's order and split back."""
-    host = (*(torch.full((1,), i) for i in range(4)), 0, 1, 1, 2.5, False, 3, 2)  # group_top 3, 2 shared
+    host = (*(torch.full((1,), i) for i in range(5)), 0, 1, 1, 2.5, False, 3, 2)  # group_top 3, 2 shared
     spec = CaptureSpec(*(torch.full((1,), 10 + i) for i in range(7)), 3, 1, 2)
     args = ROUTE_CAPTURE.join(host, spec)
     assert len(args) == len(ROUTE_CAPTURE_SCHEMA.split(", "))

@@ -152,7 +152,20 @@ def _opcheck_args(device):
     weights = torch.empty(10, 4, device=device)
     ids = torch.empty(10, 4, dtype=torch.int32, device=device)
     errors = torch.zeros(2, dtype=torch.int32, device=device)
-    forward = (logits, recorded, bias, weights, ids, errors, int(RoutingMethod.DEEPSEEK_V3), 4, 2, 2.5)
+    nonfinite = torch.zeros(1, dtype=torch.int32, device=device)
+    forward = (
+        logits,
+        recorded,
+        bias,
+        weights,
+        ids,
+        errors,
+        nonfinite,
+        int(RoutingMethod.DEEPSEEK_V3),
+        4,
+        2,
+        2.5,
+    )
     grad_w = torch.randn(10, 4, device=device)
     ids_ok = torch.stack([torch.randperm(32)[:4] for _ in range(10)]).int().to(device)
     grad_logits = torch.empty(10, 32, device=device)

@@ -60,7 +60,8 @@ for ft in ("fp64", "fp32"):
         # small tiles: this checks the lowering, not the speed (the launch tiles compile the same ops)
         k_pad = METHODS[m].top_k or 4
         fwd = dict(logits_ptr="*" + ft, rec_ptr="*i32", bias_ptr="*" + ft, weights_ptr="*" + ft,
-                   ids_ptr="*i32", errors_ptr="*i32", row_count_ptr="*i32", scale="fp64")
+                   ids_ptr="*i32", errors_ptr="*i32", nonfinite_ptr="*i32", row_count_ptr="*i32",
+                   scale="fp64")
         # CHECK_ROWS on: the replayer's row-count check (loaded first, branched on last) compiles too
         # the group score: DEEPSEEK_V2's one key, a 3-key share sum on SOFTMAX_BIAS (the loop form)
         group_top = {M.DEEPSEEK_V2: 1, M.SOFTMAX_BIAS: 3}.get(m, 2)

@@ -112,6 +112,7 @@ def _opcheck_args(device):
     bias = torch.randn(32, device=device)
     weights = torch.empty(10, 4, device=device)
     ids = torch.empty(10, 4, dtype=torch.int32, device=device)
+    nonfinite = torch.zeros(1, dtype=torch.int32, device=device)
     buffer = torch.full((8, 3, 4), -7, dtype=torch.int32, device=device)
     wbuf = torch.full((8, 3, 4), -7.0, dtype=torch.float16, device=device)
     counts = torch.tensor([3, 5], dtype=torch.int32, device=device)
@@ -122,12 +123,13 @@ def _opcheck_args(device):
     # True: renormalize=False; 2: the group score sums a group's two best keys (TOP2_SUM)
     route_args = (int(RoutingMethod.DEEPSEEK_V3), 4, 2, 2.5, True, 2)
     return (
-        (logits, bias, weights, ids, *route_args),
+        (logits, bias, weights, ids, nonfinite, *route_args),
         (
             logits,
             bias,
             weights,
             ids,
+            nonfinite,
             buffer,
             wbuf,
             counts,

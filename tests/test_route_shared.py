@@ -375,7 +375,8 @@ def test_route_capture_op_takes_the_older_positional_call():
         weights = torch.full((4, 2), float("nan"))
         ids = torch.full((4, 2), POISON, dtype=torch.int32)
         # ..., unnormalized, group_top, then the trailing num_fused_shared_experts
-        host = (logits, None, weights, ids, int(RoutingMethod.RENORMALIZE), 1, 1, 1.0, False, 2, 0)
+        nonfinite = torch.zeros(1, dtype=torch.int32)
+        host = (logits, None, weights, ids, nonfinite, int(RoutingMethod.RENORMALIZE), 1, 1, 1.0, False, 2, 0)
         args = ROUTE_CAPTURE.join(host, target.spec)
         assert len(args) == len(ROUTE_CAPTURE.names)
         torch.ops.moe_ops.route_capture_reference_(*args[:-1], *extra)

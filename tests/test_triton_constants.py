@@ -74,8 +74,8 @@ for src, dst in (("*bf16", "*fp16"), ("*fp16", "*fp32")):
               capture_scalars[0], ce, True)
 
 route_ptrs = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
-    buf_ptr="*i32", wbuf_ptr="*bf16", counts_ptr="*i32", sizes_ptr="*i32", errors_ptr="*i32",
-    stamps_ptr="*i32", step_ptr="*i32")
+    nonfinite_ptr="*i32", buf_ptr="*i32", wbuf_ptr="*bf16", counts_ptr="*i32", sizes_ptr="*i32",
+    errors_ptr="*i32", stamps_ptr="*i32", step_ptr="*i32")
 route_scalars = dict(n_tokens=10, group_size=8, n_group=4, top_k=4, topk_group=2, scale=2.5,
     stride_lm=32, stride_le=1, stride_wm=4, stride_wk=1, stride_im=4, stride_ik=1, n_dst=8,
     layer_id=1, dp_rank=1, n_first=2, stride_bm=12, stride_bl=4, stride_bk=1, stride_vm=12,
@@ -99,8 +99,8 @@ for (method, unnorm, top), capture, const in itertools.product(variants, (True, 
           route_ptrs, sc, ce, const)
 from moe_ops.router.hash_kernels import _route_hash_kernel
 hash_ptrs = dict(logits_ptr="*fp32", table_ptr="*i64", tok_ptr="*i64", weights_ptr="*fp32",
-    ids_ptr="*i32", faults_ptr="*i32", buf_ptr="*i32", wbuf_ptr="*bf16", counts_ptr="*i32",
-    sizes_ptr="*i32", errors_ptr="*i32", stamps_ptr="*i32", step_ptr="*i32")
+    ids_ptr="*i32", faults_ptr="*i32", nonfinite_ptr="*i32", buf_ptr="*i32", wbuf_ptr="*bf16",
+    counts_ptr="*i32", sizes_ptr="*i32", errors_ptr="*i32", stamps_ptr="*i32", step_ptr="*i32")
 hash_scalars = dict(n_tokens=10, num_experts=32, vocab=100, top_k=4, scale=2.5, stride_lm=32,
     stride_le=1, stride_hv=4, stride_hk=1, stride_t=1, stride_wm=4, stride_wk=1, stride_im=4,
     stride_ik=1, n_dst=8, layer_id=1, dp_rank=1, n_first=2, stride_bm=12, stride_bl=4, stride_bk=1,
@@ -187,8 +187,8 @@ def test_route_kernel_writes_only_its_outputs(written):
     cases = {k: v for k, v in written.items() if k.startswith("route")}
     assert len(cases) == 24
     expected = {
-        True: ["buf_ptr", "errors_ptr", "ids_ptr", "stamps_ptr", "wbuf_ptr", "weights_ptr"],
-        False: ["ids_ptr", "weights_ptr"],
+        True: ["buf_ptr", "errors_ptr", "ids_ptr", "nonfinite_ptr", "stamps_ptr", "wbuf_ptr", "weights_ptr"],
+        False: ["ids_ptr", "nonfinite_ptr", "weights_ptr"],
     }
     wrong = {k: v for k, v in cases.items() if v != expected["capture=True" in k]}
     assert not wrong, wrong
@@ -217,8 +217,17 @@ def test_hash_kernel_compiles_with_constant_scalars_and_writes_only_its_outputs(
     failed = {k: v for k, v in cases.items() if v is not True}
     assert not failed, failed
     expected = {
-        True: ["buf_ptr", "errors_ptr", "faults_ptr", "ids_ptr", "stamps_ptr", "wbuf_ptr", "weights_ptr"],
-        False: ["faults_ptr", "ids_ptr", "weights_ptr"],
+        True: [
+            "buf_ptr",
+            "errors_ptr",
+            "faults_ptr",
+            "ids_ptr",
+            "nonfinite_ptr",
+            "stamps_ptr",
+            "wbuf_ptr",
+            "weights_ptr",
+        ],
+        False: ["faults_ptr", "ids_ptr", "nonfinite_ptr", "weights_ptr"],
     }
     wrong = {k: v for k, v in written.items() if k.startswith("hash ") and v != expected["capture=True" in k]}
     assert not wrong, wrong

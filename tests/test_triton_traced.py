@@ -98,6 +98,7 @@ def _route_args(n: int, seed: int, capture: bool):
         bias=torch.randn(32, generator=g) * 0.1,
         weights=torch.zeros(n, 4),
         ids=torch.zeros(n, 4, dtype=torch.int32),
+        nonfinite=torch.zeros(1, dtype=torch.int32),
     )
     if capture:
         c = _capture_tensors(1, seed)
@@ -113,13 +114,13 @@ _ROUTER_ARGS = (*_ROUTE_ARGS, False, 2)
 
 
 def _route(t):
-    torch.ops.moe_ops.route_(t["logits"], t["bias"], t["weights"], t["ids"], *_ROUTER_ARGS)
+    torch.ops.moe_ops.route_(t["logits"], t["bias"], t["weights"], t["ids"], t["nonfinite"], *_ROUTER_ARGS)
 
 
 def _route_capture(t):
     torch.ops.moe_ops.route_capture_(
-        t["logits"], t["bias"], t["weights"], t["ids"], t["buffer"], t["wbuf"], t["counts"], t["sizes"],
-        t["errors"], t["stamps"], t["step"], *_ROUTER_ARGS, 2, 1, 2,
+        t["logits"], t["bias"], t["weights"], t["ids"], t["nonfinite"], t["buffer"], t["wbuf"], t["counts"],
+        t["sizes"], t["errors"], t["stamps"], t["step"], *_ROUTER_ARGS, 2, 1, 2,
     )  # fmt: skip
 
 
@@ -157,13 +158,13 @@ def test_opcheck_route_interpreted(capture):
     t = _route_args(10, 0, capture)
     if capture:
         op, args = torch.ops.moe_ops.route_capture_.default, (
-            t["logits"], t["bias"], t["weights"], t["ids"], t["buffer"], t["wbuf"], t["counts"],
-            t["sizes"], t["errors"], t["stamps"], t["step"], *_ROUTER_ARGS, 2, 1, 2,
+            t["logits"], t["bias"], t["weights"], t["ids"], t["nonfinite"], t["buffer"], t["wbuf"],
+            t["counts"], t["sizes"], t["errors"], t["stamps"], t["step"], *_ROUTER_ARGS, 2, 1, 2,
         )  # fmt: skip
     else:
         op, args = (
             torch.ops.moe_ops.route_.default,
-            (t["logits"], t["bias"], t["weights"], t["ids"], *_ROUTER_ARGS),
+            (t["logits"], t["bias"], t["weights"], t["ids"], t["nonfinite"], *_ROUTER_ARGS),
         )
     torch.library.opcheck(op, args)
 
@@ -231,6 +232,7 @@ def _replay_args(n: int, seed: int, row_count: bool):
         weights=torch.full((n, 4), float(POISON)),
         ids=torch.full((n, 4), POISON, dtype=torch.int32),
         errors=torch.zeros(2, dtype=torch.int32),
+        nonfinite=torch.zeros(1, dtype=torch.int32),
         # a row count that differs from n: one faulty call more
         row_count=torch.tensor([n + 1], dtype=torch.int32) if row_count else None,
         grad_weights=torch.randn(n, 4, generator=g),
@@ -240,8 +242,8 @@ def _replay_args(n: int, seed: int, row_count: bool):
 
 def _replay(t):
     torch.ops.moe_ops.replay_routing_(
-        t["logits"], t["recorded"], t["bias"], t["weights"], t["ids"], t["errors"], *_ROUTE_ARGS,
-        t["row_count"],
+        t["logits"], t["recorded"], t["bias"], t["weights"], t["ids"], t["errors"], t["nonfinite"],
+        *_ROUTE_ARGS, t["row_count"],
     )  # fmt: skip
     torch.ops.moe_ops.replay_routing_backward_(
         t["grad_weights"],
@@ -290,6 +292,7 @@ def test_opcheck_replay_interpreted(row_count):
             t["weights"],
             t["ids"],
             t["errors"],
+            t["nonfinite"],
             *_ROUTE_ARGS,
             t["row_count"],
         ),
