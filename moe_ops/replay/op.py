@@ -562,6 +562,9 @@ def replay_routing(
             float64 logits, which ``route`` does not take: route's rule on the float64 keys); then
             the ``s`` shared ids.
 
+    A row whose weights by the method's formula are not all finite (a NaN or inf logit the rule
+    reads) gets weights 0 in its routed columns and gradient 0, and is counted for
+    :func:`moe_ops.router.nonfinite.check_nonfinite_rows` (docs/routing.md "Non-finite logits").
     A row with an id outside ``[0, num_experts)`` (other than a whole row of -1) or an expert twice
     is faulty: it is routed live, its bad ids are never used as addresses, and it is counted on the
     device for :func:`check_replay_errors` (the caller's next sync point). No host reads, no

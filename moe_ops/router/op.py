@@ -296,7 +296,11 @@ def route(
             ``num_experts + s - 1``). True needs ``capture`` and ``s > 0``.
 
     Returns:
-        weights: (n, top_k + s) float32 - routing weights, in the order of ``ids``. They carry no
+        weights: (n, top_k + s) float32 - routing weights, in the order of ``ids``, always finite: a
+            row whose routed weights by the method's formula are not all finite (a NaN or inf
+            logit the rule reads) is written as 0 in its routed columns and counted on the device
+            for :func:`moe_ops.router.nonfinite.check_nonfinite_rows` (docs/routing.md
+            "Non-finite logits"; not with ``backend="flashinfer"``). They carry no
             gradient: ``route`` is the inference router. A training step that must send each token
             through recorded experts while the gate still learns uses :func:`moe_ops.replay_routing`.
         ids: (n, top_k + s) int32 - chosen experts by descending selection score; among equal scores
