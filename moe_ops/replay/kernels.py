@@ -28,8 +28,10 @@ table entry is out of range gets ids ``-1`` and weights ``0`` and is counted onc
 gradient (no ``-1`` is ever an address).
 
 ``weights[t]`` is the method's weight rule evaluated at ``ids[t]`` from the live logits, gathered
-from the dense scores (:func:`replay_weights`). The backward writes the whole dense gradient row:
-zero for experts outside ``ids[t]`` except for DEFAULT, whose full softmax couples every expert.
+from the dense scores (:func:`replay_weights`); a row whose weights are not all finite is written
+as 0 and counted in ``nonfinite`` (``moe_ops.router.nonfinite``; the backward gives it gradient 0).
+The backward writes the whole dense gradient row: zero for experts outside ``ids[t]`` except for
+DEFAULT, whose full softmax couples every expert.
 
 Per method, with ``xs = x[ids]``, ``s = sigmoid(xs)``, ``g`` the incoming gradient of the weights
 and ``dot = sum(g * w)``; the gradient w.r.t. ``x[ids]`` (DEFAULT: w.r.t. every ``x``)::

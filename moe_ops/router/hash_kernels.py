@@ -11,7 +11,9 @@ Contract (both): ``ids[t] = hash_table[token_ids[t]]`` and ``weights[t]`` the me
 evaluated at those ids from the row's logits - there is no selection, so the method's selection key,
 bias and groups play no part. A faulty row (a token id outside ``[0, vocab)`` or an entry outside
 ``[0, num_experts)``; :mod:`moe_ops.router._hash`) gets ids ``-1`` and weights ``0`` and is counted
-in ``faults`` ([faulty rows, OR of HASH_FAULT_* bits]); nothing is read at a bad address. With a
+in ``faults`` ([faulty rows, OR of HASH_FAULT_* bits]); nothing is read at a bad address. Any
+other row whose weights are not all finite is written as 0 and counted in the non-finite rows
+counter (:mod:`moe_ops.router.nonfinite`). With a
 capture destination the ids (``-1`` on faulty rows: "no record, route live" for replay) are recorded
 exactly as ``capture_routing`` would record them (its FAULT_BAD_ID count of the -1 ids included).
 

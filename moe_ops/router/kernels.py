@@ -8,7 +8,9 @@ Two implementations of one destination-passing contract:
   :func:`moe_ops.capture.kernels.capture_rows_torch`), the CPU path and the test oracle.
 
 Contract (both): ``weights[t], ids[t]`` are token ``t``'s routing (see
-:mod:`moe_ops.router.methods`). With a capture destination, ``buffer[r, layer_id] = ids[start + r]``
+:mod:`moe_ops.router.methods`); a row whose routed weights are not all finite is written as 0 and
+counted in the non-finite rows counter (:mod:`moe_ops.router.nonfinite`). With a capture destination,
+``buffer[r, layer_id] = ids[start + r]``
 (and, with a weights buffer, ``weights_buffer[r, layer_id] = weights[start + r]`` cast to its dtype)
 for ``r < c_eff``, where ``(start, c_eff)`` come from :func:`moe_ops.capture.window.rows_window`,
 the capture op's own device-side offset rule, and faults are recorded the same way: the result is
