@@ -502,6 +502,7 @@ def forward_sweep_peers(case, x: Inputs, configs=None) -> dict[str, Callable[[],
     weights = torch.empty(n, k, dtype=torch.float32, device=dev)
     ids = torch.empty(n, k, dtype=torch.int32, device=dev)
     errors = torch.zeros(2, dtype=torch.int32, device=dev)
+    nonfinite = torch.zeros(1, dtype=torch.int32, device=dev)
     method, scale = int(case.method), _scale(case)
     n_group, topk_group = (case.n_group, case.topk_group) if case.n_group else (1, 1)
     configs = configs or [(m, w) for m in SWEEP_BLOCK_M for w in SWEEP_WARPS]
@@ -509,7 +510,7 @@ def forward_sweep_peers(case, x: Inputs, configs=None) -> dict[str, Callable[[],
     def peer(m, w):
         return lambda: replay_rows_triton(
             x.logits, x.recorded, x.bias, weights, ids, errors, method, n_group, topk_group, scale,
-            block_m=m, num_warps=w,
+            nonfinite=nonfinite, block_m=m, num_warps=w,
         )  # fmt: skip
 
     return {f"fwd m={m} w={w}": peer(m, w) for m, w in configs}
