@@ -79,8 +79,8 @@ for ft in ("fp64", "fp32"):
                   K_PAD=k_pad)
         build(f"backward {ft} {name}", _replay_backward_kernel, bwd, ce, 4)
 ptrs = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", scale="fp32",
-            **{n: "*i32" for n in ("ids_ptr", "buf_ptr", "counts_ptr", "sizes_ptr", "errors_ptr",
-                                   "stamps_ptr", "step_ptr")})
+            **{n: "*i32" for n in ("ids_ptr", "nonfinite_ptr", "buf_ptr", "counts_ptr", "sizes_ptr",
+                                   "errors_ptr", "stamps_ptr", "step_ptr")})
 ce = dict(METHOD=int(M.SIGMOID_RENORM), UNNORM=False, HAS_BIAS=False, GROUPED=False, CAPTURE=False,
           BLOCK_M=1, GROUP_TOP=2,
           NG_PAD=1, G_PAD=32, K_PAD=4, S_PAD=1, HAS_OFFSET=False, STAMP=False, N_SHARED=0,
@@ -89,8 +89,8 @@ build("route fp32 SIGMOID_RENORM", _route_kernel, ptrs, ce, 1)
 from moe_ops.router.hash_kernels import _route_hash_kernel
 hash_ptrs = dict(logits_ptr="*fp32", table_ptr="*i64", tok_ptr="*i32", weights_ptr="*fp32", scale="fp32",
                  wbuf_ptr="*fp32",
-                 **{n: "*i32" for n in ("ids_ptr", "faults_ptr", "buf_ptr", "counts_ptr", "sizes_ptr",
-                                        "errors_ptr", "stamps_ptr", "step_ptr")})
+                 **{n: "*i32" for n in ("ids_ptr", "faults_ptr", "nonfinite_ptr", "buf_ptr", "counts_ptr",
+                                        "sizes_ptr", "errors_ptr", "stamps_ptr", "step_ptr")})
 for m in M:
     ce = dict(METHOD=int(m), UNNORM=False, CAPTURE=True, BLOCK_M=2, E_PAD=32, K_PAD=METHODS[m].top_k or 4,
               S_PAD=1, HAS_OFFSET=False, STAMP=True, WEIGHTS=True)
