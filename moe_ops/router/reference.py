@@ -328,7 +328,9 @@ def route_reference(
     dtype: compute dtype (default: float32, or float64 for float64 logits)
     unnormalized: the method's other weight rule (``RouteConfig.unnormalized``)
     group_top: the keys a group score sums (``RouteConfig.group_top``)
-    Returns ``(weights (n, top_k) dtype, ids (n, top_k) int64)``.
+    Returns ``(weights (n, top_k) dtype, ids (n, top_k) int64)``: the literal formulas in IEEE
+    arithmetic (NaN or inf weights kept; the router's twin then applies
+    :func:`zero_nonfinite_rows`, docs/routing.md "Non-finite logits").
     """
     if dtype is None:
         dtype = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
