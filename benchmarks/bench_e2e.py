@@ -41,8 +41,8 @@ Ratios divide by ``off`` of the same size measured in the same run; ``delta_us``
 difference, ``delta_us/layer`` that divided by the 8 MoE layers (to set against the per-call host
 costs above).
 
-Targets: in CUDA graphs, ``on``, ``on+snapshot`` and their ``+w`` twins within **1.01x** of ``off`` (a serving engine
-reported about 2% throughput cost for its capture); outside them, within **1.02x** at prefill sizes,
+Targets: in CUDA graphs, ``on``, ``on+snapshot`` and their ``+w`` twins within **1.01x** of ``off``
+(a serving engine reported about 2% throughput cost for its capture); outside them, within **1.02x** at prefill sizes,
 and decode sizes reported as measured (a step of a few milliseconds pays the per-call host cost of
 8 captures).
 
@@ -207,7 +207,9 @@ class Peer:
         capture = peer in CAPTURING
         weights = torch.bfloat16 if peer in WITH_WEIGHTS else None
         self.capturer = (
-            RoutingCapturer(model.config.routing_shape(), max(sizes), device, ring_depth=3, weights_dtype=weights)
+            RoutingCapturer(
+                model.config.routing_shape(), max(sizes), device, ring_depth=3, weights_dtype=weights
+            )
             if capture
             else None
         )
@@ -356,7 +358,9 @@ def dry_run(cases, run) -> list[Table]:
                             checked = "capture == routed ids"
                             if wbuf is not None:
                                 # every routed row's weights written (finite), nothing past them
-                                assert not wbuf[: batch.n].isnan().any() and wbuf[batch.n :].isnan().all(), where
+                                assert not wbuf[: batch.n].isnan().any() and wbuf[batch.n :].isnan().all(), (
+                                    where
+                                )
                                 checked += ", weights written"
                         table.add(case.name, mode.value, batch.kind, batch.n, peer, checked)
                     p.close()

@@ -108,7 +108,9 @@ def make_inputs(case: Case, n: int, device) -> Inputs:
         logits=logits,
         bias=bias,
         buffer=torch.zeros(max(MAX_TOKENS, n), LAYERS, case.top_k, dtype=torch.int32, device=device),
-        weights_buffer=torch.zeros(max(MAX_TOKENS, n), LAYERS, case.top_k, dtype=torch.bfloat16, device=device),
+        weights_buffer=torch.zeros(
+            max(MAX_TOKENS, n), LAYERS, case.top_k, dtype=torch.bfloat16, device=device
+        ),
         counts=torch.tensor([n], dtype=torch.int32, device=device),
         gathered_logits=torch.randn(n * dp, case.num_experts, device=device, generator=g).to(torch.bfloat16),
         gathered_counts=torch.full((dp,), n, dtype=torch.int32, device=device),

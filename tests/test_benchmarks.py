@@ -88,7 +88,9 @@ def test_runner_dry_runs_every_registered_benchmark(benches, tmp_path, capsys):
     # the +w peers also checked that every routed row's weights were written, and nothing past them
     what = {p: "capture == routed ids" for p in ("on", "on+snapshot")}
     what.update({p: "capture == routed ids, weights written" for p in ("on+w", "on+w+snapshot")})
-    assert checked == {(m, k, n, p, w) for m in bench_e2e.DRY_MODES for k, n in batches for p, w in what.items()}
+    assert checked == {
+        (m, k, n, p, w) for m in bench_e2e.DRY_MODES for k, n in batches for p, w in what.items()
+    }
     assert {r["peer"] for r in e2e} == {"off", "on", "on+snapshot", "on+w", "on+w+snapshot", "off[auto]"}
     dist = [r for r in rows if r["bench"] == "distributed"]
     assert [r["case"] for r in dist] == [c.name for c in BENCH_CASES["distributed"]]
