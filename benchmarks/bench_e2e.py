@@ -42,9 +42,9 @@ difference, ``delta_us/layer`` that divided by the 8 MoE layers (to set against 
 costs above).
 
 Targets: in CUDA graphs, ``on``, ``on+snapshot`` and their ``+w`` twins within **1.01x** of ``off``
-(a serving engine reported about 2% throughput cost for its capture); outside them, within **1.02x** at prefill sizes,
-and decode sizes reported as measured (a step of a few milliseconds pays the per-call host cost of
-8 captures).
+(a serving engine reported about 2% throughput cost for its capture); outside them, within
+**1.02x** at prefill sizes, and decode sizes reported as measured (a step of a few milliseconds
+pays the per-call host cost of 8 captures).
 
 Compiled peers: each compiled step is its own dynamo cache entry of one code object (the step
 closure), so a step also evaluates the guards of the peers compiled before it (about a microsecond
