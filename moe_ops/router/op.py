@@ -333,6 +333,7 @@ def route(
             raise ValueError(
                 f"router_logits must be on the capture buffer's device {capture.buffer.device}, got {device}"
             )
+        capture.check_router_capture()
     if backend == "flashinfer":
         if hashed:
             raise ValueError(
