@@ -75,7 +75,14 @@ FAULT_BAD_MAP = 32
 WINDOW_FAULTS = FAULT_NEGATIVE_COUNT | FAULT_SOURCE_SHORT | FAULT_DEST_SHORT | FAULT_BAD_OFFSET
 # slot 0 + one slot per fault bit, rounded up to a power of two (6 of 8 used; slot 7 is free)
 FAULT_SLOTS = 8
-_BITS = (FAULT_NEGATIVE_COUNT, FAULT_SOURCE_SHORT, FAULT_DEST_SHORT, FAULT_BAD_OFFSET, FAULT_BAD_ID, FAULT_BAD_MAP)
+_BITS = (
+    FAULT_NEGATIVE_COUNT,
+    FAULT_SOURCE_SHORT,
+    FAULT_DEST_SHORT,
+    FAULT_BAD_OFFSET,
+    FAULT_BAD_ID,
+    FAULT_BAD_MAP,
+)
 # slot of a fault bit: 1 + log2(bit)
 FAULT_SLOT = {bit: 1 + bit.bit_length() - 1 for bit in _BITS}
 
@@ -133,8 +140,8 @@ class CaptureFaultError(RuntimeError):
         if bad_mapped:
             parts.append(f"{bad_mapped} expert id(s) on {device} mapped outside the logical experts")
         super().__init__(
-            f"{' and '.join(parts)}: {describe_faults(flags)}. token_counts/shard_sizes, ids or the expert map disagree "
-            "with the tensors they describe; rows outside the valid range were not written."
+            f"{' and '.join(parts)}: {describe_faults(flags)}. token_counts/shard_sizes, ids or the expert "
+            "map disagree with the tensors they describe; rows outside the valid range were not written."
         )
 
 
@@ -173,7 +180,9 @@ class FaultCounter(DeviceCounter):
         ``raise_error``. HOST SYNC, as :meth:`read_and_reset`."""
         report = self.read_and_reset() if reset else self.peek()
         if raise_error and report.total:
-            raise CaptureFaultError(self.device, report.calls, report.flags, report.bad_ids, report.bad_mapped)
+            raise CaptureFaultError(
+                self.device, report.calls, report.flags, report.bad_ids, report.bad_mapped
+            )
         return report.total
 
     def __repr__(self) -> str:

@@ -14,9 +14,9 @@ kernel's EXPERT_MAP: EPLB's physical -> logical map), an id ``p`` is stored as `
 a ``p`` outside ``[0, P)`` is stored as -1 and counted as FAULT_BAD_ID, an entry outside
 ``[0, num_logical_experts)`` is stored as -1 and counted as FAULT_BAD_MAP (one per id); the map is
 read on the device with masked loads (never out of bounds), at every call, so a balancer that
-updates it in place between CUDA-graph replays is seen by the next replay. With a weights buffer (``weights_buffer`` 3-D; the
-kernel's WEIGHTS), ``weights_buffer[r, layer_id, :] = topk_weights[start + r, :]`` for the same
-rows, cast to its dtype (round to nearest even, as torch's ``.to``); weights are not checked (a NaN
+updates it in place between CUDA-graph replays is seen by the next replay. With a weights buffer
+(``weights_buffer`` 3-D; the kernel's WEIGHTS), ``weights_buffer[r, layer_id, :] =
+topk_weights[start + r, :]`` for the same rows, cast to its dtype (round to nearest even, as torch's ``.to``); weights are not checked (a NaN
 is stored as a NaN, a row whose id became -1 keeps its weight). A call whose window was clamped
 adds 1 to slot 0 of ``errors`` and 1 to the slot of each fault bit (:mod:`moe_ops.capture.errors`).
 With a stamp (``stamps`` non-empty), ``stamps[layer_id] = step[0]`` records that the layer was
@@ -171,14 +171,13 @@ if HAS_TRITON:
         return tl.where(bad, -1, ids), bad
 
     @triton.jit
-    def physical_to_logical(ids, mask, map_ptr, n_physical, stride_map):
-        """(int64 ``map[ids]`` where ``mask`` and the id is a physical slot, else -1; where an id
-        is outside ``[0, n_physical)``). The map is read only at slots in range: masked loads
-        never leave it."""
+    def physical_slots(ids, n_physical):
+        """(int64 ids, where an id is outside the map's slots ``[0, n_physical)``). The kernels load
+        ``map[ids]`` themselves, masked by the second (never out of bounds): a map pointer passed
+        into a helper whose result reaches an atomic's address reads, to torch's mutation analysis
+        of traced kernels, as a written map (it would clone the map and copy it back)."""
         wide = ids.to(tl.int64)
-        outside = (wide < 0) | (wide >= n_physical)
-        logical = tl.load(map_ptr + wide * stride_map, mask=mask & ~outside, other=-1)
-        return logical.to(tl.int64), outside
+        return wide, (wide < 0) | (wide >= n_physical)
 
     @triton.jit
     def checked_logical(logical, outside, mask, n_logical):
@@ -186,6 +185,7 @@ if HAS_TRITON:
         ids outside the map among ``mask`` (FAULT_BAD_ID), entries outside ``[0, n_logical)``
         among ``mask`` (FAULT_BAD_MAP))."""
         bad_id = outside & mask
+        logical = logical.to(tl.int64)
         bad_map = ((logical < 0) | (logical >= n_logical)) & ~outside & mask
         return tl.where(bad_id | bad_map, -1, logical), bad_id, bad_map
 
@@ -286,7 +286,8 @@ if HAS_TRITON:
                 )
             if EXPERT_MAP:
                 # the map's load waits only for the ids, not for the counts: issued before the window
-                logical, outside = physical_to_logical(ids, in_src, map_ptr, n_physical, stride_map)
+                slots, outside = physical_slots(ids, n_physical)
+                logical = tl.load(map_ptr + slots * stride_map, mask=in_src & ~outside, other=-1)
             start, c_eff, flags = rows_window(count, sizes, n_src, n_dst, HAS_OFFSET)
             dst_rows = rows.to(tl.int64) - start
             ok = ((dst_rows >= 0) & (dst_rows < c_eff))[:, None] & col_ok
@@ -313,7 +314,8 @@ if HAS_TRITON:
                 src = start + rows
                 ids = tl.load(ids_ptr + src[:, None] * stride_im + cols[None, :] * stride_ik, mask=mask)
                 if EXPERT_MAP:
-                    logical, outside = physical_to_logical(ids, mask, map_ptr, n_physical, stride_map)
+                    slots, outside = physical_slots(ids, n_physical)
+                    logical = tl.load(map_ptr + slots * stride_map, mask=mask & ~outside, other=-1)
                     ids, bad, bad_map = checked_logical(logical, outside, mask, n_logical)
                 else:
                     ids, bad = checked_ids(ids, mask, ID_MAX, CHECK_HIGH)

@@ -177,7 +177,9 @@ def check_expert_map(expert_map: object, num_logical_experts: object, buffer: to
     if expert_map.dtype not in MAP_DTYPES:
         raise ValueError(f"expert_map must be int32 or int64, got {expert_map.dtype}")
     if expert_map.device != buffer.device:
-        raise ValueError(f"expert_map must be on the buffer's device {buffer.device}, got {expert_map.device}")
+        raise ValueError(
+            f"expert_map must be on the buffer's device {buffer.device}, got {expert_map.device}"
+        )
     if num_logical_experts is None:
         raise ValueError(
             "num_logical_experts is required with expert_map: the logical experts its values index "
