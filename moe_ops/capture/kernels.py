@@ -18,8 +18,9 @@ updates it in place between CUDA-graph replays is seen by the next replay. With 
 (``weights_buffer`` 3-D; the kernel's WEIGHTS), ``weights_buffer[r, layer_id, :] =
 topk_weights[start + r, :]`` for the same rows, cast to its dtype (round to nearest even, as
 torch's ``.to``); weights are not checked (a NaN is stored as a NaN, a row whose id became -1
-keeps its weight; the expert map does not touch the weights, which are per column). A call whose window was clamped
-adds 1 to slot 0 of ``errors`` and 1 to the slot of each fault bit (:mod:`moe_ops.capture.errors`).
+keeps its weight; the expert map does not touch the weights, which are per column). A call
+whose window was clamped adds 1 to slot 0 of ``errors`` and 1 to the slot of each fault bit
+(:mod:`moe_ops.capture.errors`).
 With a stamp (``stamps`` non-empty), ``stamps[layer_id] = step[0]`` records that the layer was
 captured in the current step (the snapshot reads layers whose stamp is stale as the fill value).
 
