@@ -69,9 +69,11 @@ def run_capture(impl: str, case, buffer, topk_ids, counts, sizes) -> torch.Tenso
         errors,
         no_stamps,
         no_stamps,
+        torch.empty(0, dtype=torch.int32, device=buffer.device),  # no expert map
         case.layer_id,
         case.dp_rank,
         n_first,
+        0,
     )
     return errors
 
@@ -218,12 +220,15 @@ def test_no_retrace_per_layer_or_count():
         return len(kern.device_caches[device.index or 0][0])
 
     none = torch.empty(0, dtype=torch.float32, device=device)  # no weights
-    capture_rows_triton(buf, ids, none, none, counts, counts, errors, stamps, step, 0, 0, 0)
+    no_map = torch.empty(0, dtype=torch.int32, device=device)  # no expert map
+    capture_rows_triton(buf, ids, none, none, counts, counts, errors, stamps, step, no_map, 0, 0, 0, 0)
     before = variants()
     for layer in range(8):
         for live in ([48, 40], [3, 5], [17, 0], [0, 9]):
             counts.copy_(torch.tensor(live, dtype=torch.int32))
-            capture_rows_triton(buf, ids, none, none, counts, counts, errors, stamps, step, layer, 0, 0)
+            capture_rows_triton(
+                buf, ids, none, none, counts, counts, errors, stamps, step, no_map, layer, 0, 0, 0
+            )
             assert torch.equal(buf[: live[0], layer], ids[: live[0]])
     assert variants() == before, f"{variants() - before} new compiled variants for new layers/counts"
 
