@@ -343,6 +343,26 @@ def test_monolithic_config_map_is_checked_when_capture_is_bound():
     assert experts.capture_fn is None and experts.replay_scratch is None
 
 
+def test_routing_capturer_takes_a_layers_map_row():
+    """RoutingCapturer.capture(..., expert_map=row of a (num_moe_layers, P) map): logical ids in
+    the layer's buffer column, the map's faults in the capturer's own counter."""
+    shape = moe_ops.RoutingShape(num_layers=2, num_experts=EPLB_LOGICAL, top_k=2, moe_layers=(1, 2))
+    capturer = moe_ops.RoutingCapturer(shape, max_num_tokens=4, device="cpu")
+    capturer.set_step([3])
+    layers = torch.from_numpy(np.stack(_maps(2)))  # (num_moe_layers, P) int64
+    layers[1, 7] = EPLB_LOGICAL  # a bad entry
+    physical = torch.tensor([[0, 19], [7, 3], [1, 1]], dtype=torch.int32)
+    capturer.buffer.fill_(POISON)
+    capturer.capture(2, physical, expert_map=layers[1], num_logical_experts=EPLB_LOGICAL)
+    want = torch.from_numpy(layers[1].numpy()[physical.numpy()]).to(torch.int32)
+    want[1, 0] = -1
+    column = capturer.buffer[:3, 1]  # model layer 2 is MoE layer 1
+    assert torch.equal(column, want) and (capturer.buffer[:, 0] == POISON).all()
+    assert (capturer.buffer[3:] == POISON).all()
+    with pytest.raises(CaptureFaultError, match="1 expert id"):
+        capturer.check_errors()
+
+
 # ------------------------------------------------------------------ bad arguments
 
 
