@@ -30,6 +30,9 @@ Peers, per size (``PEERS``):
   ``capturer.set_step`` before every step;
 * ``on+snapshot`` - ``on`` plus ``capturer.snapshot()`` after every step (the async device-to-host
   copy on its own stream; each handle released two steps later, without waiting on the host);
+* ``on+w`` / ``on+w+snapshot`` - ``on`` / ``on+snapshot`` with the weights channel
+  (``RoutingCapturer(weights_dtype=torch.bfloat16)``: each layer's router also writes its weights,
+  2 bytes an entry, and the snapshot copies them beside the ids);
 * ``off[auto]`` - ``backend="auto"`` without capture: with FlashInfer installed and runnable, its
   ``fused_topk_deepseek`` routes DeepSeek-V3 (a different kernel), reported against ``off`` for
   context only (skipped where "auto" would pick the Triton router anyway).
@@ -38,10 +41,10 @@ Ratios divide by ``off`` of the same size measured in the same run; ``delta_us``
 difference, ``delta_us/layer`` that divided by the 8 MoE layers (to set against the per-call host
 costs above).
 
-Targets: in CUDA graphs, ``on`` and ``on+snapshot`` within **1.01x** of ``off`` (a serving engine
-reported about 2% throughput cost for its capture); outside them, within **1.02x** at prefill sizes,
-and decode sizes reported as measured (a step of a few milliseconds pays the per-call host cost of
-8 captures).
+Targets: in CUDA graphs, ``on``, ``on+snapshot`` and their ``+w`` twins within **1.01x** of ``off``
+(a serving engine reported about 2% throughput cost for its capture); outside them, within
+**1.02x** at prefill sizes, and decode sizes reported as measured (a step of a few milliseconds
+pays the per-call host cost of 8 captures).
 
 Compiled peers: each compiled step is its own dynamo cache entry of one code object (the step
 closure), so a step also evaluates the guards of the peers compiled before it (about a microsecond
@@ -87,7 +90,10 @@ from moe_ops.models import ReferenceMoEModel, reference_config
 POSITION = 64  # decode position of every request
 TARGET = 1.01  # in CUDA graphs
 TARGET_OUTSIDE_GRAPHS = 1.02  # eager and compiled, prefill sizes
-PEERS = ("off", "on", "on+snapshot", "off[auto]")
+PEERS = ("off", "on", "on+snapshot", "on+w", "on+w+snapshot", "off[auto]")
+# the peers that capture, and those that also record the routing weights (bfloat16)
+CAPTURING = ("on", "on+snapshot", "on+w", "on+w+snapshot")
+WITH_WEIGHTS = ("on+w", "on+w+snapshot")
 GRAPH_MODES = ("cuda-graph", "compiled+cuda-graph")
 MODES = (*GRAPH_MODES, "eager", "compiled")
 # prefill steps of the modes outside CUDA graphs: whole 128-token prompts of 16 and 64 requests
@@ -198,9 +204,12 @@ class Peer:
         if model.config.router_backend != wanted:
             # a new config object: the steps compiled before it would recompile on their next call
             model.set_router_backend(wanted)
-        capture = peer in ("on", "on+snapshot")
+        capture = peer in CAPTURING
+        weights = torch.bfloat16 if peer in WITH_WEIGHTS else None
         self.capturer = (
-            RoutingCapturer(model.config.routing_shape(), max(sizes), device, ring_depth=3)
+            RoutingCapturer(
+                model.config.routing_shape(), max(sizes), device, ring_depth=3, weights_dtype=weights
+            )
             if capture
             else None
         )
@@ -223,7 +232,7 @@ class Peer:
 
     def step(self) -> None:
         self.runner.step(*self.inputs)
-        if self.peer == "on+snapshot":
+        if self.peer.endswith("+snapshot"):
             if len(self.pending) == 2:
                 self.pending.popleft().release()  # rows nobody reads: released without a host wait
             self.pending.append(self.capturer.snapshot())
@@ -339,11 +348,20 @@ def dry_run(cases, run) -> list[Table]:
                         checked = "-"
                         if p.capturer is not None:
                             p.capturer.buffer.fill_(-1)
+                            wbuf = p.capturer.weights_buffer
+                            if wbuf is not None:
+                                wbuf.fill_(float("nan"))
                             p.step()
                             _, ids = model(*p.inputs, return_router_ids=True)
                             where = f"{case.name} {mode.value} {batch.kind} {batch.n} {peer}"
                             assert torch.equal(p.capturer.buffer[: batch.n], ids), where
                             checked = "capture == routed ids"
+                            if wbuf is not None:
+                                # every routed row's weights written (finite), nothing past them
+                                assert not wbuf[: batch.n].isnan().any() and wbuf[batch.n :].isnan().all(), (
+                                    where
+                                )
+                                checked += ", weights written"
                         table.add(case.name, mode.value, batch.kind, batch.n, peer, checked)
                     p.close()
                 if mode.compiles:

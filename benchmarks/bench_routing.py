@@ -8,6 +8,8 @@ None when it does not apply):
 
 * ``triton+capture`` - ``route(..., capture=CaptureTarget(...))``: routes and records (LOCAL; and
   GATHERED, 4 DP ranks, for DeepSeek-V3 as ``triton+capture[G]``);
+* ``triton+capture+w`` - the same with the weights channel on (``weights_buffer``: bfloat16, moe-ops'
+  own 2-byte format, written in the same launch beside the ids);
 * ``triton`` - ``route(...)`` alone (the floor of the fused capture);
 * ``compiled-ref`` - ``torch.compile`` of the PyTorch reference (DeepSeek-V3 only: each size is an
   inductor compile);
@@ -26,7 +28,7 @@ replayed, peers interleaved trial by trial) and ``device_us`` (the kernels' own 
 profiler, no launch gaps). ``graph_vs_flashinfer`` divides by the bare ``flashinfer`` kernel
 measured in the same run.
 
-Targets: ``triton+capture`` within 1.02x of ``triton`` (the capture nearly free),
+Targets: ``triton+capture`` and ``triton+capture+w`` within 1.02x of ``triton`` (the capture nearly free),
 and for DeepSeek-V3 within 1.2x of FlashInfer's ``fused_topk_deepseek`` - quoted there for an H200
 as 5.5 us at 1 and 128 tokens and 16.6 us at 4096; the summary also divides by the FlashInfer
 kernel measured in the same run, graph and device time.
@@ -80,6 +82,8 @@ class Inputs:
     bias: torch.Tensor | None
     # (max(MAX_TOKENS, n), LAYERS, top_k) int32 capture buffer
     buffer: torch.Tensor
+    # (max(MAX_TOKENS, n), LAYERS, top_k) bf16 weights channel beside buffer
+    weights_buffer: torch.Tensor
     # (1,) int32 = [n]: LOCAL counts
     counts: torch.Tensor
     # (n * 4, E) bf16 logits of a 4-rank gather and its (4,) int32 counts (rank 3 is us)
@@ -104,6 +108,9 @@ def make_inputs(case: Case, n: int, device) -> Inputs:
         logits=logits,
         bias=bias,
         buffer=torch.zeros(max(MAX_TOKENS, n), LAYERS, case.top_k, dtype=torch.int32, device=device),
+        weights_buffer=torch.zeros(
+            max(MAX_TOKENS, n), LAYERS, case.top_k, dtype=torch.bfloat16, device=device
+        ),
         counts=torch.tensor([n], dtype=torch.int32, device=device),
         gathered_logits=torch.randn(n * dp, case.num_experts, device=device, generator=g).to(torch.bfloat16),
         gathered_counts=torch.full((dp,), n, dtype=torch.int32, device=device),
@@ -118,6 +125,12 @@ def peer_triton(case: Case, x: Inputs) -> Callable[[], object]:
 def peer_triton_capture(case: Case, x: Inputs) -> Callable[[], object]:
     kw = x.kwargs(case)
     target = CaptureTarget(x.buffer, LAYERS - 1, token_counts=x.counts)
+    return lambda: route(x.logits, case.top_k, case.method, capture=target, backend="triton", **kw)
+
+
+def peer_triton_capture_weights(case: Case, x: Inputs) -> Callable[[], object]:
+    kw = x.kwargs(case)
+    target = CaptureTarget(x.buffer, LAYERS - 1, token_counts=x.counts, weights_buffer=x.weights_buffer)
     return lambda: route(x.logits, case.top_k, case.method, capture=target, backend="triton", **kw)
 
 
@@ -217,6 +230,7 @@ def peer_flashinfer_route(case: Case, x: Inputs) -> Callable[[], object] | None:
 # name -> builder(case, inputs) -> zero-argument callable (or None: not measured for this case)
 PEERS: dict[str, Callable[[Case, Inputs], Callable[[], object] | None]] = {
     "triton+capture": peer_triton_capture,
+    "triton+capture+w": peer_triton_capture_weights,
     "triton": peer_triton,
     "flashinfer": peer_flashinfer_kernel(replay=False),
     "flashinfer+replay": peer_flashinfer_kernel(replay=True),
@@ -236,6 +250,14 @@ def check_capture(case: Case, x: Inputs, n: int) -> None:
     torch.cuda.synchronize()
     assert torch.equal(x.buffer[:n, LAYERS - 1], ids), "benchmark capture wrote wrong rows"
     assert (x.buffer[n:] == -1).all() and (x.buffer[:, : LAYERS - 1] == -1).all()
+    # with the weights channel: the same ids, and the weights route returned, rounded to bf16
+    x.buffer.fill_(-1)
+    x.weights_buffer.fill_(float("nan"))
+    weights, ids = peer_triton_capture_weights(case, x)()
+    torch.cuda.synchronize()
+    assert torch.equal(x.buffer[:n, LAYERS - 1], ids), "benchmark capture (+weights) wrote wrong ids"
+    assert torch.equal(x.weights_buffer[:n, LAYERS - 1], weights.to(torch.bfloat16)), "wrong weights"
+    assert x.weights_buffer[n:].isnan().all() and x.weights_buffer[:, : LAYERS - 1].isnan().all()
 
 
 # peers timed inside graphs of GRAPH_CALLS calls, and the slow references in graphs of REF_CALLS
@@ -258,6 +280,8 @@ def measure(sizes: list[int], cases=CASES) -> tuple[Table, Table]:
             "n",
             "capture/route graph",
             "capture/route device",
+            "capture+w/route graph",
+            "capture+w/route device",
             "capture/FI graph",
             "capture/FI device",
             "capture/FI quoted",
@@ -294,6 +318,8 @@ def measure(sizes: list[int], cases=CASES) -> tuple[Table, Table]:
                 n,
                 graph["triton+capture"] / graph["triton"],
                 device["triton+capture"] / device["triton"],
+                graph["triton+capture+w"] / graph["triton"],
+                device["triton+capture+w"] / device["triton"],
                 graph["triton+capture"] / fi if fi else "",
                 device["triton+capture"] / device["flashinfer"] if fi else "",
                 graph["triton+capture"] / quoted if quoted else "",

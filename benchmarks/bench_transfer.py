@@ -87,7 +87,8 @@ from moe_ops import (
     encode_routing_bytes,
     encode_routing_weights,
 )
-from moe_ops.channels import IDS, Channel
+from moe_ops.capture.capturer import weights_channel
+from moe_ops.channels import IDS
 from moe_ops.wire import HAS_PYBASE64
 
 LAYERS, TOP_K, EXPERTS, STEP_TOKENS, REQUEST_TOKENS = 61, 8, 256, 8192, 32768
@@ -110,9 +111,20 @@ def _median_s(fn, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-# the weights channel the benchmark carries beside the ids: float16 rows in the ring and the store
-# (2 bytes an entry, as bfloat16 on moe-ops' wire; a bfloat16 router buffer is cast on the device)
-WEIGHTS = Channel("weights", np.float16)
+# the weights channel the benchmark carries beside the ids: RoutingCapturer(weights_dtype=bfloat16)'s,
+# the bfloat16 buffer's 16 bits in a uint16 channel (2 bytes an entry in the ring, the store and
+# moe-ops' wire; no cast on the device: the pipeline stages the int16 view)
+WEIGHTS = weights_channel(LAYERS, TOP_K, torch.bfloat16)
+
+
+def weights_source(weights: torch.Tensor) -> torch.Tensor:
+    """What the capturer hands the pipeline for a bfloat16 weights buffer: its bits (int16 view)."""
+    return weights.view(torch.int16)
+
+
+def bf16_bits(weights: torch.Tensor) -> np.ndarray:
+    """A bfloat16 tensor's bits as the uint16 array the channel delivers."""
+    return weights.cpu().view(torch.int16).numpy().view(np.uint16)
 
 
 def bytes_per_step(weights: bool = True) -> Table:
@@ -134,13 +146,13 @@ def bytes_per_step(weights: bool = True) -> Table:
     n = 4
     ids = torch.randint(0, EXPERTS, (n, LAYERS, TOP_K), dtype=torch.int32)
     src = torch.rand(n, LAYERS, TOP_K).to(torch.bfloat16)
-    pipe = TransferPipeline(ids, SHAPE.id_dtype, extra_channels=[(WEIGHTS, src)])
+    pipe = TransferPipeline(ids, SHAPE.id_dtype, extra_channels=[(WEIGHTS, weights_source(src))])
     with pipe.snapshot(n) as handle:
         rows = handle.results()
-    assert np.array_equal(rows["weights"], src.float().numpy().astype(np.float16)), "weights rows wrong"
+    assert np.array_equal(rows["weights"], bf16_bits(src)), "weights rows wrong"
     ring = sum(a.nbytes for a in rows.values()) / (n * LAYERS * TOP_K)
     table.add(
-        f"ring: ids + {WEIGHTS.dtype} weights",
+        "ring: ids + bfloat16 weights (uint16 bits)",
         entries * ring,
         entries * ring / 2**20,
         ring / 4,
@@ -154,10 +166,10 @@ def bytes_per_step(weights: bool = True) -> Table:
 
 
 def d2h_with_weights(sizes: list[int], reps: int, trials: int) -> Table:
-    """The snapshot pipeline with the weights channel on (narrow ids + float16 weights from a
-    bfloat16 source) against plain pinned copies of the same narrow bytes (two copies, one per
-    channel: the peer), and against the ids-only pipeline (``weights_cost``: its time over the
-    ids-only time, beside ``bytes_ratio``)."""
+    """The snapshot pipeline with the weights channel on (narrow ids + a bfloat16 buffer's bits, as
+    ``RoutingCapturer(weights_dtype=torch.bfloat16)`` carries them) against plain pinned copies of
+    the same narrow bytes (two copies, one per channel: the peer), and against the ids-only
+    pipeline (``weights_cost``: its time over the ids-only time, beside ``bytes_ratio``)."""
     dev = torch.device("cuda")
     table = Table(
         "D2H with the weights channel: snapshot pipeline vs plain pinned copies (GB/s of narrow bytes)",
@@ -169,21 +181,24 @@ def d2h_with_weights(sizes: list[int], reps: int, trials: int) -> Table:
             "ratio",
             "ids_only_GBps",
             "weights_cost",
+            "bytes_ratio",
             "target",
         ],
     )
     max_tokens = max(sizes)
     source = torch.randint(0, EXPERTS, (max_tokens, LAYERS, TOP_K), dtype=torch.int32, device=dev)
     weights = torch.rand(max_tokens, LAYERS, TOP_K, device=dev).to(torch.bfloat16)
-    pipe = TransferPipeline(source, SHAPE.id_dtype, depth=4, extra_channels=[(WEIGHTS, weights)])
+    pipe = TransferPipeline(
+        source, SHAPE.id_dtype, depth=4, extra_channels=[(WEIGHTS, weights_source(weights))]
+    )
     ids_only = TransferPipeline(source, SHAPE.id_dtype, depth=4)
     # the peer copies the same bytes: the id dtype's width as a signed torch dtype (torch's uint16
     # has few kernels); values < 256 read the same in either
     id_width = SHAPE.id_dtype.itemsize
     peer_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[id_width]
-    narrow_dev, half_dev = source.to(peer_dtype), weights.to(torch.float16)
+    narrow_dev, half_dev = source.to(peer_dtype), weights_source(weights)
     narrow_host = torch.empty(narrow_dev.shape, dtype=peer_dtype, pin_memory=True)
-    half_host = torch.empty(half_dev.shape, dtype=torch.float16, pin_memory=True)
+    half_host = torch.empty(half_dev.shape, dtype=torch.int16, pin_memory=True)
     copy_stream = torch.cuda.Stream()
     for n in sizes:
         ids_bytes = n * LAYERS * TOP_K * id_width
@@ -218,7 +233,7 @@ def d2h_with_weights(sizes: list[int], reps: int, trials: int) -> Table:
         with pipe.snapshot(n) as h:
             got = h.results(copy=False)
             assert np.array_equal(got[IDS], source[:n].cpu().numpy()), "snapshot ids wrong"
-            assert np.array_equal(got["weights"], half_dev[:n].cpu().numpy()), "snapshot weights wrong"
+            assert np.array_equal(got["weights"], bf16_bits(weights[:n])), "snapshot weights wrong"
         peer_gbs, ours_gbs = nbytes * reps / peer / 1e9, nbytes * reps / ours / 1e9
         table.add(
             n,
@@ -727,7 +742,7 @@ def dry_run(cases, run) -> list[Table]:
     for n in (1, 5):
         ids = torch.randint(0, EXPERTS, (8, LAYERS, TOP_K), dtype=torch.int32)
         w = torch.rand(8, LAYERS, TOP_K).to(torch.bfloat16)
-        pipe = TransferPipeline(ids, SHAPE.id_dtype, extra_channels=[(WEIGHTS, w)])
+        pipe = TransferPipeline(ids, SHAPE.id_dtype, extra_channels=[(WEIGHTS, weights_source(w))])
         ledger = RoutingLedger(SlotStore(16, SHAPE, extra_channels=[WEIGHTS]), 16)
         ledger.add_request("r")
         ledger.append_blocks("r", [0])

@@ -79,16 +79,19 @@ def test_runner_dry_runs_every_registered_benchmark(benches, tmp_path, capsys):
     e2e = [r for r in rows if r["bench"] == "e2e"]
     bench_e2e = sys.modules["benchmarks.bench_e2e"]
     checked = {
-        (r["mode"], r["kind"], int(r["tokens"]), r["peer"])
+        (r["mode"], r["kind"], int(r["tokens"]), r["peer"], r["checked"])
         for r in e2e
-        if r["checked"] == "capture == routed ids"
+        if r["checked"].startswith("capture == routed ids")
     }
     batches = [("decode", n) for n in bench_e2e.DRY_BATCHES] + [("prefill", n) for n in bench_e2e.DRY_PREFILL]
     assert bench_e2e.DRY_MODES == ("eager", "compiled")
+    # the +w peers also checked that every routed row's weights were written, and nothing past them
+    what = {p: "capture == routed ids" for p in ("on", "on+snapshot")}
+    what.update({p: "capture == routed ids, weights written" for p in ("on+w", "on+w+snapshot")})
     assert checked == {
-        (m, k, n, p) for m in bench_e2e.DRY_MODES for k, n in batches for p in ("on", "on+snapshot")
+        (m, k, n, p, w) for m in bench_e2e.DRY_MODES for k, n in batches for p, w in what.items()
     }
-    assert {r["peer"] for r in e2e} == {"off", "on", "on+snapshot", "off[auto]"}
+    assert {r["peer"] for r in e2e} == {"off", "on", "on+snapshot", "on+w", "on+w+snapshot", "off[auto]"}
     dist = [r for r in rows if r["bench"] == "distributed"]
     assert [r["case"] for r in dist] == [c.name for c in BENCH_CASES["distributed"]]
 

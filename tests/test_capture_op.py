@@ -69,9 +69,11 @@ def run_capture(impl: str, case, buffer, topk_ids, counts, sizes) -> torch.Tenso
         errors,
         no_stamps,
         no_stamps,
+        torch.empty(0, dtype=torch.int32, device=buffer.device),  # no expert map
         case.layer_id,
         case.dp_rank,
         n_first,
+        0,
     )
     return errors
 
@@ -218,12 +220,15 @@ def test_no_retrace_per_layer_or_count():
         return len(kern.device_caches[device.index or 0][0])
 
     none = torch.empty(0, dtype=torch.float32, device=device)  # no weights
-    capture_rows_triton(buf, ids, none, none, counts, counts, errors, stamps, step, 0, 0, 0)
+    no_map = torch.empty(0, dtype=torch.int32, device=device)  # no expert map
+    capture_rows_triton(buf, ids, none, none, counts, counts, errors, stamps, step, no_map, 0, 0, 0, 0)
     before = variants()
     for layer in range(8):
         for live in ([48, 40], [3, 5], [17, 0], [0, 9]):
             counts.copy_(torch.tensor(live, dtype=torch.int32))
-            capture_rows_triton(buf, ids, none, none, counts, counts, errors, stamps, step, layer, 0, 0)
+            capture_rows_triton(
+                buf, ids, none, none, counts, counts, errors, stamps, step, no_map, layer, 0, 0, 0
+            )
             assert torch.equal(buf[: live[0], layer], ids[: live[0]])
     assert variants() == before, f"{variants() - before} new compiled variants for new layers/counts"
 
@@ -327,10 +332,11 @@ def test_opcheck_cpu():
     step = torch.ones(1, dtype=torch.int32)
     weights = torch.rand(10, 4)
     wbuf = torch.full((8, 3, 4), float("nan"), dtype=torch.bfloat16)
+    expert_map = torch.arange(64, dtype=torch.int64) % 48  # 64 physical slots on 48 logical experts
     # GATHERED, rank 1 of 2: sizes = counts, one entry before this rank
     torch.library.opcheck(
         torch.ops.moe_ops.capture_routing_.default,
-        (buf, ids, weights, wbuf, counts, counts, errors, stamps, step, 1, 1, 1),
+        (buf, ids, weights, wbuf, counts, counts, errors, stamps, step, expert_map, 1, 1, 1, 48),
     )
 
 
@@ -348,8 +354,18 @@ def _reference_case(device, seed):
     step = torch.full((1,), 7, dtype=torch.int32)
     weights = torch.randn(10, 4, generator=gen)
     wbuf = torch.full((8, 3, 4), float("nan"), dtype=torch.bfloat16)  # poison: NaN, no weight
-    tensors = [t.to(device) for t in (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step)]
-    return tensors, (2, 1, 2)  # SHARDED, rank 1 of 2 with 2 shards each: two sizes before its rows
+    if seed % 2:
+        # an EPLB map of 40 physical slots on 32 logical experts, two entries outside the range:
+        # ids >= 40 are bad ids, ids on those two slots bad map entries
+        expert_map = torch.randint(0, 32, (40,), dtype=torch.int32, generator=gen)
+        expert_map[[5, 17]] = torch.tensor([-1, 32], dtype=torch.int32)
+        n_logical = 32
+    else:
+        expert_map, n_logical = torch.empty(0, dtype=torch.int32), 0  # no map
+    tensors = [
+        t.to(device) for t in (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step, expert_map)
+    ]
+    return tensors, (2, 1, 2, n_logical)  # SHARDED, rank 1 of 2 with 2 shards each: two sizes before its rows
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -357,12 +373,15 @@ def _reference_case(device, seed):
 def test_reference_op_writes_what_the_kernel_op_writes(device, seed):
     """``capture_routing_reference_`` (the twin, on every device) and ``capture_routing_`` (the
     Triton kernel on CUDA or interpreted, the twin otherwise) write the same rows, stamps and
-    faults, and bfloat16 weights (bit for bit), counts over and under the buffer included."""
-    (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step), ints = _reference_case(device, seed)
+    faults, and bfloat16 weights (bit for bit), counts over and under the buffer included; odd
+    seeds through an EPLB expert map."""
+    (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step, emap), ints = _reference_case(device, seed)
     ref = [t.clone() for t in (buf, wbuf, errors, stamps)]
-    torch.ops.moe_ops.capture_routing_(buf, ids, weights, wbuf, counts, sizes, errors, stamps, step, *ints)
+    torch.ops.moe_ops.capture_routing_(
+        buf, ids, weights, wbuf, counts, sizes, errors, stamps, step, emap, *ints
+    )
     torch.ops.moe_ops.capture_routing_reference_(
-        ref[0], ids, weights, ref[1], counts, sizes, ref[2], ref[3], step, *ints
+        ref[0], ids, weights, ref[1], counts, sizes, ref[2], ref[3], step, emap, *ints
     )
     for got, want in zip(
         (buf, wbuf.view(torch.int16), errors, stamps), (ref[0], ref[1].view(torch.int16), *ref[2:])
@@ -371,7 +390,7 @@ def test_reference_op_writes_what_the_kernel_op_writes(device, seed):
     assert (stamps == 7).any()  # the layer was stamped: the case is not vacuous
     torch.library.opcheck(
         torch.ops.moe_ops.capture_routing_reference_.default,
-        (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step, *ints),
+        (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step, emap, *ints),
     )
 
 
@@ -386,10 +405,11 @@ def test_opcheck_cuda(cuda_device):
     step = torch.ones(1, dtype=torch.int32, device=cuda_device)
     weights = torch.rand(10, 4, device=cuda_device)
     wbuf = torch.full((8, 3, 4), float("nan"), dtype=torch.float16, device=cuda_device)
+    expert_map = torch.arange(64, dtype=torch.int32, device=cuda_device) % 48
     # SHARDED, rank 1 of 2 with 2 shards each: two entries before this rank
     torch.library.opcheck(
         torch.ops.moe_ops.capture_routing_.default,
-        (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step, 2, 1, 2),
+        (buf, ids, weights, wbuf, counts, sizes, errors, stamps, step, expert_map, 2, 1, 2, 48),
     )
 
 

@@ -31,19 +31,21 @@ from moe_ops.router.op import ROUTE_CAPTURE
 # torch.ops.moe_ops.* hold them), written out: a generated schema must be this string. The weights
 # buffer added topk_weights and weights_buffer to the capture op, weights_buffer to route_capture_;
 # route_capture_ also gained the group score's key count (group_top, after unnormalized) and one
-# argument with a default, at its end (num_fused_shared_experts=0), and the non-finite rows counter
-# (nonfinite, mutated, after ids: route_'s own tensors come first).
+# argument with a default, at its end (num_fused_shared_experts=0). The EPLB expert map added
+# expert_map (after step) and num_logical_experts (after n_first) to both; the non-finite rows
+# counter added nonfinite (mutated, after ids: route_'s own tensors come first) to route_capture_.
 CAPTURE_SCHEMA = (
     "(Tensor(a0!) buffer, Tensor topk_ids, Tensor topk_weights, Tensor(a3!) weights_buffer, "
     "Tensor token_counts, Tensor sizes, Tensor(a6!) errors, Tensor(a7!) stamps, Tensor step, "
-    "SymInt layer_id, SymInt dp_rank, SymInt n_first) -> ()"
+    "Tensor expert_map, SymInt layer_id, SymInt dp_rank, SymInt n_first, SymInt num_logical_experts) -> ()"
 )
 ROUTE_CAPTURE_SCHEMA = (
     "(Tensor router_logits, Tensor? bias, Tensor(a2!) weights, Tensor(a3!) ids, Tensor(a4!) nonfinite, "
     "Tensor(a5!) buffer, Tensor(a6!) weights_buffer, Tensor token_counts, Tensor sizes, "
-    "Tensor(a9!) errors, Tensor(a10!) stamps, Tensor step, SymInt method, SymInt n_group, SymInt topk_group, "
+    "Tensor(a9!) errors, Tensor(a10!) stamps, Tensor step, Tensor expert_map, SymInt method, SymInt n_group, "
+    "SymInt topk_group, "
     "float routed_scaling_factor, bool unnormalized, SymInt group_top, SymInt layer_id, SymInt dp_rank, "
-    "SymInt n_first, SymInt num_fused_shared_experts=0) -> ()"
+    "SymInt n_first, SymInt num_logical_experts, SymInt num_fused_shared_experts=0) -> ()"
 )
 
 
@@ -120,9 +122,9 @@ def test_absent_kernel_args_fill_the_capture_slots():
 
 
 @settings(max_examples=60, deadline=None)
-@given(case=capture_cases(), stamped=..., own_counter=..., weighted=...)
+@given(case=capture_cases(), stamped=..., own_counter=..., weighted=..., mapped=...)
 def test_target_resolves_to_the_spec_the_ops_and_kernels_take(
-    case, stamped: bool, own_counter: bool, weighted: bool
+    case, stamped: bool, own_counter: bool, weighted: bool, mapped: bool
 ):
     """Every layout and memory layout (strided, sliced, expanded): the target's spec holds the
     target's tensors, the op's arguments are the order the capture op has always taken, and the
@@ -134,6 +136,8 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(
     # a strided view (a column slice of a wider tensor): its strides reach the kernels as they are
     wide = torch.zeros(case.max_tokens, case.num_layers, case.top_k + 1, dtype=torch.bfloat16)
     weights_buffer = wide[..., 1:] if weighted else None
+    # a column of a (P, 3) map: stride 3 reaches the kernels as it is
+    expert_map = torch.zeros(20, 3, dtype=torch.int64)[:, 1] if mapped else None
     target = CaptureTarget(
         buffer,
         case.layer_id,
@@ -145,6 +149,8 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(
         layer_stamps=stamps,
         step_tensor=step,
         weights_buffer=weights_buffer,
+        expert_map=expert_map,
+        num_logical_experts=16 if mapped else None,
     )
     spec = target.spec
     errors = counter.tensor if own_counter else capture_error_counter("cpu")
@@ -158,6 +164,12 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(
         assert spec.weights_buffer is weights_buffer
     else:
         assert spec.weights_buffer.shape == (0,) and spec.weights_buffer.dtype == torch.float32
+    if mapped:
+        assert spec.expert_map is expert_map and spec.num_logical_experts == 16
+    else:
+        assert spec.expert_map.shape == (0,) and spec.expert_map.dtype == torch.int32
+        assert spec.num_logical_experts == 0
+    assert spec.expert_map is not spec.stamps  # the op reads one and writes the other
     assert (spec.layer_id, spec.dp_rank, spec.n_first) == (case.layer_id, case.dp_rank, target.n_first)
 
     topk_weights = torch.zeros(topk_ids.shape)
@@ -172,9 +184,10 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(
         errors,
         spec.stamps,
         spec.step,
+        spec.expert_map,
     )
-    assert all(a is b for a, b in zip(op_args[:9], order, strict=True))
-    assert op_args[9:] == (case.layer_id, case.dp_rank, target.n_first)
+    assert all(a is b for a, b in zip(op_args[:10], order, strict=True))
+    assert op_args[10:] == (case.layer_id, case.dp_rank, target.n_first, spec.num_logical_experts)
     assert CAPTURE_OP.split(op_args)[1] == spec
 
     own_pointers, own_scalars = (topk_ids,), (topk_ids.shape[0], 5)
@@ -191,6 +204,7 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(
         errors_ptr=errors,
         stamps_ptr=spec.stamps,
         step_ptr=spec.step,
+        map_ptr=spec.expert_map,
     )
     assert all(by_name[name] is t for name, t in pointers.items())
     ints = {name: v for name, v in by_name.items() if name not in pointers}
@@ -207,6 +221,9 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(
         stride_vk=weights_buffer.stride(2) if weighted else 0,
         stride_c=counts.stride(0),
         stride_s=target.sizes.stride(0),
+        n_physical=20 if mapped else 0,
+        n_logical=16 if mapped else 0,
+        stride_map=3 if mapped else 1,
     )
     n_sizes = target.sizes.shape[0]
     assert spec.kernel_constexprs() == dict(
@@ -214,13 +231,14 @@ def test_target_resolves_to_the_spec_the_ops_and_kernels_take(
         HAS_OFFSET=target.n_first > 0,
         STAMP=stamped,
         WEIGHTS=weighted,
+        EXPERT_MAP=mapped,
     )
 
 
 def test_route_capture_arguments_round_trip():
     """route's arguments and a spec, joined into the op's order and split back."""
     host = (*(torch.full((1,), i) for i in range(5)), 0, 1, 1, 2.5, False, 3, 2)  # group_top 3, 2 shared
-    spec = CaptureSpec(*(torch.full((1,), 10 + i) for i in range(7)), 3, 1, 2)
+    spec = CaptureSpec(*(torch.full((1,), 10 + i) for i in range(8)), 3, 1, 2, 16)
     args = ROUTE_CAPTURE.join(host, spec)
     assert len(args) == len(ROUTE_CAPTURE_SCHEMA.split(", "))
     back_host, back_spec = ROUTE_CAPTURE.split(args)

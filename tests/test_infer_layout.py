@@ -215,9 +215,11 @@ def op_reads(layout, shard_sizes, views, counts, dp_rank, *, public_op=False):
                 errors,
                 empty,
                 empty,
+                target.spec.expert_map,
                 0,
                 dp_rank,
                 target.n_first,
+                0,
             )
             assert not errors.any(), f"the op recorded faults: {errors.tolist()}"
         assert (buffer[c:] == POISON).all()

@@ -47,16 +47,33 @@ def _args(buffer, ids, counts, layer):
         errors,
         stamps,
         step,
+        target.spec.expert_map,
         layer,
         1,
         target.n_first,
+        0,
     )
 
 
 def _runtime(args):
     """The kernel's runtime arguments for ``_args``' capture-op arguments, in the kernel's order
     (moe_ops.capture.spec.kernel_args: the kernel's own pointers and scalars, then the capture's)."""
-    buffer, ids, topk_weights, wbuf, counts, sizes, errors, stamps, step, layer, dp_rank, n_first = args
+    (
+        buffer,
+        ids,
+        topk_weights,
+        wbuf,
+        counts,
+        sizes,
+        errors,
+        stamps,
+        step,
+        emap,
+        layer,
+        dp_rank,
+        n_first,
+        n_logical,
+    ) = args
     own_scalars = (ids.shape[0], *ids.stride(), 0, 0, ids.shape[1])  # 0, 0: the unread weights' strides
     return kernel_args(
         (ids, topk_weights),
@@ -68,9 +85,11 @@ def _runtime(args):
         errors,
         stamps,
         step,
+        emap,
         layer,
         dp_rank,
         n_first,
+        n_logical,
     )
 
 
@@ -95,7 +114,7 @@ def test_launcher_writes_what_the_twin_writes_and_reuses_tritons_kernel(cuda_dev
     n_src, top_k = ids.shape
     args = _args(buffer, ids, counts, 0)
     grid, num_warps, constexprs = capture_kernels._capture_plan(
-        n_src, top_k, buffer.shape[0], args[-1], args[5].shape[0], buffer.dtype, ids.dtype, False
+        n_src, top_k, buffer.shape[0], args[-2], args[5].shape[0], buffer.dtype, ids.dtype, False
     )
     runtime = _runtime(args)
     key = launcher.key(runtime, constexprs, num_warps, torch.cuda.current_device())
@@ -113,7 +132,7 @@ def test_the_cache_holds_one_kernel_per_triton_specialisation(cuda_device):
             args = _args(buffer, ids, counts, 0)
             n_src, top_k = ids.shape
             grid, num_warps, constexprs = capture_kernels._capture_plan(
-                n_src, top_k, buffer.shape[0], args[-1], args[5].shape[0], buffer.dtype, ids.dtype, False
+                n_src, top_k, buffer.shape[0], args[-2], args[5].shape[0], buffer.dtype, ids.dtype, False
             )
             runtime = _runtime(args)
             buffer.fill_(POISON)

@@ -80,27 +80,27 @@ for ft in ("fp64", "fp32"):
         build(f"backward {ft} {name}", _replay_backward_kernel, bwd, ce, 4)
 ptrs = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", scale="fp32",
             **{n: "*i32" for n in ("ids_ptr", "nonfinite_ptr", "buf_ptr", "counts_ptr", "sizes_ptr",
-                                   "errors_ptr", "stamps_ptr", "step_ptr")})
+                                   "errors_ptr", "stamps_ptr", "step_ptr", "map_ptr")})
 ce = dict(METHOD=int(M.SIGMOID_RENORM), UNNORM=False, HAS_BIAS=False, GROUPED=False, CAPTURE=False,
           BLOCK_M=1, GROUP_TOP=2,
-          NG_PAD=1, G_PAD=32, K_PAD=4, S_PAD=1, HAS_OFFSET=False, STAMP=False, N_SHARED=0,
+          NG_PAD=1, G_PAD=32, K_PAD=4, S_PAD=1, HAS_OFFSET=False, STAMP=False, EXPERT_MAP=False, N_SHARED=0,
           CAPTURE_SHARED=False)
 build("route fp32 SIGMOID_RENORM", _route_kernel, ptrs, ce, 1)
 from moe_ops.router.hash_kernels import _route_hash_kernel
 hash_ptrs = dict(logits_ptr="*fp32", table_ptr="*i64", tok_ptr="*i32", weights_ptr="*fp32", scale="fp32",
                  wbuf_ptr="*fp32",
                  **{n: "*i32" for n in ("ids_ptr", "faults_ptr", "nonfinite_ptr", "buf_ptr", "counts_ptr",
-                                        "sizes_ptr", "errors_ptr", "stamps_ptr", "step_ptr")})
+                                        "sizes_ptr", "errors_ptr", "stamps_ptr", "step_ptr", "map_ptr")})
 for m in M:
     ce = dict(METHOD=int(m), UNNORM=False, CAPTURE=True, BLOCK_M=2, E_PAD=32, K_PAD=METHODS[m].top_k or 4,
-              S_PAD=1, HAS_OFFSET=False, STAMP=True, WEIGHTS=True)
+              S_PAD=1, HAS_OFFSET=False, STAMP=True, WEIGHTS=True, EXPERT_MAP=False)
     build(f"hash-route fp32:{m.name}", _route_hash_kernel, hash_ptrs, ce, 4)
 # the launch tile (32 rows) with one or two columns and bf16 logits: triton 3.6 once failed to build
 # this capturing variant ("operand #0 does not dominate this use") when the ids were stored after
 # the weights' gather; the small tiles above did not show it
 for k_pad in (1, 2):
     ce = dict(METHOD=int(M.LLAMA4), UNNORM=False, CAPTURE=True, BLOCK_M=32, E_PAD=16, K_PAD=k_pad,
-              S_PAD=2, HAS_OFFSET=False, STAMP=False, WEIGHTS=False)
+              S_PAD=2, HAS_OFFSET=False, STAMP=False, WEIGHTS=False, EXPERT_MAP=False)
     build(f"hash-route bf16:launch tile K_PAD={k_pad}", _route_hash_kernel,
           dict(hash_ptrs, logits_ptr="*bf16", buf_ptr="*i64"), ce, 4)
 print(json.dumps(out))

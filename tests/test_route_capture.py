@@ -177,9 +177,11 @@ def test_kernel_programs_split_the_capture_window(device, block_ms, extra, data)
             errors,
             no_stamps,
             no_stamps,
+            torch.empty(0, dtype=torch.int32, device=device),  # no expert map
             case.layer_id,
             case.dp_rank,
             n_first,
+            0,
         )
         args = (logits, bias, w, ids, int(router.config.method), n_group, topk_group, scale, fused)
         if impl == "triton":

@@ -137,10 +137,12 @@ def _opcheck_args(device):
             errors,
             stamps,
             step,
+            torch.empty(0, dtype=torch.int32, device=device),  # no expert map: route's ids are logical
             *route_args,
             2,
             1,
             2,  # SHARDED rank 1 of 2 ranks x 2 shards: two sizes precede its rows
+            0,
         ),
     )
 

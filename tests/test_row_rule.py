@@ -60,7 +60,23 @@ def kernel_capture(impl, buffer, ids, counts, layer_id, dp_rank, layout, shard_s
     sizes, n_first = plan_window(BatchLayout(layout), counts, dp_rank, shard_sizes, buffer.device)
     fn = capture_rows_triton if impl_name == "triton" else capture_rows_torch
     no_weights = torch.empty(0, dtype=torch.float32, device=buffer.device)  # ids only (WEIGHTS off)
-    fn(buffer, ids, no_weights, no_weights, counts, sizes, errors, empty, empty, layer_id, dp_rank, n_first)
+    no_map = torch.empty(0, dtype=torch.int32, device=buffer.device)  # ids as given (EXPERT_MAP off)
+    fn(
+        buffer,
+        ids,
+        no_weights,
+        no_weights,
+        counts,
+        sizes,
+        errors,
+        empty,
+        empty,
+        no_map,
+        layer_id,
+        dp_rank,
+        n_first,
+        0,
+    )
     return FaultReport.of(errors.tolist())
 
 

@@ -53,14 +53,16 @@ def _capture_tensors(n: int, seed: int):
         errors=torch.zeros(FAULT_SLOTS, dtype=torch.int32),
         stamps=torch.full((3,), -1, dtype=torch.int32),
         step=torch.ones(1, dtype=torch.int32),
+        # an EPLB map: 70 physical slots on 64 logical experts (ids -1 stay bad ids)
+        expert_map=torch.arange(70, dtype=torch.int64) % 64,
     )
 
 
 def _capture(t):
-    # SHARDED, rank 1 of 2 with 2 shards each: two sizes precede this rank's rows
+    # SHARDED, rank 1 of 2 with 2 shards each: two sizes precede this rank's rows; 64 logical experts
     torch.ops.moe_ops.capture_routing_(
         t["buffer"], t["ids"], t["topk_weights"], t["wbuf"], t["counts"], t["sizes"], t["errors"],
-        t["stamps"], t["step"], 2, 1, 2,
+        t["stamps"], t["step"], t["expert_map"], 2, 1, 2, 64,
     )  # fmt: skip
 
 
@@ -103,6 +105,7 @@ def _route_args(n: int, seed: int, capture: bool):
     if capture:
         c = _capture_tensors(1, seed)
         del c["ids"], c["topk_weights"]
+        c["expert_map"] = torch.empty(0, dtype=torch.int32)  # route records logical ids: no map
         t.update(c)
     return t
 
@@ -120,7 +123,7 @@ def _route(t):
 def _route_capture(t):
     torch.ops.moe_ops.route_capture_(
         t["logits"], t["bias"], t["weights"], t["ids"], t["nonfinite"], t["buffer"], t["wbuf"], t["counts"],
-        t["sizes"], t["errors"], t["stamps"], t["step"], *_ROUTER_ARGS, 2, 1, 2,
+        t["sizes"], t["errors"], t["stamps"], t["step"], t["expert_map"], *_ROUTER_ARGS, 2, 1, 2, 0,
     )  # fmt: skip
 
 
@@ -149,7 +152,7 @@ def test_opcheck_capture_interpreted():
     torch.library.opcheck(
         torch.ops.moe_ops.capture_routing_.default,
         (t["buffer"], t["ids"], t["topk_weights"], t["wbuf"], t["counts"], t["sizes"], t["errors"],
-         t["stamps"], t["step"], 2, 1, 2),
+         t["stamps"], t["step"], t["expert_map"], 2, 1, 2, 64),
     )  # fmt: skip
 
 
@@ -159,7 +162,8 @@ def test_opcheck_route_interpreted(capture):
     if capture:
         op, args = torch.ops.moe_ops.route_capture_.default, (
             t["logits"], t["bias"], t["weights"], t["ids"], t["nonfinite"], t["buffer"], t["wbuf"],
-            t["counts"], t["sizes"], t["errors"], t["stamps"], t["step"], *_ROUTER_ARGS, 2, 1, 2,
+            t["counts"], t["sizes"], t["errors"], t["stamps"], t["step"], t["expert_map"], *_ROUTER_ARGS,
+            2, 1, 2, 0,
         )  # fmt: skip
     else:
         op, args = (

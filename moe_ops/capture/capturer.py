@@ -382,6 +382,8 @@ class RoutingCapturer:
         weights: torch.Tensor | None = None,
         *,
         tp_group=None,
+        expert_map: torch.Tensor | None = None,
+        num_logical_experts: int | None = None,
     ) -> None:
         """Records this rank's rows of one MoE layer: ``capture_into(self.target(...), topk_ids,
         weights)``.
@@ -400,10 +402,27 @@ class RoutingCapturer:
                 weights of ``topk_ids``; required when the capturer has ``weights_dtype``, refused
                 (ValueError) when it has not.
             tp_group: SEQUENCE_PARALLEL only, the group to all-gather over.
+            expert_map: EPLB - (P,) int32/int64 on the capturer's device, any stride: this layer's
+                physical -> logical map (e.g. ``physical_to_logical_map[moe_layer]``), for
+                ``topk_ids`` taken after the balancer's mapping; the buffer gets
+                ``expert_map[id]``, read on the device (see ``CaptureTarget``). With it the target
+                is built per call (about 5 us of host time eagerly, not kept).
+            num_logical_experts: required with ``expert_map``: the logical experts.
 
         No host reads, no synchronisation: safe inside torch.compile and CUDA graphs.
         """
-        capture_into(self.target(layer_id, layout, tp_group=tp_group), topk_ids, weights)
+        if expert_map is None and num_logical_experts is None:
+            target = self.target(layer_id, layout, tp_group=tp_group)
+        else:
+            target = CaptureTarget.of(
+                self,
+                self._column(layer_id),
+                layout,
+                tp_group=tp_group,
+                expert_map=expert_map,
+                num_logical_experts=num_logical_experts,
+            )
+        capture_into(target, topk_ids, weights)
 
     def target(
         self,

@@ -15,7 +15,9 @@ Layout of a counter, (FAULT_SLOTS,) int32 on the device, only ever incremented b
 
     slot 0              calls that had to clamp their row window (counted once per call)
     slot 1 + log2(bit)  per fault bit: calls with that window fault, or, for FAULT_BAD_ID, ids
-                        that were negative or did not fit the buffer (each stored as -1)
+                        that were negative or did not fit the buffer (or, with an expert map, the
+                        map's physical range), and for FAULT_BAD_MAP, ids the expert map sent
+                        outside the logical range (each stored as -1)
 
 Reading is lossless under concurrency: :meth:`FaultCounter.read_and_reset` copies the slots to the
 host and then SUBTRACTS what it read (an atomic ``index_add_`` on CUDA; under the CPU counters' lock
@@ -44,6 +46,7 @@ from .._runtime.faults import DeviceCounter, cpu_counter_lock, device_counter, e
 
 __all__ = [
     "FAULT_BAD_ID",
+    "FAULT_BAD_MAP",
     "FAULT_BAD_OFFSET",
     "FAULT_DEST_SHORT",
     "FAULT_NEGATIVE_COUNT",
@@ -64,11 +67,22 @@ FAULT_SOURCE_SHORT = 2  # start + c > rows of topk_ids: only the rows that exist
 FAULT_DEST_SHORT = 4  # c > rows of the buffer: only the rows that fit were written
 FAULT_BAD_OFFSET = 8  # a negative size before this rank, or a start past the end of topk_ids
 FAULT_BAD_ID = 16  # an id < 0 or beyond the buffer dtype's range: -1 stored in its place
+# with an expert map: an id p < 0 or >= P (the map's physical slots) is FAULT_BAD_ID; a map entry
+# expert_map[p] outside [0, num_logical_experts) is this one (the map, not the id, is wrong: a
+# balancer that wrote a stale or torn map), -1 stored in its place
+FAULT_BAD_MAP = 32
 # bits that describe the row window (uniform over a call, recorded once per call)
 WINDOW_FAULTS = FAULT_NEGATIVE_COUNT | FAULT_SOURCE_SHORT | FAULT_DEST_SHORT | FAULT_BAD_OFFSET
-# slot 0 + one slot per fault bit, rounded up to a power of two
+# slot 0 + one slot per fault bit, rounded up to a power of two (6 of 8 used; slot 7 is free)
 FAULT_SLOTS = 8
-_BITS = (FAULT_NEGATIVE_COUNT, FAULT_SOURCE_SHORT, FAULT_DEST_SHORT, FAULT_BAD_OFFSET, FAULT_BAD_ID)
+_BITS = (
+    FAULT_NEGATIVE_COUNT,
+    FAULT_SOURCE_SHORT,
+    FAULT_DEST_SHORT,
+    FAULT_BAD_OFFSET,
+    FAULT_BAD_ID,
+    FAULT_BAD_MAP,
+)
 # slot of a fault bit: 1 + log2(bit)
 FAULT_SLOT = {bit: 1 + bit.bit_length() - 1 for bit in _BITS}
 
@@ -77,7 +91,8 @@ _FAULT_NAMES = {
     FAULT_SOURCE_SHORT: "token count larger than the rows of topk_ids left for this rank",
     FAULT_DEST_SHORT: "token count larger than the capture buffer's rows",
     FAULT_BAD_OFFSET: "negative shard size or rank offset past the end of topk_ids",
-    FAULT_BAD_ID: "expert id negative or too large for the buffer dtype (stored as -1)",
+    FAULT_BAD_ID: "expert id negative or too large for the buffer dtype or the expert map (stored as -1)",
+    FAULT_BAD_MAP: "expert map entry outside the logical expert range (stored as -1)",
 }
 
 
@@ -95,8 +110,10 @@ class FaultReport:
     calls: int
     # OR of the fault bits seen (FAULT_* constants)
     flags: int
-    # ids that were negative or too large for the buffer (each stored as -1)
+    # ids that were negative or too large for the buffer or the expert map (each stored as -1)
     bad_ids: int
+    # ids whose expert-map entry was outside the logical range (each stored as -1)
+    bad_mapped: int = 0
 
     @classmethod
     def of(cls, values: list[int]) -> FaultReport:
@@ -106,22 +123,25 @@ class FaultReport:
     @property
     def total(self) -> int:
         """Faults in all: clamped calls plus ids refused."""
-        return self.calls + self.bad_ids
+        return self.calls + self.bad_ids + self.bad_mapped
 
 
 class CaptureFaultError(RuntimeError):
     """Raised by a check when a capture kernel had to clamp a window or refuse an id."""
 
-    def __init__(self, device: torch.device, calls: int, flags: int, bad_ids: int = 0):
+    def __init__(self, device: torch.device, calls: int, flags: int, bad_ids: int = 0, bad_mapped: int = 0):
         self.device, self.calls, self.flags, self.bad_ids = device, calls, flags, bad_ids
+        self.bad_mapped = bad_mapped
         parts = []
         if calls:
             parts.append(f"{calls} routing-capture call(s) on {device} were clamped")
         if bad_ids:
             parts.append(f"{bad_ids} expert id(s) on {device} did not fit the buffer")
+        if bad_mapped:
+            parts.append(f"{bad_mapped} expert id(s) on {device} mapped outside the logical experts")
         super().__init__(
-            f"{' and '.join(parts)}: {describe_faults(flags)}. token_counts/shard_sizes or ids disagree "
-            "with the tensors they describe; rows outside the valid range were not written."
+            f"{' and '.join(parts)}: {describe_faults(flags)}. token_counts/shard_sizes, ids or the expert "
+            "map disagree with the tensors they describe; rows outside the valid range were not written."
         )
 
 
@@ -160,7 +180,9 @@ class FaultCounter(DeviceCounter):
         ``raise_error``. HOST SYNC, as :meth:`read_and_reset`."""
         report = self.read_and_reset() if reset else self.peek()
         if raise_error and report.total:
-            raise CaptureFaultError(self.device, report.calls, report.flags, report.bad_ids)
+            raise CaptureFaultError(
+                self.device, report.calls, report.flags, report.bad_ids, report.bad_mapped
+            )
         return report.total
 
     def __repr__(self) -> str:
@@ -172,7 +194,12 @@ def _report(values: list[int]) -> FaultReport:
     for bit, slot in FAULT_SLOT.items():
         if values[slot]:
             flags |= bit
-    return FaultReport(calls=values[0], flags=flags, bad_ids=values[FAULT_SLOT[FAULT_BAD_ID]])
+    return FaultReport(
+        calls=values[0],
+        flags=flags,
+        bad_ids=values[FAULT_SLOT[FAULT_BAD_ID]],
+        bad_mapped=values[FAULT_SLOT[FAULT_BAD_MAP]],
+    )
 
 
 def device_fault_counter(device: torch.device | str | int | None = None) -> FaultCounter:

@@ -9,11 +9,18 @@ CUDA graph captured once replays correctly for any live counts. Two implementati
 Contract (both): with ``(start, c_eff)`` from :mod:`moe_ops.capture.window` (the one row rule),
 ``buffer[r, layer_id, :] = topk_ids[start + r, :]`` for ``r < c_eff``, except that an id below 0 or
 beyond the buffer dtype's range is stored as -1 and counted (FAULT_BAD_ID, one per id); every
-other element of ``buffer`` keeps its value. With a weights buffer (``weights_buffer`` 3-D; the
-kernel's WEIGHTS), ``weights_buffer[r, layer_id, :] = topk_weights[start + r, :]`` for the same
-rows, cast to its dtype (round to nearest even, as torch's ``.to``); weights are not checked (a NaN
-is stored as a NaN, a row whose id became -1 keeps its weight). A call whose window was clamped
-adds 1 to slot 0 of ``errors`` and 1 to the slot of each fault bit (:mod:`moe_ops.capture.errors`).
+other element of ``buffer`` keeps its value. With an expert map (``expert_map`` non-empty; the
+kernel's EXPERT_MAP: EPLB's physical -> logical map), an id ``p`` is stored as ``expert_map[p]``:
+a ``p`` outside ``[0, P)`` is stored as -1 and counted as FAULT_BAD_ID, an entry outside
+``[0, num_logical_experts)`` is stored as -1 and counted as FAULT_BAD_MAP (one per id); the map is
+read on the device with masked loads (never out of bounds), at every call, so a balancer that
+updates it in place between CUDA-graph replays is seen by the next replay. With a weights buffer
+(``weights_buffer`` 3-D; the kernel's WEIGHTS), ``weights_buffer[r, layer_id, :] =
+topk_weights[start + r, :]`` for the same rows, cast to its dtype (round to nearest even, as
+torch's ``.to``); weights are not checked (a NaN is stored as a NaN, a row whose id became -1
+keeps its weight; the expert map does not touch the weights, which are per column). A call
+whose window was clamped adds 1 to slot 0 of ``errors`` and 1 to the slot of each fault bit
+(:mod:`moe_ops.capture.errors`).
 With a stamp (``stamps`` non-empty), ``stamps[layer_id] = step[0]`` records that the layer was
 captured in the current step (the snapshot reads layers whose stamp is stale as the fill value).
 
@@ -32,6 +39,7 @@ from .._runtime.library import identity
 from .._runtime.triton import HAS_TRITON, next_power_of_2
 from .errors import (
     FAULT_BAD_ID,
+    FAULT_BAD_MAP,
     FAULT_SLOT,
     FAULT_SLOTS,
     WINDOW_FAULTS,
@@ -40,7 +48,14 @@ from .errors import (
 from .spec import kernel_args, kernel_constexprs
 from .window import rows_window_torch
 
-__all__ = ["capture_rows_torch", "capture_rows_triton", "id_limit", "launch_config", "size_hint"]
+__all__ = [
+    "capture_rows_torch",
+    "capture_rows_triton",
+    "id_limit",
+    "launch_config",
+    "mapped_ids_torch",
+    "size_hint",
+]
 
 # At most 1024 ids per program (n=8192, k=8 uses 64 programs); a batch smaller than that gets a
 # tile just big enough. Inside a CUDA graph of 61 layers on an H200 (n=1, k=8, LOCAL), per layer:
@@ -93,6 +108,7 @@ if HAS_TRITON:
     # Triton kernels may only read globals that are constexpr.
     _WINDOW_FAULTS = tl.constexpr(WINDOW_FAULTS)
     _BAD_ID_SLOT = tl.constexpr(FAULT_SLOT[FAULT_BAD_ID])
+    _BAD_MAP_SLOT = tl.constexpr(FAULT_SLOT[FAULT_BAD_MAP])
     _N_WINDOW_BITS = tl.constexpr(WINDOW_FAULTS.bit_length())
 
     @triton.jit
@@ -111,6 +127,11 @@ if HAS_TRITON:
         every atomic is predicated off (H200, 61-layer graph at n=1: a row-count reduction here
         cost 0.07 us per layer)."""
         tl.atomic_add(errors_ptr + _BAD_ID_SLOT + bad.to(tl.int32) * 0, bad.to(tl.int32), mask=bad)
+
+    @triton.jit
+    def record_bad_map(errors_ptr, bad):
+        """As :func:`record_bad_ids`, for ids whose expert-map entry was outside the logical range."""
+        tl.atomic_add(errors_ptr + _BAD_MAP_SLOT + bad.to(tl.int32) * 0, bad.to(tl.int32), mask=bad)
 
     @triton.jit
     def record_stamp(stamps_ptr, step_ptr, layer_id):
@@ -151,6 +172,25 @@ if HAS_TRITON:
         bad = bad & mask
         return tl.where(bad, -1, ids), bad
 
+    @triton.jit
+    def physical_slots(ids, n_physical):
+        """(int64 ids, where an id is outside the map's slots ``[0, n_physical)``). The kernels load
+        ``map[ids]`` themselves, masked by the second (never out of bounds): a map pointer passed
+        into a helper whose result reaches an atomic's address reads, to torch's mutation analysis
+        of traced kernels, as a written map (it would clone the map and copy it back)."""
+        wide = ids.to(tl.int64)
+        return wide, (wide < 0) | (wide >= n_physical)
+
+    @triton.jit
+    def checked_logical(logical, outside, mask, n_logical):
+        """(logical ids with -1 where the physical id or its map entry does not fit, physical
+        ids outside the map among ``mask`` (FAULT_BAD_ID), entries outside ``[0, n_logical)``
+        among ``mask`` (FAULT_BAD_MAP))."""
+        bad_id = outside & mask
+        logical = logical.to(tl.int64)
+        bad_map = ((logical < 0) | (logical >= n_logical)) & ~outside & mask
+        return tl.where(bad_id | bad_map, -1, logical), bad_id, bad_map
+
     # Counts live on the device, so nothing that changes per step is a specialisation key: the
     # row count n_src, the layer and the rank are runtime ints (no recompile per layer or batch).
     # Strides other than the innermost ones are runtime values too: specialising them (Triton keys
@@ -168,6 +208,8 @@ if HAS_TRITON:
             "stride_bm",
             "stride_bl",
             "stride_im",
+            "n_physical",
+            "n_logical",
         ]
     )
     def _capture_rows_kernel(
@@ -181,6 +223,7 @@ if HAS_TRITON:
         errors_ptr,
         stamps_ptr,
         step_ptr,
+        map_ptr,
         n_src,
         stride_im,
         stride_ik,
@@ -200,6 +243,9 @@ if HAS_TRITON:
         stride_vk,
         stride_c,
         stride_s,
+        n_physical,
+        n_logical,
+        stride_map,
         ID_MAX: tl.constexpr,
         CHECK_HIGH: tl.constexpr,
         K_PAD: tl.constexpr,
@@ -209,6 +255,7 @@ if HAS_TRITON:
         HAS_OFFSET: tl.constexpr,
         STAMP: tl.constexpr,
         WEIGHTS: tl.constexpr,
+        EXPERT_MAP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         row0 = pid * BLOCK_M
@@ -239,15 +286,24 @@ if HAS_TRITON:
                 w = tl.load(
                     wts_ptr + rows.to(tl.int64)[:, None] * stride_wm + cols[None, :] * stride_wk, mask=in_src
                 )
+            if EXPERT_MAP:
+                # the map's load waits only for the ids, not for the counts: issued before the window
+                slots, outside = physical_slots(ids, n_physical)
+                logical = tl.load(map_ptr + slots * stride_map, mask=in_src & ~outside, other=-1)
             start, c_eff, flags = rows_window(count, sizes, n_src, n_dst, HAS_OFFSET)
             dst_rows = rows.to(tl.int64) - start
             ok = ((dst_rows >= 0) & (dst_rows < c_eff))[:, None] & col_ok
-            ids, bad = checked_ids(ids, ok, ID_MAX, CHECK_HIGH)
+            if EXPERT_MAP:
+                ids, bad, bad_map = checked_logical(logical, outside, ok, n_logical)
+            else:
+                ids, bad = checked_ids(ids, ok, ID_MAX, CHECK_HIGH)
             tl.store(layer_base + dst_rows[:, None] * stride_bm, ids.to(buf_ptr.dtype.element_ty), mask=ok)
             if WEIGHTS:
                 store_weights(wbuf_ptr, w, dst_rows, cols, layer_id, ok, stride_vm, stride_vl, stride_vk)
             # last: branches with atomics, which nothing above should wait behind
             record_bad_ids(errors_ptr, bad)
+            if EXPERT_MAP:
+                record_bad_map(errors_ptr, bad_map)
             if pid == 0:
                 record_faults(errors_ptr, flags)
                 if STAMP:
@@ -259,7 +315,12 @@ if HAS_TRITON:
                 mask = (rows < c_eff)[:, None] & col_ok
                 src = start + rows
                 ids = tl.load(ids_ptr + src[:, None] * stride_im + cols[None, :] * stride_ik, mask=mask)
-                ids, bad = checked_ids(ids, mask, ID_MAX, CHECK_HIGH)
+                if EXPERT_MAP:
+                    slots, outside = physical_slots(ids, n_physical)
+                    logical = tl.load(map_ptr + slots * stride_map, mask=mask & ~outside, other=-1)
+                    ids, bad, bad_map = checked_logical(logical, outside, mask, n_logical)
+                else:
+                    ids, bad = checked_ids(ids, mask, ID_MAX, CHECK_HIGH)
                 dst = layer_base + rows.to(tl.int64)[:, None] * stride_bm
                 tl.store(dst, ids.to(buf_ptr.dtype.element_ty), mask=mask)
                 if WEIGHTS:
@@ -276,6 +337,8 @@ if HAS_TRITON:
                         stride_vk,
                     )
                 record_bad_ids(errors_ptr, bad)
+                if EXPERT_MAP:
+                    record_bad_map(errors_ptr, bad_map)
             if pid == 0:
                 record_faults(errors_ptr, flags)
                 if STAMP:
@@ -292,6 +355,7 @@ def _plan(
     ids_dtype,
     stamped: bool,
     weighted: bool = False,
+    mapped: bool = False,
 ) -> tuple[tuple[int], int, dict]:
     """(grid, warps, constexprs) of one launch: host arithmetic on shapes and dtypes only.
 
@@ -315,7 +379,7 @@ def _plan(
         K_PAD=k_pad,
         BLOCK_M=block_m,
         SOURCE_ORDER=source_order,
-        **kernel_constexprs(n_sizes, n_first, stamped, weighted),
+        **kernel_constexprs(n_sizes, n_first, stamped, weighted, mapped),
     )
     return grid, num_warps, constexprs
 
@@ -334,9 +398,11 @@ def capture_rows_triton(
     errors: torch.Tensor,
     stamps: torch.Tensor,
     step: torch.Tensor,
+    expert_map: torch.Tensor,
     layer_id: int,
     dp_rank: int,
     n_first: int,
+    num_logical_experts: int,
     *,
     wrap=identity,
 ) -> None:
@@ -363,6 +429,7 @@ def capture_rows_triton(
         topk_ids.dtype,
         stamps.numel() > 0,
         weights_buffer.dim() == 3,
+        expert_map.numel() > 0,
     )
     plan = _plan if has_symbols(*plan_args) else _capture_plan
     grid, num_warps, constexprs = plan(*plan_args)
@@ -379,9 +446,11 @@ def capture_rows_triton(
         errors,
         stamps,
         step,
+        expert_map,
         layer_id,
         dp_rank,
         n_first,
+        num_logical_experts,
     )
     if buffer.device.type == "cpu":
         # interpreted Triton updates the fault counter in Python (see capture.errors); on CUDA the
@@ -399,14 +468,18 @@ def _capture_launcher() -> KernelLauncher:
     return KernelLauncher(_capture_rows_kernel)
 
 
-def fault_delta(flags: torch.Tensor, n_bad: torch.Tensor | int) -> torch.Tensor:
+def fault_delta(
+    flags: torch.Tensor, n_bad: torch.Tensor | int, n_bad_map: torch.Tensor | int = 0
+) -> torch.Tensor:
     """(FAULT_SLOTS,) int32 increments of one call: slot 0 and the window bits' slots from
-    ``flags`` (0-d), the bad-id slot from ``n_bad``. No host reads."""
+    ``flags`` (0-d), the bad-id slot from ``n_bad``, the bad-map slot from ``n_bad_map``. No host
+    reads."""
     flags = flags.to(torch.int64)
     window = flags & WINDOW_FAULTS
     parts = [(window != 0).to(torch.int64)]
     parts += [(window >> b) & 1 for b in range(WINDOW_FAULTS.bit_length())]
     parts.append(torch.as_tensor(n_bad, dtype=torch.int64, device=flags.device))
+    parts.append(torch.as_tensor(n_bad_map, dtype=torch.int64, device=flags.device))
     parts += [torch.zeros((), dtype=torch.int64, device=flags.device)] * (FAULT_SLOTS - len(parts))
     return torch.stack(parts).to(torch.int32)
 
@@ -430,6 +503,21 @@ def checked_ids_torch(ids: torch.Tensor, id_max: int) -> tuple[torch.Tensor, tor
     return torch.where(bad, -1, ids), bad
 
 
+def mapped_ids_torch(
+    ids: torch.Tensor, expert_map: torch.Tensor, num_logical_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Twin of the kernels' expert-map step: (int64 logical ids with -1 where the physical id is
+    outside the map or its entry outside ``[0, num_logical_experts)``, where the physical id was
+    outside (FAULT_BAD_ID), where the entry was outside (FAULT_BAD_MAP)). Reads the map on the
+    device (a gather at clamped slots), never on the host."""
+    ids = ids.to(torch.int64)
+    n_physical = expert_map.shape[0]
+    outside = (ids < 0) | (ids >= n_physical)
+    logical = expert_map[ids.clamp(0, n_physical - 1)].to(torch.int64)
+    bad_map = ((logical < 0) | (logical >= num_logical_experts)) & ~outside
+    return torch.where(outside | bad_map, -1, logical), outside, bad_map
+
+
 # reference
 def capture_rows_torch(
     buffer: torch.Tensor,
@@ -441,9 +529,11 @@ def capture_rows_torch(
     errors: torch.Tensor,
     stamps: torch.Tensor,
     step: torch.Tensor,
+    expert_map: torch.Tensor,
     layer_id: int,
     dp_rank: int,
     n_first: int,
+    num_logical_experts: int,
 ) -> None:
     """PyTorch twin of :func:`capture_rows_triton`: same arguments, same writes, same faults.
 
@@ -453,14 +543,18 @@ def capture_rows_torch(
     n_src = topk_ids.shape[0]
     n_dst = buffer.shape[0]
     start, c_eff, flags = rows_window_torch(token_counts, sizes, dp_rank, n_first, n_src, n_dst)
-    n_bad = 0
+    n_bad = n_bad_map = 0
     window = min(n_src, n_dst)
     with cpu_counter_lock(buffer.device):
         if window > 0:
             rows = torch.arange(window, device=buffer.device)
             src = (start + rows).clamp(max=n_src - 1)
             valid = rows < c_eff
-            ids, bad = checked_ids_torch(topk_ids[src], id_limit(buffer.dtype))
+            if expert_map.numel() > 0:
+                ids, bad, bad_map = mapped_ids_torch(topk_ids[src], expert_map, num_logical_experts)
+                n_bad_map = (bad_map & valid[:, None]).sum()
+            else:
+                ids, bad = checked_ids_torch(topk_ids[src], id_limit(buffer.dtype))
             n_bad = (bad & valid[:, None]).sum()
             dst = buffer[:window, layer_id]
             dst.copy_(torch.where(valid[:, None], ids.to(buffer.dtype), dst))
@@ -469,5 +563,5 @@ def capture_rows_torch(
                 w = topk_weights[src].to(weights_buffer.dtype)
                 wdst = weights_buffer[:window, layer_id]
                 wdst.copy_(torch.where(valid[:, None], w, wdst))
-        add_faults(errors, fault_delta(flags, n_bad))
+        add_faults(errors, fault_delta(flags, n_bad, n_bad_map))
         record_stamp_torch(stamps, step, layer_id)

@@ -33,6 +33,15 @@ validated once, from :meth:`CaptureTarget.of` (a registered custom op, so ``torc
 it and CUDA graphs record it; no Python callback and no host read runs per step, and per call only
 the ids are checked).
 
+EPLB: where the capture sits relative to the expert-parallel balancer's mapping. FlashInfer's
+monolithic kernels write into ``routing_replay_out`` the column of ``routing_logits`` they chose
+(``noAuxTcKernels.cu``: ``routingReplayOut[token * topk + k] = expertIdx``; no EPLB map exists
+inside the kernel): logical ids when the logits are over logical experts. A kernel that routes over
+physical slots (replicas) writes physical ids; its :class:`MoEDispatchConfig` then carries the
+layer's ``expert_map`` (physical -> logical) and ``num_logical_experts``, and the capture op
+records ``expert_map[id]`` - the map is read on the device at every call, so a balancer that
+rewrites it in place between CUDA-graph replays needs nothing else.
+
 Routing weights: a monolithic kernel's ``routing_replay_out`` holds ids only, so experts whose
 kernel writes it refuse a capturer with a ``weights_buffer`` (ValueError from
 :meth:`RoutingReplayExperts.check_capture_fn`, before anything is allocated) rather than leave the
@@ -45,7 +54,7 @@ stream, in order; one experts object must not run on two streams at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -104,6 +113,13 @@ class MoEDispatchConfig:
     use_ep: bool = False
     # rows the kernel sees: LOCAL (no gather), GATHERED (naive all-gather), SHARDED (SP shards gathered)
     layout: BatchLayout = BatchLayout.LOCAL
+    # EPLB: (P,) int32/int64 on the capture buffer's device, any stride (this layer's row of the
+    # engine's (num_moe_layers, P) physical_to_logical map) - for a kernel whose routing_replay_out
+    # holds PHYSICAL slots (it routes over replicas): the capture records expert_map[id]. Read on
+    # the device at every call (update it in place). None: the kernel's ids are recorded as given
+    expert_map: torch.Tensor | None = field(default=None, compare=False)
+    # with expert_map (required there): the logical experts the map's values index
+    num_logical_experts: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_tokens", "top_k", "dp_size", "ep_size"):
@@ -208,7 +224,16 @@ class RoutingReplayExperts:
             raise ValueError(
                 "a SHARDED dispatch needs capturer.shard_sizes (dp_size * shards_per_rank entries)"
             )
-        target = fn.target(self.config.layout)  # the buffer, the layer, the counts
+        # the buffer, the layer, the counts; the kernel's ids through the config's expert map (the
+        # target checks it): a routed variant's router records logical ids and takes no map
+        mapped = self.supports_routing_replay_capture() and self.config.expert_map is not None
+        target = CaptureTarget.of(
+            fn.capturer,
+            fn.layer_id,
+            self.config.layout,
+            expert_map=self.config.expert_map if mapped else None,
+            num_logical_experts=self.config.num_logical_experts if mapped else None,
+        )
         if target.has_weights and self.supports_routing_replay_capture():
             raise ValueError(
                 f"MoE kernel {self.kernel_name} records expert ids only (routing_replay_out is int16 ids, "

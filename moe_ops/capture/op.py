@@ -134,6 +134,8 @@ def capture_routing(
     fault_counter: FaultCounter | None = None,
     weights_buffer: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    num_logical_experts: int | None = None,
 ) -> None:
     """Records this DP rank's routed expert ids of one MoE layer into ``buffer[:, layer_id]`` (and
     their routing weights into ``weights_buffer[:, layer_id]``).
@@ -166,6 +168,14 @@ def capture_routing(
             weights of ``topk_ids``, column for column; required with ``weights_buffer``, refused
             without it. Weights are not checked: a NaN is stored as NaN, and a row whose id is
             stored as -1 keeps its weight.
+        expert_map: (P,) int32/int64 on the buffer's device, any stride - EPLB's physical ->
+            logical expert map, for ids that are physical slots (taken after the balancer's
+            mapping: a monolithic kernel, an engine's own router): ``buffer`` gets
+            ``expert_map[id]``. Read on the device at every call: update it in place between
+            CUDA-graph replays. An id outside ``[0, P)`` is stored as -1 (FAULT_BAD_ID), an entry
+            outside ``[0, num_logical_experts)`` as -1 (FAULT_BAD_MAP). None: ids as given.
+        num_logical_experts: the logical experts (>= 1, fitting the buffer dtype); required with
+            ``expert_map``, refused without it.
 
     Row selection: :mod:`moe_ops.capture.window`. Counts inconsistent with the tensors are clamped
     on the device, and ids that are negative or do not fit the buffer dtype are stored as -1; both
@@ -185,5 +195,7 @@ def capture_routing(
         tp_group=tp_group,
         fault_counter=fault_counter,
         weights_buffer=weights_buffer,
+        expert_map=expert_map,
+        num_logical_experts=num_logical_experts,
     )
     capture_into(target, topk_ids, topk_weights)

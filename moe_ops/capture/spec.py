@@ -1,9 +1,10 @@
 """``CaptureSpec``: the capture's device arguments, written once.
 
 Every path that records ids - the capture op, the router with fused capture, their kernels and
-their PyTorch twins - takes the same ten values: the buffer and the layer they go to, the routing
+their PyTorch twins - takes the same twelve values: the buffer and the layer they go to, the routing
 weights' buffer beside it (or an empty stand-in), the count tensors the row window is computed from
-on the device, the fault counter, the layer stamps and the step. :class:`CaptureSpec` names them
+on the device, the fault counter, the layer stamps and the step, and the EPLB expert map with its
+logical range (or an empty stand-in and 0). :class:`CaptureSpec` names them
 once, with their invariants; everything else is generated from it (as :mod:`moe_ops.flashinfer.ops`
 generates FlashInfer's schemas from one table):
 
@@ -77,12 +78,19 @@ class CaptureSpec:
     stamps: torch.Tensor = dataclasses.field(metadata=_WRITTEN)
     # (1,) int32 - the capturer's current step, read on the device (unused without stamps)
     step: torch.Tensor
+    # (P,) int32/int64 on the buffer's device, any stride - EPLB's physical -> logical expert map:
+    # an id p is stored as expert_map[p]; read on the device at every call (a balancer updates it
+    # in place between CUDA-graph replays); or (0,) int32: no map (EXPERT_MAP False), ids as given
+    expert_map: torch.Tensor
     # buffer layer the ids go to, in [0, num_layers)
     layer_id: int
     # this rank's index into token_counts, in [0, dp_size)
     dp_rank: int
     # leading entries of sizes that precede this rank's rows, in [0, S]
     n_first: int
+    # with expert_map: logical experts, >= 1 (a mapped id outside [0, num_logical_experts) is a
+    # fault); 0 without one
+    num_logical_experts: int
 
     def values(self) -> tuple:
         """The fields in order (what ``CaptureSpec(*values)`` rebuilds)."""
@@ -96,7 +104,11 @@ class CaptureSpec:
     def kernel_constexprs(self) -> dict:
         """The kernels' capture constexprs (:data:`KERNEL_CONSTEXPRS`)."""
         return kernel_constexprs(
-            self.sizes.shape[0], self.n_first, self.stamps.numel() > 0, self.weights_buffer.dim() == 3
+            self.sizes.shape[0],
+            self.n_first,
+            self.stamps.numel() > 0,
+            self.weights_buffer.dim() == 3,
+            self.expert_map.numel() > 0,
         )
 
 
@@ -114,7 +126,16 @@ _values = _generated("spec", [f"spec.{n}" for n in _NAMES])
 # (the rule OpArgs.fused applies to op arguments); kernel_args builds that list. Pointers come
 # first because torch 2.11's mutation analysis of traced kernels maps written parameters to
 # tensors by position. Strides other than the innermost are runtime values (see the kernels).
-KERNEL_POINTERS = ("buf_ptr", "wbuf_ptr", "counts_ptr", "sizes_ptr", "errors_ptr", "stamps_ptr", "step_ptr")
+KERNEL_POINTERS = (
+    "buf_ptr",
+    "wbuf_ptr",
+    "counts_ptr",
+    "sizes_ptr",
+    "errors_ptr",
+    "stamps_ptr",
+    "step_ptr",
+    "map_ptr",
+)
 KERNEL_SCALARS = (
     "n_dst",
     "layer_id",
@@ -128,10 +149,14 @@ KERNEL_SCALARS = (
     "stride_vk",
     "stride_c",
     "stride_s",
+    "n_physical",
+    "n_logical",
+    "stride_map",
 )
 # the capture's constexprs (kernel_constexprs): sizes entries rounded up to a power of two, whether
-# this rank's block has an offset, whether the layer is stamped, whether weights are recorded
-KERNEL_CONSTEXPRS = ("S_PAD", "HAS_OFFSET", "STAMP", "WEIGHTS")
+# this rank's block has an offset, whether the layer is stamped, whether weights are recorded,
+# whether ids go through an expert map
+KERNEL_CONSTEXPRS = ("S_PAD", "HAS_OFFSET", "STAMP", "WEIGHTS", "EXPERT_MAP")
 
 
 def kernel_args(
@@ -144,9 +169,11 @@ def kernel_args(
     errors: torch.Tensor,
     stamps: torch.Tensor,
     step: torch.Tensor,
+    expert_map: torch.Tensor,
     layer_id: int,
     dp_rank: int,
     n_first: int,
+    num_logical_experts: int,
 ) -> tuple:
     """A capturing kernel's runtime arguments in its order: its own ``pointers``, the capture's
     (:data:`KERNEL_POINTERS`), its own ``scalars``, the capture's (:data:`KERNEL_SCALARS`), from a
@@ -164,6 +191,7 @@ def kernel_args(
         errors,
         stamps,
         step,
+        expert_map,
         *scalars,
         buffer.shape[0],
         layer_id,
@@ -177,17 +205,25 @@ def kernel_args(
         stride_vk,
         token_counts.stride(0),
         sizes.stride(0),
+        # no map: the (0,) stand-in, never read (EXPERT_MAP False); P 0 and logical range 0
+        expert_map.shape[0],
+        num_logical_experts,
+        expert_map.stride(0),
     )
 
 
-def kernel_constexprs(n_sizes: int, n_first: int, stamped: bool, weighted: bool = False) -> dict:
+def kernel_constexprs(
+    n_sizes: int, n_first: int, stamped: bool, weighted: bool = False, mapped: bool = False
+) -> dict:
     """:data:`KERNEL_CONSTEXPRS` for ``n_sizes`` sizes entries, ``n_first`` of them before this
-    rank's rows, stamps present (``stamped``) and a weights buffer present (``weighted``)."""
+    rank's rows, stamps present (``stamped``), a weights buffer present (``weighted``) and an
+    expert map present (``mapped``)."""
     return dict(
         S_PAD=next_power_of_2(n_sizes),
         HAS_OFFSET=bool(n_first > 0),
         STAMP=bool(stamped),
         WEIGHTS=bool(weighted),
+        EXPERT_MAP=bool(mapped),
     )
 
 
@@ -250,7 +286,7 @@ class OpArgs:
 
     Args:
         args: the op's arguments in schema order; those named like a spec field are the spec's
-            (all ten, in any order), the others the op's own.
+            (all twelve, in any order), the others the op's own.
 
     A destination-passing op: the schema returns nothing and the written arguments are mutated
     (``Tensor(aN!)``, N the argument's position, as ``torch.library.infer_schema`` numbers them).

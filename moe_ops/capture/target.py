@@ -30,15 +30,18 @@ from .window import plan_window
 __all__ = [
     "BUFFER_DTYPES",
     "ID_DTYPES",
+    "MAP_DTYPES",
     "WEIGHT_DTYPES",
     "CaptureTarget",
     "LayerIndexError",
     "RoutingCapturerLike",
     "check_buffer",
     "check_capturer",
+    "check_expert_map",
     "check_layer_id",
     "check_process_group",
     "check_weights_buffer",
+    "no_expert_map",
     "no_weights",
 ]
 
@@ -49,6 +52,8 @@ BUFFER_DTYPES = (torch.int16, torch.int32, torch.int64)
 ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 # dtypes of a weights buffer (and of the weights a capture records into it, cast on the way)
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# dtypes of an expert map (vLLM's physical_to_logical_map is int64; int32 halves its reads)
+MAP_DTYPES = (torch.int32, torch.int64)
 
 
 def _has_internal_overlap(t: torch.Tensor) -> bool:
@@ -146,6 +151,73 @@ def check_weights_buffer(weights_buffer: object, buffer: torch.Tensor) -> None:
             "weights_buffer must not overlap buffer (they share memory): the ids and the weights would "
             "be written over each other; allocate it with its own torch.full or torch.empty"
         )
+
+
+def check_expert_map(expert_map: object, num_logical_experts: object, buffer: torch.Tensor) -> None:
+    """ValueError/TypeError naming the argument unless ``expert_map`` is None (then
+    ``num_logical_experts`` must be None too) or a (P,) int32/int64 tensor on ``buffer``'s device,
+    P >= 1, any stride (a row of a (num_moe_layers, P) map is one), with ``num_logical_experts`` an
+    int >= 1 whose largest id fits ``buffer``'s dtype. The map's VALUES are not read (they live on
+    the device and change in place): an entry outside ``[0, num_logical_experts)`` is a fault
+    recorded on the device (FAULT_BAD_MAP)."""
+    if expert_map is None:
+        if num_logical_experts is not None:
+            raise ValueError(
+                f"num_logical_experts={num_logical_experts!r} given without expert_map: it is the range of "
+                "the map's values; pass expert_map too, or neither"
+            )
+        return
+    if not isinstance(expert_map, torch.Tensor):
+        raise TypeError(f"expert_map must be a torch.Tensor or None, got {type(expert_map).__name__}")
+    if expert_map.dim() != 1 or expert_map.shape[0] < 1:
+        raise ValueError(
+            "expert_map must be 1-D (P,) with P >= 1 physical expert slots (a row of a (num_moe_layers, P) "
+            f"map), got shape {tuple(expert_map.shape)}"
+        )
+    if expert_map.dtype not in MAP_DTYPES:
+        raise ValueError(f"expert_map must be int32 or int64, got {expert_map.dtype}")
+    if expert_map.device != buffer.device:
+        raise ValueError(
+            f"expert_map must be on the buffer's device {buffer.device}, got {expert_map.device}"
+        )
+    if num_logical_experts is None:
+        raise ValueError(
+            "num_logical_experts is required with expert_map: the logical experts its values index "
+            "(an entry outside [0, num_logical_experts) is a fault)"
+        )
+    if isinstance(num_logical_experts, bool) or not isinstance(num_logical_experts, int):
+        raise TypeError(f"num_logical_experts must be an int, got {type(num_logical_experts).__name__}")
+    if num_logical_experts < 1:
+        raise ValueError(f"num_logical_experts must be >= 1, got {num_logical_experts}")
+    if num_logical_experts - 1 > id_limit(buffer.dtype):
+        raise ValueError(
+            f"num_logical_experts={num_logical_experts} does not fit the buffer dtype {buffer.dtype} "
+            f"(largest id {id_limit(buffer.dtype)}); use an int32 buffer"
+        )
+
+
+@torch._dynamo.assume_constant_result
+def _no_map(device: torch.device) -> torch.Tensor:
+    """A persistent (0,) int32 tensor per device: the expert map of a target without one (never
+    read: the kernels' EXPERT_MAP is False). Its own tensor, not the empty stamps: a stand-in the
+    op reads must not alias one it writes."""
+    t = _EMPTY_MAP.get(device)
+    if t is None:
+        t = torch.empty(0, dtype=torch.int32, device=device)
+        torch._dynamo.mark_static_address(t)
+        t = _EMPTY_MAP.setdefault(device, t)
+    return t
+
+
+_EMPTY_MAP: dict[torch.device, torch.Tensor] = {}
+
+
+def no_expert_map(like: torch.Tensor) -> torch.Tensor:
+    """The (0,) int32 stand-in for "no expert map" on ``like``'s device (cached per device; a fresh
+    fake one while ``like`` is a fake tensor traced outside dynamo)."""
+    if isinstance(like, FakeTensor):
+        return torch.empty(0, dtype=torch.int32, device=like.device)
+    return _no_map(like.device)
 
 
 @torch._dynamo.assume_constant_result
@@ -278,6 +350,14 @@ class CaptureTarget:
     layer_stamps: torch.Tensor | None = None
     # (1,) int32 on the buffer's device: the capturer's current step; set with layer_stamps
     step_tensor: torch.Tensor | None = None
+    # (P,) int32/int64 on the buffer's device, any stride (a row view of vLLM's (num_moe_layers, P)
+    # physical_to_logical_map works): EPLB's physical -> logical map, applied by the capture kernel
+    # (ids handed in are physical slots, the buffer gets logical ids); read on the device at every
+    # call, so the balancer updates it in place; None: ids are recorded as given
+    expert_map: torch.Tensor | None = None
+    # with expert_map (required there): the logical experts, >= 1, largest id fitting the buffer
+    # dtype; a map entry outside [0, num_logical_experts) is a fault (FAULT_BAD_MAP)
+    num_logical_experts: int | None = None
     # derived, on construction: the sizes tensor the layout reads (shard_sizes or token_counts)
     sizes: torch.Tensor = field(init=False, repr=False, compare=False)
     # derived: leading entries of sizes that precede this rank's rows
@@ -292,6 +372,7 @@ class CaptureTarget:
         if self.weights_buffer is not None:
             check_weights_buffer(self.weights_buffer, self.buffer)
         check_layer_id(self.layer_id, self.buffer.shape[1])
+        check_expert_map(self.expert_map, self.num_logical_experts, self.buffer)
         device = self.buffer.device
         sizes, n_first = plan_window(layout, self.token_counts, self.dp_rank, self.shard_sizes, device)
         check_process_group("tp_group", self.tp_group)
@@ -331,6 +412,7 @@ class CaptureTarget:
             self.buffer, self.fault_counter, self.layer_stamps, self.step_tensor
         )
         weights = self.weights_buffer if self.weights_buffer is not None else no_weights(self.buffer)
+        expert_map = self.expert_map if self.expert_map is not None else no_expert_map(self.buffer)
         spec = CaptureSpec(
             self.buffer,
             weights,
@@ -339,9 +421,11 @@ class CaptureTarget:
             errors,
             stamps,
             step,
+            expert_map,
             self.layer_id,
             self.dp_rank,
             n_first,
+            self.num_logical_experts or 0,
         )
         object.__setattr__(self, "spec", spec)
 
@@ -353,6 +437,8 @@ class CaptureTarget:
         layout: BatchLayout | int = BatchLayout.LOCAL,
         *,
         tp_group: object = None,
+        expert_map: torch.Tensor | None = None,
+        num_logical_experts: int | None = None,
     ) -> CaptureTarget:
         """The target of buffer layer ``layer_id`` of ``capturer`` (its state members, see
         :class:`~moe_ops.capture.protocol.Capturer`) for rows in ``layout``.
@@ -360,6 +446,8 @@ class CaptureTarget:
         ``shard_sizes`` is passed to GATHERED and SHARDED when the capturer has them (the window
         rule reads them; see :mod:`moe_ops.capture.window`), never to the other layouts; the
         capturer's fault counter, stamps and weights buffer, when it has them, come along.
+        ``expert_map`` / ``num_logical_experts``: this layer's EPLB map, for a caller that hands
+        physical ids (see :class:`CaptureTarget`).
         """
         check_capturer(capturer)
         layout = layout_from_value(layout)
@@ -376,7 +464,24 @@ class CaptureTarget:
             layer_stamps=getattr(capturer, "layer_stamps", None),
             step_tensor=getattr(capturer, "step_tensor", None),
             weights_buffer=getattr(capturer, "weights_buffer", None),
+            expert_map=expert_map,
+            num_logical_experts=num_logical_experts,
         )
+
+    @property
+    def has_expert_map(self) -> bool:
+        """True when this target maps physical ids to logical ones (``expert_map``)."""
+        return self.expert_map is not None
+
+    def check_router_capture(self) -> None:
+        """ValueError when this target has an ``expert_map``: a router that captures itself (``route``,
+        its hash path, FlashInfer's routing) records the logical ids it chooses - the EPLB mapping
+        to physical slots comes after it - so a map would be applied to ids that are not physical."""
+        if self.expert_map is not None:
+            raise ValueError(
+                "route records the logical ids it chooses; expert_map maps physical ids handed to "
+                "capture_routing: build the router's capture target without expert_map"
+            )
 
     @property
     def has_weights(self) -> bool:

@@ -81,6 +81,7 @@ def _check_capture(capture: CaptureTarget, replay: torch.Tensor) -> None:
     """Checks the capture target against the replay rows before the kernel runs (shapes only)."""
     if not isinstance(capture, CaptureTarget):
         raise TypeError(f"capture must be a CaptureTarget or None, got {type(capture).__name__}")
+    capture.check_router_capture()
     if capture.layout == BatchLayout.SEQUENCE_PARALLEL and tp_world_size(capture.tp_group) > 1:
         return  # capture_into checks the gathered rows
     capture.check_ids(replay)

@@ -111,6 +111,7 @@ if HAS_TRITON:
         errors_ptr,
         stamps_ptr,
         step_ptr,
+        map_ptr,
         n_tokens,
         num_experts,
         vocab,
@@ -138,6 +139,9 @@ if HAS_TRITON:
         stride_vk,
         stride_c,
         stride_s,
+        n_physical,
+        n_logical,
+        stride_map,
         METHOD: tl.constexpr,
         UNNORM: tl.constexpr,
         CAPTURE: tl.constexpr,
@@ -148,6 +152,10 @@ if HAS_TRITON:
         HAS_OFFSET: tl.constexpr,
         STAMP: tl.constexpr,
         WEIGHTS: tl.constexpr,
+        # the capture's expert map: always False here (route records the logical ids it chooses;
+        # CaptureTarget.check_router_capture refuses a map), a parameter so the capture
+        # constexprs are one list for every capturing kernel
+        EXPERT_MAP: tl.constexpr,
     ):
         pid = tl.program_id(0)
         if CAPTURE:

@@ -153,6 +153,7 @@ if HAS_TRITON:
         errors_ptr,
         stamps_ptr,
         step_ptr,
+        map_ptr,
         n_tokens,
         group_size,
         n_group,
@@ -178,6 +179,9 @@ if HAS_TRITON:
         stride_vk,
         stride_c,
         stride_s,
+        n_physical,
+        n_logical,
+        stride_map,
         METHOD: tl.constexpr,
         UNNORM: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -192,6 +196,10 @@ if HAS_TRITON:
         HAS_OFFSET: tl.constexpr,
         STAMP: tl.constexpr,
         WEIGHTS: tl.constexpr,
+        # the capture's expert map: always False here (route records the logical ids it chooses;
+        # CaptureTarget.check_router_capture refuses a map), a parameter so the capture
+        # constexprs are one list for every capturing kernel
+        EXPERT_MAP: tl.constexpr,
         # fused shared experts: columns top_k .. top_k + N_SHARED - 1 hold ids num_experts + j at
         # weight 1.0; CAPTURE_SHARED records them too (the buffer is top_k + N_SHARED wide)
         N_SHARED: tl.constexpr = 0,

@@ -125,7 +125,9 @@ def _route_capture(*args, wrap=identity) -> None:
 
     ``args``: the op's arguments (:data:`ROUTE_CAPTURE`): ``_route``'s and a
     :class:`~moe_ops.capture.spec.CaptureSpec`'s, as in ``moe_ops::capture_routing_``; the rows are
-    LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op).
+    LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op). The spec's
+    ``expert_map`` is the empty stand-in (``num_logical_experts`` 0): the router's ids are logical,
+    and ``route`` refuses a target with a map (the router kernel does not read one).
     """
     positional, knobs = _launcher_args(args)
     route_rows_triton(*positional, wrap=wrap, **knobs)
@@ -340,6 +342,7 @@ def route(
             raise ValueError(
                 f"router_logits must be on the capture buffer's device {capture.buffer.device}, got {device}"
             )
+        capture.check_router_capture()
     if backend == "flashinfer":
         if hashed:
             raise ValueError(

@@ -21,17 +21,23 @@ from .layouts import BUFFER_VIEWS, COUNT_VIEWS, ID_VIEWS, PAD_ID, POISON, buffer
 
 __all__ = [
     "CAPTURE_WEIGHT_DTYPES",
+    "EPLB_LOGICAL",
+    "EPLB_PHYSICAL",
     "GPU_CASES",
+    "MAP_VIEWS",
     "W_POISON",
     "CaptureCase",
     "CaptureWeightsCase",
+    "EplbCase",
     "LayoutBatch",
     "capture_cases",
     "capture_weights_cases",
+    "eplb_cases",
     "layout_batches",
     "layout_queries",
     "layout_token_id",
     "limit_id_cases",
+    "map_view",
     "refused_ids",
     "same_floats",
 ]
@@ -471,3 +477,114 @@ def limit_id_cases(draw, buffer_dtypes=(torch.int16, torch.int32, torch.int64), 
     case.rows = rows
     case.ids_dtype = ids_dtype
     return case
+
+
+# EPLB: 16 logical experts on 20 physical slots (4 redundant replicas), as a balancer places them
+EPLB_LOGICAL = 16
+EPLB_PHYSICAL = 20
+# how a (P,) map is handed in: its own tensor, a row of a (num_moe_layers, P) map (vLLM's
+# physical_to_logical_map), a column of a wider one (stride 3), a slice, one value expanded (stride 0)
+MAP_VIEWS = ("contiguous", "layer_row", "strided", "sliced", "expanded")
+
+
+def map_view(values: torch.Tensor, kind: str) -> torch.Tensor:
+    """``values`` (P,) as a view of kind ``kind`` with the same values (``expanded``: ``values``
+    must be constant)."""
+    p = values.shape[0]
+    if kind == "contiguous":
+        return values.clone()
+    if kind == "layer_row":
+        layers = torch.full((3, p), -5, dtype=values.dtype, device=values.device)  # other layers: poison
+        layers[1] = values
+        return layers[1]
+    if kind == "strided":
+        wide = torch.full((p, 3), -5, dtype=values.dtype, device=values.device)
+        wide[:, 1] = values
+        return wide[:, 1]
+    if kind == "sliced":
+        longer = torch.full((p + 4,), -5, dtype=values.dtype, device=values.device)
+        longer[2 : 2 + p] = values
+        return longer[2 : 2 + p]
+    assert kind == "expanded" and bool((values == values[0]).all())
+    return values[:1].expand(p)
+
+
+@dataclass
+class EplbCase:
+    """A capture case whose ids are PHYSICAL slots in [-2, 22) (some outside the 20 slots), and
+    the map that sends them to the 16 logical experts (some entries possibly outside)."""
+
+    case: CaptureCase
+    # (EPLB_PHYSICAL,) physical slot -> logical expert; entries outside [0, 16) are faults
+    map_values: np.ndarray
+    map_dtype: torch.dtype
+    map_view: str
+    # the weights beside the ids (a weights buffer), or None: ids only
+    weights: CaptureWeightsCase | None = None
+
+    def expert_map(self, device) -> torch.Tensor:
+        values = torch.from_numpy(self.map_values).to(device=device, dtype=self.map_dtype)
+        return map_view(values, self.map_view)
+
+    def expected(self, buffer_before: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """(the buffer after the capture, ids outside the physical slots, ids whose entry is outside
+        the logical range): numpy indexing, independent of the library."""
+        c = self.case
+        block = c.rows[c.start : c.start + c.c]
+        outside = (block < 0) | (block >= EPLB_PHYSICAL)
+        logical = self.map_values[np.clip(block, 0, EPLB_PHYSICAL - 1)]
+        bad_map = ~outside & ((logical < 0) | (logical >= EPLB_LOGICAL))
+        stored = np.where(outside | bad_map, -1, logical)
+        out = buffer_before.clone()
+        out[: c.c, c.layer_id] = torch.from_numpy(stored).to(out.dtype).to(out.device)
+        return out, int(outside.sum()), int(bad_map.sum())
+
+
+def eplb_map(draw, broken: bool) -> np.ndarray:
+    """A placement of 16 logical experts on 20 slots (each logical expert at least once, 4 replicas
+    of drawn experts, slots shuffled); ``broken``: a few entries outside [0, 16)."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    values = np.concatenate(
+        [np.arange(EPLB_LOGICAL), rng.integers(0, EPLB_LOGICAL, EPLB_PHYSICAL - EPLB_LOGICAL)]
+    )
+    values = rng.permutation(values).astype(np.int64)
+    if broken:
+        slots = rng.choice(EPLB_PHYSICAL, size=draw(st.integers(1, 3)), replace=False)
+        values[slots] = rng.choice([-1, EPLB_LOGICAL, EPLB_LOGICAL + 3], size=slots.shape[0])
+    return values
+
+
+@st.composite
+def eplb_cases(draw, views: bool = True, weighted: bool = False, **capture_kwargs):
+    """A :func:`capture_cases` batch (every layout and memory layout) with physical ids drawn in
+    [-2, 22) in its real rows (padding keeps PAD_ID), and an EPLB map in one of MAP_VIEWS, int32 or
+    int64; ``weighted``: with routing weights beside the ids (any weights dtypes and views)."""
+    case = draw(capture_cases(views=views, **capture_kwargs))
+    seed = draw(st.integers(0, 2**32 - 1))
+    physical = np.random.default_rng(seed).integers(-2, EPLB_PHYSICAL + 2, size=case.rows.shape)
+    rows = np.where(case.rows == PAD_ID, PAD_ID, physical)
+    kind = draw(st.sampled_from(MAP_VIEWS)) if views else "contiguous"
+    if kind == "expanded":
+        values = np.full(EPLB_PHYSICAL, draw(st.sampled_from([0, 7, 15, EPLB_LOGICAL])), dtype=np.int64)
+    else:
+        values = eplb_map(draw, draw(st.booleans()))
+    case = replace(case, rows=rows)
+    weights = None
+    if weighted:
+        weights = CaptureWeightsCase(
+            case=case,
+            source_dtype=draw(st.sampled_from(CAPTURE_WEIGHT_DTYPES)),
+            buffer_dtype=draw(st.sampled_from(CAPTURE_WEIGHT_DTYPES)),
+            source_view=draw(st.sampled_from(ID_VIEWS)) if views else "contiguous",
+            buffer_view=draw(st.sampled_from(BUFFER_VIEWS)) if views else "contiguous",
+            seed=draw(st.integers(0, 2**32 - 1)),
+            special=draw(st.booleans()),
+        )
+    return EplbCase(
+        case=case,
+        map_values=values,
+        map_dtype=draw(st.sampled_from((torch.int32, torch.int64))),
+        map_view=kind,
+        weights=weights,
+    )
