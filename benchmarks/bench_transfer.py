@@ -270,12 +270,16 @@ def d2h_bandwidth(sizes: list[int], reps: int, trials: int) -> Table:
     source = torch.randint(0, EXPERTS, (max_tokens, LAYERS, TOP_K), dtype=torch.int32, device=dev)
     pipe = TransferPipeline(source, SHAPE.id_dtype, depth=4)
     direct = TransferPipeline(source, SHAPE.id_dtype, depth=4, graphs=False)
-    narrow_dev = source.to(torch.uint8)
-    narrow_host = torch.empty(narrow_dev.shape, dtype=torch.uint8, pin_memory=True)
+    # the peer copies as many bytes as the pipeline: the id dtype's width (uint16 at 256 experts,
+    # whose fill is no id) as a signed torch dtype; values < 256 read the same in either
+    id_width = SHAPE.id_dtype.itemsize
+    peer_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[id_width]
+    narrow_dev = source.to(peer_dtype)
+    narrow_host = torch.empty(narrow_dev.shape, dtype=peer_dtype, pin_memory=True)
     wide_host = torch.empty(source.shape, dtype=torch.int32, pin_memory=True)
     copy_stream = torch.cuda.Stream()
     for n in sizes:
-        nbytes = n * LAYERS * TOP_K
+        nbytes = n * LAYERS * TOP_K * id_width
 
         def plain(dst, src):
             torch.cuda.synchronize()
@@ -316,7 +320,7 @@ def d2h_bandwidth(sizes: list[int], reps: int, trials: int) -> Table:
             ours_gbs,
             ours_gbs / peer_gbs,
             peer / theirs,
-            4 * nbytes * reps / wide / 1e9,
+            4 * n * LAYERS * TOP_K * reps / wide / 1e9,
             wide / ours,
             f">= {D2H_SMALL_TARGETS.get(n, D2H_TARGET)}",
         )

@@ -478,9 +478,11 @@ def fault_delta(
     window = flags & WINDOW_FAULTS
     parts = [(window != 0).to(torch.int64)]
     parts += [(window >> b) & 1 for b in range(WINDOW_FAULTS.bit_length())]
-    parts.append(torch.as_tensor(n_bad, dtype=torch.int64, device=flags.device))
-    parts.append(torch.as_tensor(n_bad_map, dtype=torch.int64, device=flags.device))
-    parts += [torch.zeros((), dtype=torch.int64, device=flags.device)] * (FAULT_SLOTS - len(parts))
+    # a count that is a Python int (0: nothing checked) becomes a device zero without a host-to-
+    # device copy (torch.as_tensor of an int on CUDA is one: a sync under a CUDA graph's checks)
+    zero = torch.zeros((), dtype=torch.int64, device=flags.device)
+    parts += [n.to(torch.int64) if isinstance(n, torch.Tensor) else zero + n for n in (n_bad, n_bad_map)]
+    parts += [zero] * (FAULT_SLOTS - len(parts))
     return torch.stack(parts).to(torch.int32)
 
 

@@ -194,6 +194,31 @@ if HAS_TRITON:
         return tl.where(_column(zeroed, KEEP), 0.0, w), zeroed
 
     @triton.jit
+    def zeroed_evidence(logits_ptr, rows64, id_i, w_i, stride_lm, stride_le, METHOD: tl.constexpr):
+        """(BLOCK_M,) int32 of one routed column (``id_i`` -1 where masked): what the backward reads
+        to know the rows :func:`finite_rows` zeroed in the forward, from what the forward saved,
+        summed over the columns and decided by :func:`zeroed_by_forward`. The LOGIT rule (the
+        weight is the logit itself, so a 0 weight may be a real one): 1 where the chosen logit is
+        not finite (one gathered load per column). Every other rule: 1 where the saved weight is
+        not 0 - a zeroed row has none, and a finite row whose weights are all exactly 0 (every
+        score underflowed) has gradient 0 by the rule as well (``s (1 - s)``, ``p (g - dot)``)."""
+        ok = id_i >= 0
+        if _WEIGHT_RULE[METHOD] == _W_LOGIT:
+            x = tl.load(logits_ptr + rows64 * stride_lm + id_i.to(tl.int64) * stride_le, mask=ok, other=0.0)
+            return (ok & ~((x == x) & (tl.abs(x) < float("inf")))).to(tl.int32)
+        else:
+            return (ok & (w_i != 0)).to(tl.int32)
+
+    @triton.jit
+    def zeroed_by_forward(evidence, has_id, METHOD: tl.constexpr):
+        """(BLOCK_M,) bool: the rows the forward zeroed, from :func:`zeroed_evidence` summed over the
+        columns (``has_id``: rows with a routed column)."""
+        if _WEIGHT_RULE[METHOD] == _W_LOGIT:
+            return evidence > 0
+        else:
+            return (evidence == 0) & has_id
+
+    @triton.jit
     def record_zeroed(counter_ptr, n_zeroed):
         """Adds a program's zeroed rows to the non-finite rows counter (``moe_ops.router.nonfinite``):
         one atomic per program that zeroed a row, none otherwise (a branch, as the hash kernel's
@@ -315,4 +340,6 @@ if HAS_TRITON:
         "record_zeroed",
         "row_softmax",
         "unscaled_gradient_inputs",
+        "zeroed_by_forward",
+        "zeroed_evidence",
     ]
