@@ -188,9 +188,12 @@ if HAS_TRITON:
         contributes nothing and is counted once (:func:`record_zeroed`). A where and a row
         reduction; finite rows keep every bit. The twin is
         ``moe_ops.router.reference.zero_nonfinite_rows``."""
-        # NaN fails w == w; +-inf fails |w| < inf
-        bad = ok & ~((w == w) & (tl.abs(w) < float("inf")))
-        zeroed = _row_max(bad.to(tl.int32), KEEP) > 0
+        # w * 0 is +-0 for a finite w and NaN for NaN and +-inf, so a row's sum of them is 0 exactly
+        # when its cells are finite. Triton 3.6's LLVM (SLP vectorizer assertion "trying to erase
+        # instruction with users") aborted on the equivalent test written as an int32 row max of
+        # ~(|w| < inf) in replay's live rows at K_PAD = 32, BLOCK_M = 8, 4 warps, 128 experts.
+        probe = _row_sum(tl.where(ok, w * 0.0, 0.0), KEEP)
+        zeroed = probe != 0.0
         return tl.where(_column(zeroed, KEEP), 0.0, w), zeroed
 
     @triton.jit
