@@ -225,7 +225,8 @@ def test_reduce_overhead_cuda_graphs_see_live_counts(cuda_device):
 @pytest.mark.gpu
 def test_manual_cuda_graph_replays_with_set_step(cuda_device):
     cap = RoutingCapturer(SHAPE, 16, cuda_device)
-    ids = [torch.empty(16, 2, dtype=torch.int64, device=cuda_device) for _ in SHAPE.moe_layers]
+    # zeros, not empty: the warm-up step records them, and garbage ids would count as faults
+    ids = [torch.zeros(16, 2, dtype=torch.int64, device=cuda_device) for _ in SHAPE.moe_layers]
 
     def step():
         for layer, t in zip(SHAPE.moe_layers, ids):
@@ -497,7 +498,8 @@ def test_gpu_cuda_graph_replays_cached_targets_with_set_step(cuda_device):
     cap = RoutingCapturer(SHAPE, 16, cuda_device, dp_size=2, dp_rank=1)
     layouts = [BatchLayout.LOCAL, BatchLayout.GATHERED, BatchLayout.GATHERED]
     # LOCAL: this rank's padded batch (<= the buffer's 16 rows); GATHERED: both ranks' rows
-    ids = [torch.empty(16 if i == 0 else 24, 2, dtype=torch.int64, device=cuda_device) for i in range(2)]
+    # zeros, not empty: the warm-up step records them, and garbage ids would be counted as faults
+    ids = [torch.zeros(16 if i == 0 else 24, 2, dtype=torch.int64, device=cuda_device) for i in range(2)]
     logits = torch.randn(24, 64, device=cuda_device)
     routed = torch.empty(24, 2, dtype=torch.int32, device=cuda_device)
 
