@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = [
     "DeviceCounter",
@@ -143,3 +144,37 @@ def existing_counter(kind: str, device: torch.device | str | int | None) -> Devi
     """The device-wide counter of ``kind`` on ``device`` if one was allocated, else None (a check
     of a device nothing recorded on allocates nothing)."""
     return _registry.get((normalise_device(device), kind))
+
+
+def check_counter(
+    kind: str,
+    device: torch.device | str | int | None,
+    error: Callable[..., Exception],
+    raise_error: bool,
+) -> int:
+    """Reads and resets the device-wide counter of ``kind`` on ``device`` (slot 0: rows counted) and
+    returns slot 0 since the last read (0 where the counter was never allocated); with
+    ``raise_error``, a nonzero slot 0 raises ``error(device, *slots)`` after the reset. The one
+    body of the device-wide checks (``check_replay_errors``, ``check_hash_errors``,
+    ``check_nonfinite_rows``), which keep their own docstrings and errors.
+
+    HOST SYNC: :meth:`DeviceCounter.read` copies the slots from the device.
+    """
+    counter = existing_counter(kind, device)
+    if counter is None:
+        return 0
+    slots = counter.read(reset=True)
+    if raise_error and slots[0]:
+        raise error(counter.device, *slots)
+    return slots[0]
+
+
+def counter_or_stand_in(
+    like: torch.Tensor, slots: int, counter: Callable[[torch.device], torch.Tensor]
+) -> torch.Tensor:
+    """The counter an op on ``like`` adds to: ``counter(like.device)``, or a fresh (``slots``,)
+    int32 stand-in where ``like`` is fake (traced outside dynamo: FakeTensorMode, make_fx), which
+    has no device counter to hand out."""
+    if isinstance(like, FakeTensor):
+        return torch.empty(slots, dtype=torch.int32, device=like.device)
+    return counter(like.device)

@@ -25,10 +25,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import once_differentiable
 
-from .._runtime.faults import DeviceCounter, cpu_counter_lock, device_counter, existing_counter
+from .._runtime.faults import (
+    DeviceCounter,
+    check_counter,
+    counter_or_stand_in,
+    cpu_counter_lock,
+    device_counter,
+)
 from .._runtime.library import destination_op, eager_caller, identity, reference_op
 from .._runtime.triton import HAS_TRITON
 from ..router.hash import check_hash_args
@@ -153,13 +158,7 @@ def check_replay_errors(device: torch.device | str | int | None = None, *, raise
         device: the device whose counter to read (default: the current CUDA device, else CPU).
         raise_error: raise :class:`ReplayFaultError` when any row was faulty (after the reset).
     """
-    counter = existing_counter(_KIND, device)
-    if counter is None:
-        return 0
-    rows, flags = counter.read(reset=True)
-    if raise_error and rows:
-        raise ReplayFaultError(counter.device, rows, flags)
-    return rows
+    return check_counter(_KIND, device, ReplayFaultError, raise_error)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -308,10 +307,7 @@ _reference_backward = torch.ops.moe_ops.replay_routing_backward_reference_
 
 
 def _errors_for(router_logits: torch.Tensor) -> torch.Tensor:
-    if isinstance(router_logits, FakeTensor):
-        # Traced outside dynamo (FakeTensorMode, make_fx): a fake stand-in for the real counter.
-        return torch.empty(2, dtype=torch.int32, device=router_logits.device)
-    return replay_fault_counter(router_logits.device)
+    return counter_or_stand_in(router_logits, 2, replay_fault_counter)
 
 
 def _forward(

@@ -16,9 +16,8 @@ device-wide hash fault counter (:mod:`moe_ops._runtime.faults`, kind ``"hash"``)
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
-from .._runtime.faults import DeviceCounter, device_counter, existing_counter
+from .._runtime.faults import DeviceCounter, check_counter, counter_or_stand_in, device_counter
 from .._runtime.library import destination_op, eager_caller, identity, reference_op
 from .._runtime.triton import HAS_TRITON
 from ..capture.op import capture_into
@@ -135,19 +134,11 @@ def check_hash_errors(device: torch.device | str | int | None = None, *, raise_e
         device: the device whose counter to read (default: the current CUDA device, else CPU).
         raise_error: raise :class:`HashFaultError` when any row was faulty (after the reset).
     """
-    counter = existing_counter(_KIND, device)
-    if counter is None:
-        return 0
-    rows, flags = counter.read(reset=True)
-    if raise_error and rows:
-        raise HashFaultError(counter.device, rows, flags)
-    return rows
+    return check_counter(_KIND, device, HashFaultError, raise_error)
 
 
 def _faults_for(router_logits: torch.Tensor) -> torch.Tensor:
-    if isinstance(router_logits, FakeTensor):
-        return torch.empty(2, dtype=torch.int32, device=router_logits.device)
-    return hash_fault_counter(router_logits.device)
+    return counter_or_stand_in(router_logits, 2, hash_fault_counter)
 
 
 # torch.library infers the schema from these annotations.

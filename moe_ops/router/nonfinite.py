@@ -15,9 +15,14 @@ with zeros, as vLLM does with zeroed hidden states).
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
-from .._runtime.faults import DeviceCounter, cpu_counter_lock, device_counter, existing_counter
+from .._runtime.faults import (
+    DeviceCounter,
+    check_counter,
+    counter_or_stand_in,
+    cpu_counter_lock,
+    device_counter,
+)
 
 __all__ = [
     "NonFiniteRowsError",
@@ -60,9 +65,7 @@ def nonfinite_counter(device: torch.device | str | int | None = None) -> torch.T
 def counter_for(router_logits: torch.Tensor) -> torch.Tensor:
     """The counter an op on ``router_logits`` adds to: the device's, or a fake stand-in where the
     logits are fake (traced outside dynamo: FakeTensorMode, make_fx)."""
-    if isinstance(router_logits, FakeTensor):
-        return torch.empty(1, dtype=torch.int32, device=router_logits.device)
-    return nonfinite_counter(router_logits.device)
+    return counter_or_stand_in(router_logits, 1, nonfinite_counter)
 
 
 def check_nonfinite_rows(device: torch.device | str | int | None = None, *, raise_error: bool = True) -> int:
@@ -78,13 +81,7 @@ def check_nonfinite_rows(device: torch.device | str | int | None = None, *, rais
         device: the device whose counter to read (default: the current CUDA device, else CPU).
         raise_error: raise :class:`NonFiniteRowsError` when any row was zeroed (after the reset).
     """
-    counter = existing_counter(_KIND, device)
-    if counter is None:
-        return 0
-    (rows,) = counter.read(reset=True)
-    if raise_error and rows:
-        raise NonFiniteRowsError(counter.device, rows)
-    return rows
+    return check_counter(_KIND, device, NonFiniteRowsError, raise_error)
 
 
 def count_zeroed_rows(counter: torch.Tensor, zeroed: torch.Tensor) -> None:
