@@ -66,7 +66,7 @@ from moe_ops.replay.kernels import (
     replay_backward_triton,
     replay_rows_triton,
 )
-from moe_ops.router.kernels import tile_shape
+from moe_ops.router.args import tile_shape
 from moe_ops.router.reference import weights_for_ids
 
 GRAPH_CALLS = 61  # DeepSeek-V3's MoE-bearing depth
@@ -289,8 +289,9 @@ def sweep_peers(case, x: Inputs, configs=None) -> dict[str, Callable[[], object]
 
     def peer(m, w):
         return lambda: replay_backward_triton(
-            x.grad_out, x.logits, weights, ids, out, method, scale, block_m=m, num_warps=w
-        )
+            grad_weights=x.grad_out, router_logits=x.logits, weights=weights, ids=ids, grad_logits=out,
+            method=method, routed_scaling_factor=scale, unnormalized=False, block_m=m, num_warps=w,
+        )  # fmt: skip
 
     return {f"bwd m={m} w={w}": peer(m, w) for m, w in configs}
 
@@ -509,8 +510,10 @@ def forward_sweep_peers(case, x: Inputs, configs=None) -> dict[str, Callable[[],
 
     def peer(m, w):
         return lambda: replay_rows_triton(
-            x.logits, x.recorded, x.bias, weights, ids, errors, method, n_group, topk_group, scale,
-            nonfinite=nonfinite, block_m=m, num_warps=w,
+            router_logits=x.logits, recorded_ids=x.recorded, weights=weights, ids=ids, errors=errors,
+            nonfinite=nonfinite, row_count=None, bias=x.bias, hash_table=None, token_ids=None,
+            method=method, n_group=n_group, topk_group=topk_group, routed_scaling_factor=scale,
+            unnormalized=False, group_top=2, block_m=m, num_warps=w,
         )  # fmt: skip
 
     return {f"fwd m={m} w={w}": peer(m, w) for m, w in configs}

@@ -58,7 +58,7 @@ from benchmarks.host import host_us_per_call
 from benchmarks.registry import benchmark, main, sizes_option, switch
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
 from moe_ops._runtime.library import HAS_WRAP_TRITON, trace_triton_kernels
-from moe_ops.router.methods import validate_route_args
+from moe_ops.router.args import tile_shape, validate_route_args
 from moe_ops.router.reference import route_reference
 
 LAYERS = 61  # DeepSeek-V3's MoE-bearing depth: the capture buffer's layer axis
@@ -352,7 +352,7 @@ def sweep_launch_config(sizes: list[int], cases=CASES) -> Table:
         return call
 
     for case in cases:
-        tile = kernels.tile_shape(case.num_experts, case.n_group or 1)
+        tile = tile_shape(case.num_experts, case.n_group or 1)
         for n in sizes:
             x = make_inputs(case, n, dev)
             base = peer_triton_capture(case, x)

@@ -151,3 +151,27 @@ def check_routing(config, logits: torch.Tensor, bias: torch.Tensor | None, weigh
         f"{config.name}: weight relative error {float((err / want_w.abs())[bad].max()):.3g} > {rtol} "
         f"({int(bad.sum())} weights)"
     )
+
+
+def replay_forward_args(
+    router_logits, recorded_ids, bias, weights, ids, errors, method, n_group, topk_group, scale,
+    *, nonfinite=None, row_count=None, unnormalized=False, group_top=2, hash_table=None, token_ids=None,
+) -> dict:  # fmt: skip
+    """The replay forward launchers' arguments (``replay_rows_triton`` / ``_torch``: the op's, in the
+    order ``moe_ops.replay.op.REPLAY_OP`` generates) by name, from the tests' usual order."""
+    return dict(
+        router_logits=router_logits, recorded_ids=recorded_ids, weights=weights, ids=ids, errors=errors,
+        nonfinite=nonfinite, row_count=row_count, bias=bias, hash_table=hash_table, token_ids=token_ids,
+        method=int(method), n_group=n_group, topk_group=topk_group, routed_scaling_factor=scale,
+        unnormalized=unnormalized, group_top=group_top,
+    )  # fmt: skip
+
+
+def replay_backward_args(
+    grad_weights, router_logits, weights, ids, grad_logits, method, scale, unnormalized=False
+):
+    """The replay backward launchers' arguments by name (``REPLAY_BACKWARD_OP``'s)."""
+    return dict(
+        grad_weights=grad_weights, router_logits=router_logits, weights=weights, ids=ids,
+        grad_logits=grad_logits, method=int(method), routed_scaling_factor=scale, unnormalized=unnormalized,
+    )  # fmt: skip

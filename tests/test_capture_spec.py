@@ -30,22 +30,23 @@ from moe_ops.router.op import ROUTE_CAPTURE
 # The schemas these ops are registered with (compiled graphs, exported programs and callers of
 # torch.ops.moe_ops.* hold them), written out: a generated schema must be this string. The weights
 # buffer added topk_weights and weights_buffer to the capture op, weights_buffer to route_capture_;
-# route_capture_ also gained the group score's key count (group_top, after unnormalized) and one
-# argument with a default, at its end (num_fused_shared_experts=0). The EPLB expert map added
-# expert_map (after step) and num_logical_experts (after n_first) to both; the non-finite rows
-# counter added nonfinite (mutated, after ids: route_'s own tensors come first) to route_capture_.
+# the EPLB expert map added expert_map (after step) and num_logical_experts (after n_first) to both.
+# route_capture_ is route_'s own arguments (the logits, the outputs, the non-finite rows counter),
+# then the routing arguments it reads in the order moe_ops.router.args.ROUTING_ARGS gives them
+# (tensors: the bias; scalars: method ... num_fused_shared_experts), with the spec's tensors after
+# route's tensors and the spec's scalars after route's scalars.
 CAPTURE_SCHEMA = (
     "(Tensor(a0!) buffer, Tensor topk_ids, Tensor topk_weights, Tensor(a3!) weights_buffer, "
     "Tensor token_counts, Tensor sizes, Tensor(a6!) errors, Tensor(a7!) stamps, Tensor step, "
     "Tensor expert_map, SymInt layer_id, SymInt dp_rank, SymInt n_first, SymInt num_logical_experts) -> ()"
 )
 ROUTE_CAPTURE_SCHEMA = (
-    "(Tensor router_logits, Tensor? bias, Tensor(a2!) weights, Tensor(a3!) ids, Tensor(a4!) nonfinite, "
+    "(Tensor router_logits, Tensor(a1!) weights, Tensor(a2!) ids, Tensor(a3!) nonfinite, Tensor? bias, "
     "Tensor(a5!) buffer, Tensor(a6!) weights_buffer, Tensor token_counts, Tensor sizes, "
     "Tensor(a9!) errors, Tensor(a10!) stamps, Tensor step, Tensor expert_map, SymInt method, SymInt n_group, "
-    "SymInt topk_group, "
-    "float routed_scaling_factor, bool unnormalized, SymInt group_top, SymInt layer_id, SymInt dp_rank, "
-    "SymInt n_first, SymInt num_logical_experts, SymInt num_fused_shared_experts=0) -> ()"
+    "SymInt topk_group, float routed_scaling_factor, bool unnormalized, SymInt group_top, "
+    "SymInt num_fused_shared_experts, SymInt layer_id, SymInt dp_rank, SymInt n_first, "
+    "SymInt num_logical_experts) -> ()"
 )
 
 

@@ -245,7 +245,7 @@ def test_replay_eager_calls_take_the_registered_kernels_and_equal_the_twin(cuda_
 
     calls = {"replay_routing_": 0, "replay_routing_backward_": 0}
     for name, attr, checked in (
-        ("replay_routing_", "_forward_call", (0, 1, 2, 11)),
+        ("replay_routing_", "_forward_call", replay_op.REPLAY_OP.positions(*replay_op._CALLER_TENSORS)),
         ("replay_routing_backward_", "_backward_call", (0, 1)),
     ):
         kernel = library._CUDA_KERNELS[name]

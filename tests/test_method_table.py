@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_ops.router import methods as M
+from moe_ops.router.args import validate_route_args
 from moe_ops.router.methods import (
     BIAS_METHODS,
     GRADIENT_OF,
@@ -28,7 +29,6 @@ from moe_ops.router.methods import (
     SelectionKey,
     WeightRule,
     table_column,
-    validate_route_args,
 )
 from moe_ops.router.reference import rule_gradient, rule_weights
 

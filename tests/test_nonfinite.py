@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from gpu_helpers import skip_unless_triton_runs
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from routing_checks import replay_backward_args, replay_forward_args
 from strategies import POISON, NonFiniteCase, nonfinite_cases
 from threads import run_threads
 
@@ -41,8 +42,9 @@ from moe_ops.replay.kernels import (
     replay_rows_triton,
 )
 from moe_ops.router import NonFiniteRowsError
+from moe_ops.router.args import REPLAY_LOGIT_DTYPES
 from moe_ops.router.kernels import route_rows_torch, route_rows_triton
-from moe_ops.router.methods import METHODS, REPLAY_LOGIT_DTYPES, WeightRule
+from moe_ops.router.methods import METHODS, WeightRule
 from moe_ops.router.reference import rule_gradient
 
 # the interpreter runs the kernels in numpy, which warns on these rows (an all-NaN max, inf - inf,
@@ -191,7 +193,9 @@ def test_replay_forward_kernel_and_twin_zero_and_count_nonfinite_rows(device, me
         weights, ids = _poisoned((n, k), wdtype, device), _poisoned((n, k), torch.int32, device)
         errors = torch.zeros(2, dtype=torch.int32, device=device)
         kernel(
-            logits, recorded, bias, weights, ids, errors, int(case.config.method), n_group, topk_group, scale
+            **replay_forward_args(
+                logits, recorded, bias, weights, ids, errors, case.config.method, n_group, topk_group, scale
+            )
         )
         counted = check_nonfinite_rows(device, raise_error=False)
         zeroed = assert_rule(weights, ids, logits, _rule(method), scale, f"{name} replay weights")
@@ -219,7 +223,11 @@ def test_replay_backward_gives_zeroed_rows_gradient_zero(device, method, data):
     weights = torch.empty((n, k), dtype=_compute_dtype(logits), device=device)
     ids = torch.empty((n, k), dtype=torch.int32, device=device)
     errors = torch.zeros(2, dtype=torch.int32, device=device)
-    replay_rows_torch(logits, recorded, bias, weights, ids, errors, method, n_group, topk_group, scale)
+    replay_rows_torch(
+        **replay_forward_args(
+            logits, recorded, bias, weights, ids, errors, method, n_group, topk_group, scale
+        )
+    )
     check_nonfinite_rows(device, raise_error=False)
     zeroed = ~torch.isfinite(formula_weights(logits, ids, _rule(method), scale)).all(1)
     x = logits.to(weights.dtype)
@@ -229,7 +237,7 @@ def test_replay_backward_gives_zeroed_rows_gradient_zero(device, method, data):
     out = {}
     for name, kernel in (("triton", replay_backward_triton), ("torch", replay_backward_torch)):
         grad_logits = _poisoned(logits.shape, logits.dtype, device)
-        kernel(grad, logits, weights, ids, grad_logits, method, scale)
+        kernel(**replay_backward_args(grad, logits, weights, ids, grad_logits, method, scale))
         assert (grad_logits.cpu()[zeroed] == 0).all(), f"{name}: a zeroed row's gradient is not 0"
         assert_twin(grad_logits, want, f"{name} grad_logits")
         out[name] = grad_logits

@@ -224,8 +224,11 @@ def test_check_replay_errors_of_an_unused_device_is_zero():
 
 def test_fault_counter_and_twin_are_thread_safe(monkeypatch):
     """Real threads: concurrent first calls share one counter, and concurrent replays lose no count."""
-    # a fresh first use: the registry without its CPU replay counter (restored after the test)
-    monkeypatch.delitem(faults._registry, (torch.device("cpu"), "replay"), raising=False)
+    # a fresh first use: the registry without the CPU routing counters, and none resolved (both
+    # restored after the test)
+    for kind in faults.ROUTING_KINDS:
+        monkeypatch.delitem(faults._registry, (torch.device("cpu"), kind), raising=False)
+    monkeypatch.setattr(faults, "_resolved", {})
     barrier = threading.Barrier(8)
     seen = []
 
@@ -546,6 +549,7 @@ BAD = [
     (dict(DS, bias=torch.zeros(15)), ValueError, r"bias must have shape \(num_experts,\)"),
     (dict(routed_scaling_factor=float("-inf")), ValueError, "routed_scaling_factor must be finite"),
     (dict(DS, routed_scaling_factor=float("inf")), ValueError, "routed_scaling_factor must be finite"),
+    (dict(routed_scaling_factor=1e39), ValueError, "routed_scaling_factor must be finite in float32"),
 ]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from gpu_helpers import skip_unless_triton_runs
 from hypothesis import given, settings
+from routing_checks import replay_backward_args, replay_forward_args
 from strategies import BackwardCase, backward_cases, strided_rows
 
 from moe_ops.replay.kernels import (
@@ -66,12 +67,14 @@ def run_backward(case: BackwardCase):
     errors = torch.zeros(2, dtype=torch.int32)
     n_group, topk_group = cfg.groups
     replay_rows_triton(
-        logits, recorded, bias, weights, ids, errors, int(cfg.method), n_group, topk_group, _scale(cfg)
+        **replay_forward_args(
+            logits, recorded, bias, weights, ids, errors, cfg.method, n_group, topk_group, _scale(cfg)
+        )
     )
     assert errors.tolist() == [0, 0] and torch.equal(ids, recorded), "the record was not replayed as is"
     out = _poisoned(logits, case.out_layout)
     replay_backward_triton(
-        grad, logits, weights, ids, out, int(cfg.method), _scale(cfg), block_m=case.block_m
+        **replay_backward_args(grad, logits, weights, ids, out, cfg.method, _scale(cfg)), block_m=case.block_m
     )
     return logits, ids, grad, weights, out
 
@@ -96,6 +99,6 @@ def test_backward_kernel_matches_reference_autograd(case):
 
     # the twin, same inputs, same poisoned buffer layout
     twin = _poisoned(logits, case.out_layout)
-    replay_backward_torch(grad, logits, weights, ids, twin, int(cfg.method), _scale(cfg))
+    replay_backward_torch(**replay_backward_args(grad, logits, weights, ids, twin, cfg.method, _scale(cfg)))
     _check_written(twin, "twin grad_logits")
     torch.testing.assert_close(tri.double(), twin.double(), rtol=rtol + ulp, atol=atol)

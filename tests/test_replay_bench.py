@@ -44,7 +44,7 @@ def test_floor_grids_are_the_replay_launches(bench):
     """The do-nothing peers launch the grids replay launches: the forward's and the
     backward's launch configurations at the benchmark's sizes."""
     from moe_ops.replay.kernels import backward_launch_config, forward_launch_config
-    from moe_ops.router.kernels import tile_shape
+    from moe_ops.router.args import tile_shape
 
     for case in bench.CASES:
         for n in (1, 128, 4096):

@@ -153,23 +153,22 @@ def _opcheck_args(device):
     ids = torch.empty(10, 4, dtype=torch.int32, device=device)
     errors = torch.zeros(2, dtype=torch.int32, device=device)
     nonfinite = torch.zeros(1, dtype=torch.int32, device=device)
-    forward = (
-        logits,
-        recorded,
-        bias,
-        weights,
-        ids,
-        errors,
-        nonfinite,
-        int(RoutingMethod.DEEPSEEK_V3),
-        4,
-        2,
-        2.5,
-    )
+    # by name: the ops' argument order is generated (moe_ops.replay.op.REPLAY_OP); DeepSeek-V3 with
+    # 4 groups keeping 2 (TOP2_SUM: group_top 2) and a scale
+    forward = dict(
+        router_logits=logits, recorded_ids=recorded, weights=weights, ids=ids, errors=errors,
+        nonfinite=nonfinite, row_count=None, bias=bias, hash_table=None, token_ids=None,
+        method=int(RoutingMethod.DEEPSEEK_V3), n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        unnormalized=False, group_top=2,
+    )  # fmt: skip
     grad_w = torch.randn(10, 4, device=device)
     ids_ok = torch.stack([torch.randperm(32)[:4] for _ in range(10)]).int().to(device)
     grad_logits = torch.empty(10, 32, device=device)
-    backward = (grad_w, logits, weights.normal_(), ids_ok, grad_logits, int(RoutingMethod.DEEPSEEK_V3), 2.5)
+    backward = dict(
+        grad_weights=grad_w, router_logits=logits, weights=weights.normal_(), ids=ids_ok,
+        grad_logits=grad_logits, method=int(RoutingMethod.DEEPSEEK_V3), routed_scaling_factor=2.5,
+        unnormalized=False,
+    )  # fmt: skip
     return forward, backward
 
 
@@ -184,7 +183,8 @@ def test_opcheck(device, use_triton):
     else:
         forward_, backward_ = ops.replay_routing_reference_, ops.replay_routing_backward_reference_
     forward, backward = _opcheck_args(device)
-    torch.library.opcheck(forward_.default, forward)
+    torch.library.opcheck(forward_.default, (), forward)
     # with the replayer's row count checked in the forward (a mismatch: 9 rows held, 10 read)
-    torch.library.opcheck(forward_.default, (*forward, torch.tensor([9], dtype=torch.int32, device=device)))
-    torch.library.opcheck(backward_.default, backward)
+    row_count = torch.tensor([9], dtype=torch.int32, device=device)
+    torch.library.opcheck(forward_.default, (), dict(forward, row_count=row_count))
+    torch.library.opcheck(backward_.default, (), backward)

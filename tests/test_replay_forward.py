@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from gpu_helpers import skip_unless_triton_runs
 from hypothesis import given, settings
+from routing_checks import replay_forward_args
 from strategies import POISON, ForwardCase, forward_cases, strided_rows
 
 from moe_ops import route
@@ -82,7 +83,10 @@ def run(case: ForwardCase, kernel, **launch):
     ids = _poisoned((n, k), torch.int32, case.out_layout)
     errors = torch.zeros(2, dtype=torch.int32)
     n_group, topk_group = cfg.groups
-    kernel(x, rec, bias, weights, ids, errors, int(cfg.method), n_group, topk_group, _scale(cfg), **launch)
+    args = replay_forward_args(
+        x, rec, bias, weights, ids, errors, cfg.method, n_group, topk_group, _scale(cfg)
+    )
+    kernel(**args, **launch)
     return logits, weights, ids, errors
 
 

@@ -120,31 +120,38 @@ def _opcheck_args(device):
     errors = torch.zeros(8, dtype=torch.int32, device=device)
     stamps = torch.full((3,), -1, dtype=torch.int32, device=device)
     step = torch.ones(1, dtype=torch.int32, device=device)
-    # True: renormalize=False; 2: the group score sums a group's two best keys (TOP2_SUM)
-    route_args = (int(RoutingMethod.DEEPSEEK_V3), 4, 2, 2.5, True, 2)
-    return (
-        (logits, bias, weights, ids, nonfinite, *route_args),
-        (
-            logits,
-            bias,
-            weights,
-            ids,
-            nonfinite,
-            buffer,
-            wbuf,
-            counts,
-            sizes,
-            errors,
-            stamps,
-            step,
-            torch.empty(0, dtype=torch.int32, device=device),  # no expert map: route's ids are logical
-            *route_args,
-            2,
-            1,
-            2,  # SHARDED rank 1 of 2 ranks x 2 shards: two sizes precede its rows
-            0,
-        ),
+    # by name (the ops' argument order is generated: moe_ops.router.args.OpSignature); renormalize=False
+    # (unnormalized), and the group score sums a group's two best keys (TOP2_SUM: group_top 2)
+    route_kwargs = dict(
+        router_logits=logits,
+        weights=weights,
+        ids=ids,
+        nonfinite=nonfinite,
+        bias=bias,
+        method=int(RoutingMethod.DEEPSEEK_V3),
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        unnormalized=True,
+        group_top=2,
+        num_fused_shared_experts=0,
     )
+    capture_kwargs = dict(
+        route_kwargs,
+        buffer=buffer,
+        weights_buffer=wbuf,
+        token_counts=counts,
+        sizes=sizes,
+        errors=errors,
+        stamps=stamps,
+        step=step,
+        expert_map=torch.empty(0, dtype=torch.int32, device=device),  # no map: route's ids are logical
+        layer_id=2,
+        dp_rank=1,
+        n_first=2,  # SHARDED rank 1 of 2 ranks x 2 shards: two sizes precede its rows
+        num_logical_experts=0,
+    )
+    return route_kwargs, capture_kwargs
 
 
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
@@ -159,6 +166,6 @@ def test_opcheck(device, use_triton):
             torch.ops.moe_ops.route_reference_,
             torch.ops.moe_ops.route_capture_reference_,
         )
-    route_args, capture_args = _opcheck_args(device)
-    torch.library.opcheck(route_.default, route_args)
-    torch.library.opcheck(route_capture_.default, capture_args)
+    route_kwargs, capture_kwargs = _opcheck_args(device)
+    torch.library.opcheck(route_.default, (), route_kwargs)
+    torch.library.opcheck(route_capture_.default, (), capture_kwargs)

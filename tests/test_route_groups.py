@@ -20,8 +20,9 @@ from strategies import group_cases
 from strategies.layouts import strided_rows
 
 from moe_ops import GroupScore, RoutingMethod, replay_routing, route
+from moe_ops.router.args import validate_route_args
 from moe_ops.router.kernels import route_rows_torch, route_rows_triton
-from moe_ops.router.methods import METHODS, SCORE_KEYS, SelectionKey, validate_route_args
+from moe_ops.router.methods import METHODS, SCORE_KEYS, SelectionKey
 
 M = RoutingMethod
 CPU_BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton-interpret")]

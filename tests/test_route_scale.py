@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from strategies import GPU_ROUTER_CASES, MODEL_ROUTERS, ROUTED_SCALES, router_cases, scaled_router_cases
 
 from moe_ops import RoutingMethod, replay_routing, route
+from moe_ops.router.args import validate_route_args
 from moe_ops.router.kernels import route_rows_torch, route_rows_triton
-from moe_ops.router.methods import METHODS, validate_route_args
+from moe_ops.router.methods import METHODS
 
 M = RoutingMethod
 BACKENDS = ("torch", "triton")

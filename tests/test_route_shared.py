@@ -362,30 +362,26 @@ def test_capture_width_and_dtype_must_fit_what_is_kept(width, dtype, num_experts
     assert (buffer == POISON).all()
 
 
-def test_route_capture_op_takes_the_older_positional_call():
-    """``route_capture_`` without its trailing ``num_fused_shared_experts`` (the schema before it):
-    the same writes as with 0 - the dispatcher leaves the default out and the op fills it in."""
+def test_route_capture_op_called_by_name_writes_what_route_writes():
+    """``route_capture_``'s arguments are generated (moe_ops.router.args.OpSignature): its own by
+    name, the routing ones from a RoutingArgs, the capture's from the target's spec; the op then
+    writes what ``route`` returns and records it."""
+    from moe_ops.router.args import resolve_routing
     from moe_ops.router.op import ROUTE_CAPTURE
 
     logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
-    outs = []
-    for extra in ((), (0,)):
-        buffer = torch.full((4, 1, 2), POISON, dtype=torch.int32)
-        target = _target(buffer)
-        weights = torch.full((4, 2), float("nan"))
-        ids = torch.full((4, 2), POISON, dtype=torch.int32)
-        # ..., unnormalized, group_top, then the trailing num_fused_shared_experts
-        nonfinite = torch.zeros(1, dtype=torch.int32)
-        host = (logits, None, weights, ids, nonfinite, int(RoutingMethod.RENORMALIZE), 1, 1, 1.0, False, 2, 0)
-        args = ROUTE_CAPTURE.join(host, target.spec)
-        assert len(args) == len(ROUTE_CAPTURE.names)
-        torch.ops.moe_ops.route_capture_reference_(*args[:-1], *extra)
-        outs.append((weights, ids, buffer))
+    buffer = torch.full((4, 1, 2), POISON, dtype=torch.int32)
+    target = _target(buffer)
+    weights = torch.full((4, 2), float("nan"))
+    ids = torch.full((4, 2), POISON, dtype=torch.int32)
+    nonfinite = torch.zeros(1, dtype=torch.int32)
+    routing = resolve_routing(logits, 2, RoutingMethod.RENORMALIZE, backend="torch")
+    host = ROUTE_CAPTURE.values(routing, router_logits=logits, weights=weights, ids=ids, nonfinite=nonfinite)
+    args = ROUTE_CAPTURE.join(host, target.spec)
+    assert len(args) == len(ROUTE_CAPTURE.names)
+    torch.ops.moe_ops.route_capture_reference_(*args)
     ref_w, ref_ids = route(logits, 2, RoutingMethod.RENORMALIZE, backend="torch")
-    for weights, ids, buffer in outs:
-        assert (
-            torch.equal(ids, ref_ids) and torch.equal(weights, ref_w) and torch.equal(buffer[:, 0], ref_ids)
-        )
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w) and torch.equal(buffer[:, 0], ref_ids)
 
 
 def test_compiled_route_with_shared_experts_equals_eager():

@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from strategies import POISON, sqrtsoftplus_cases
 
 from moe_ops import RoutingMethod, replay_routing, route
+from moe_ops.router.args import validate_route_args
 from moe_ops.router.kernels import route_rows_torch, route_rows_triton
-from moe_ops.router.methods import METHODS, validate_route_args
+from moe_ops.router.methods import METHODS
 from moe_ops.router.reference import rule_gradient, rule_weights, sqrt_softplus
 
 M = RoutingMethod.SQRTSOFTPLUS

@@ -110,21 +110,40 @@ def _route_args(n: int, seed: int, capture: bool):
     return t
 
 
-_ROUTE_ARGS = (int(RoutingMethod.DEEPSEEK_V3), 4, 2, 2.5)
-# route_'s and route_capture_'s scalars (unnormalized, group_top): the replay ops take them last,
-# after row_count
-_ROUTER_ARGS = (*_ROUTE_ARGS, False, 2)
+# DeepSeek-V3 with 4 groups keeping 2 and a scale, by name (the ops' argument order is generated:
+# moe_ops.router.args.OpSignature); unnormalized False, group_top 2 (TOP2_SUM)
+_ROUTING = dict(
+    method=int(RoutingMethod.DEEPSEEK_V3),
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    unnormalized=False,
+    group_top=2,
+)
+
+
+def _route_kwargs(t):
+    return dict(
+        router_logits=t["logits"], weights=t["weights"], ids=t["ids"], nonfinite=t["nonfinite"],
+        bias=t["bias"], **_ROUTING, num_fused_shared_experts=0,
+    )  # fmt: skip
+
+
+def _route_capture_kwargs(t):
+    # SHARDED, rank 1 of 2 with 2 shards each: two sizes precede this rank's rows; no expert map
+    return dict(
+        _route_kwargs(t), buffer=t["buffer"], weights_buffer=t["wbuf"], token_counts=t["counts"],
+        sizes=t["sizes"], errors=t["errors"], stamps=t["stamps"], step=t["step"],
+        expert_map=t["expert_map"], layer_id=2, dp_rank=1, n_first=2, num_logical_experts=0,
+    )  # fmt: skip
 
 
 def _route(t):
-    torch.ops.moe_ops.route_(t["logits"], t["bias"], t["weights"], t["ids"], t["nonfinite"], *_ROUTER_ARGS)
+    torch.ops.moe_ops.route_(**_route_kwargs(t))
 
 
 def _route_capture(t):
-    torch.ops.moe_ops.route_capture_(
-        t["logits"], t["bias"], t["weights"], t["ids"], t["nonfinite"], t["buffer"], t["wbuf"], t["counts"],
-        t["sizes"], t["errors"], t["stamps"], t["step"], t["expert_map"], *_ROUTER_ARGS, 2, 1, 2, 0,
-    )  # fmt: skip
+    torch.ops.moe_ops.route_capture_(**_route_capture_kwargs(t))
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
@@ -160,17 +179,10 @@ def test_opcheck_capture_interpreted():
 def test_opcheck_route_interpreted(capture):
     t = _route_args(10, 0, capture)
     if capture:
-        op, args = torch.ops.moe_ops.route_capture_.default, (
-            t["logits"], t["bias"], t["weights"], t["ids"], t["nonfinite"], t["buffer"], t["wbuf"],
-            t["counts"], t["sizes"], t["errors"], t["stamps"], t["step"], t["expert_map"], *_ROUTER_ARGS,
-            2, 1, 2, 0,
-        )  # fmt: skip
+        op, kwargs = torch.ops.moe_ops.route_capture_.default, _route_capture_kwargs(t)
     else:
-        op, args = (
-            torch.ops.moe_ops.route_.default,
-            (t["logits"], t["bias"], t["weights"], t["ids"], t["nonfinite"], *_ROUTER_ARGS),
-        )
-    torch.library.opcheck(op, args)
+        op, kwargs = torch.ops.moe_ops.route_.default, _route_kwargs(t)
+    torch.library.opcheck(op, (), kwargs)
 
 
 def test_the_block_turns_the_compile_caches_off_and_restores_them():
@@ -244,20 +256,25 @@ def _replay_args(n: int, seed: int, row_count: bool):
     )
 
 
-def _replay(t):
-    torch.ops.moe_ops.replay_routing_(
-        t["logits"], t["recorded"], t["bias"], t["weights"], t["ids"], t["errors"], t["nonfinite"],
-        *_ROUTE_ARGS, t["row_count"],
+def _replay_kwargs(t):
+    return dict(
+        router_logits=t["logits"], recorded_ids=t["recorded"], weights=t["weights"], ids=t["ids"],
+        errors=t["errors"], nonfinite=t["nonfinite"], row_count=t["row_count"], bias=t["bias"],
+        hash_table=None, token_ids=None, **_ROUTING,
     )  # fmt: skip
-    torch.ops.moe_ops.replay_routing_backward_(
-        t["grad_weights"],
-        t["logits"],
-        t["weights"],
-        t["ids"],
-        t["grad_logits"],
-        _ROUTE_ARGS[0],
-        _ROUTE_ARGS[3],
-    )
+
+
+def _replay_backward_kwargs(t):
+    return dict(
+        grad_weights=t["grad_weights"], router_logits=t["logits"], weights=t["weights"], ids=t["ids"],
+        grad_logits=t["grad_logits"], method=_ROUTING["method"],
+        routed_scaling_factor=_ROUTING["routed_scaling_factor"], unnormalized=False,
+    )  # fmt: skip
+
+
+def _replay(t):
+    torch.ops.moe_ops.replay_routing_(**_replay_kwargs(t))
+    torch.ops.moe_ops.replay_routing_backward_(**_replay_backward_kwargs(t))
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
@@ -287,29 +304,5 @@ def test_replay_traces_the_kernels_and_equals_eager(row_count, dynamic):
 @pytest.mark.parametrize("row_count", [False, True], ids=["batch", "row_count"])
 def test_opcheck_replay_interpreted(row_count):
     t = _replay_args(10, 0, row_count)
-    torch.library.opcheck(
-        torch.ops.moe_ops.replay_routing_.default,
-        (
-            t["logits"],
-            t["recorded"],
-            t["bias"],
-            t["weights"],
-            t["ids"],
-            t["errors"],
-            t["nonfinite"],
-            *_ROUTE_ARGS,
-            t["row_count"],
-        ),
-    )
-    torch.library.opcheck(
-        torch.ops.moe_ops.replay_routing_backward_.default,
-        (
-            t["grad_weights"],
-            t["logits"],
-            t["weights"],
-            t["ids"],
-            t["grad_logits"],
-            _ROUTE_ARGS[0],
-            _ROUTE_ARGS[3],
-        ),
-    )
+    torch.library.opcheck(torch.ops.moe_ops.replay_routing_.default, (), _replay_kwargs(t))
+    torch.library.opcheck(torch.ops.moe_ops.replay_routing_backward_.default, (), _replay_backward_kwargs(t))

@@ -23,7 +23,13 @@ device-wide replay counter, ``[faulty rows, OR of REPLAY_FAULT_* bits]``). What 
   read and keeps a bit set since (a bit OR-ed again while it was already set was reported by this
   read: its count, if it lands after the read, is reported by the next read, possibly without it);
 * :func:`device_counter` - the device-wide registry, one counter per (device, kind), allocated on
-  first use and then fixed for the process (thread-safe: concurrent first calls get one counter).
+  first use and then fixed for the process (thread-safe: concurrent first calls get one counter);
+* :func:`routing_counters` / :func:`counters_for` - the routing ops' counters of one device
+  (``"replay"``, ``"hash"``, ``"nonfinite"``: :data:`ROUTING_KINDS`), resolved together on the
+  device's first use and kept: an op finds all of them with one dict lookup on its tensor's device.
+
+Every device-wide kind, with its slots: ``"capture"`` (8, ``moe_ops.capture.errors``), ``"replay"``
+(2), ``"hash"`` (2), ``"nonfinite"`` (1); ``moe_ops.check_faults`` reads them all in one report.
 
 Thread safety: reads, resets and the ops' updates may run on any threads at once; every count is
 reported by exactly one read.
@@ -34,17 +40,23 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = [
+    "ROUTING_KINDS",
     "DeviceCounter",
+    "RoutingCounters",
+    "check_counter",
+    "counters_for",
     "cpu_counter_lock",
     "device_counter",
     "existing_counter",
     "normalise_device",
+    "read_counter",
+    "routing_counters",
 ]
 
 # CPU counters: every update and every read-and-subtract holds it. Re-entrant: a launcher that holds
@@ -146,6 +158,19 @@ def existing_counter(kind: str, device: torch.device | str | int | None) -> Devi
     return _registry.get((normalise_device(device), kind))
 
 
+def read_counter(
+    kind: str, device: torch.device | str | int | None, *, reset: bool = True
+) -> list[int] | None:
+    """The slots of the device-wide counter of ``kind`` on ``device`` since the last reset (and,
+    with ``reset``, subtracted from it), or None where it was never allocated (nothing recorded
+    there). The one read behind every check (``moe_ops.check_faults`` and the per-kind views).
+
+    HOST SYNC: :meth:`DeviceCounter.read` copies the slots from the device.
+    """
+    counter = existing_counter(kind, device)
+    return None if counter is None else counter.read(reset=reset)
+
+
 def check_counter(
     kind: str,
     device: torch.device | str | int | None,
@@ -154,27 +179,75 @@ def check_counter(
 ) -> int:
     """Reads and resets the device-wide counter of ``kind`` on ``device`` (slot 0: rows counted) and
     returns slot 0 since the last read (0 where the counter was never allocated); with
-    ``raise_error``, a nonzero slot 0 raises ``error(device, *slots)`` after the reset. The one
-    body of the device-wide checks (``check_replay_errors``, ``check_hash_errors``,
-    ``check_nonfinite_rows``), which keep their own docstrings and errors.
+    ``raise_error``, a nonzero slot 0 raises ``error(device, *slots)`` after the reset. The body of
+    the per-kind views (``check_replay_errors``, ``check_hash_errors``, ``check_nonfinite_rows``),
+    which keep their own docstrings and errors.
 
     HOST SYNC: :meth:`DeviceCounter.read` copies the slots from the device.
     """
-    counter = existing_counter(kind, device)
-    if counter is None:
+    slots = read_counter(kind, device)
+    if slots is None:
         return 0
-    slots = counter.read(reset=True)
     if raise_error and slots[0]:
-        raise error(counter.device, *slots)
+        raise error(normalise_device(device), *slots)
     return slots[0]
 
 
-def counter_or_stand_in(
-    like: torch.Tensor, slots: int, counter: Callable[[torch.device], torch.Tensor]
-) -> torch.Tensor:
-    """The counter an op on ``like`` adds to: ``counter(like.device)``, or a fresh (``slots``,)
-    int32 stand-in where ``like`` is fake (traced outside dynamo: FakeTensorMode, make_fx), which
-    has no device counter to hand out."""
+# ---------------------------------------------------------------------------------------------------
+# The routing ops' counters of one device, resolved once
+# ---------------------------------------------------------------------------------------------------
+
+# kind -> slots of the device-wide counters the routing ops add to
+ROUTING_KINDS = {"replay": 2, "hash": 2, "nonfinite": 1}
+
+
+class RoutingCounters(NamedTuple):
+    """The device-wide counters the routing ops add to, of one device (each a persistent int32
+    tensor, a static address)."""
+
+    # (2,) [faulty replayed rows, OR of REPLAY_FAULT_* bits] (moe_ops.replay.op)
+    replay: torch.Tensor
+    # (2,) [faulty hash rows, OR of HASH_FAULT_* bits] (moe_ops.router.hash)
+    hash: torch.Tensor
+    # (1,) [rows whose weights were zeroed: not all finite] (moe_ops.router.nonfinite)
+    nonfinite: torch.Tensor
+
+
+_resolved_lock = threading.Lock()
+# a tensor's device (already normalised: CUDA tensors carry their index) -> its counters
+_resolved: dict[torch.device, RoutingCounters] = {}
+
+
+def _resolve(device: torch.device) -> RoutingCounters:
+    key = normalise_device(device)
+    with _resolved_lock:
+        counters = _resolved.get(key)
+        if counters is None:
+            counters = RoutingCounters(
+                *(device_counter(kind, key, lambda d, n=n: DeviceCounter(n, d)).tensor
+                  for kind, n in ROUTING_KINDS.items())
+            )  # fmt: skip
+            _resolved[key] = counters
+        _resolved[device] = counters
+    return counters
+
+
+# Under torch.compile this runs at trace time, as plain Python, and the graph holds the counters as
+# constants (a lock or an allocation traced by dynamo would break the graph).
+@torch._dynamo.assume_constant_result
+def routing_counters(device: torch.device | str | int | None = None) -> RoutingCounters:
+    """The routing ops' device-wide counters of ``device``: allocated together on the device's
+    first use, then the same tensors for the process (thread-safe). One dict lookup per call."""
+    counters = _resolved.get(device) if isinstance(device, torch.device) else None
+    return counters if counters is not None else _resolve(normalise_device(device))
+
+
+def counters_for(like: torch.Tensor) -> RoutingCounters:
+    """The counters an op on ``like`` adds to: :func:`routing_counters` of its device, or fresh
+    stand-ins where ``like`` is fake (traced outside dynamo: FakeTensorMode, make_fx), which has no
+    device counter to hand out."""
     if isinstance(like, FakeTensor):
-        return torch.empty(slots, dtype=torch.int32, device=like.device)
-    return counter(like.device)
+        return RoutingCounters(
+            *(torch.empty(n, dtype=torch.int32, device=like.device) for n in ROUTING_KINDS.values())
+        )
+    return routing_counters(like.device)

@@ -81,7 +81,8 @@ from ..replay.attach import (
     check_replayer,
     replay_router_output,
 )
-from ..router.methods import BIAS_METHODS, GroupScore, RoutingMethod, validate_route_args
+from ..router.args import validate_route_args
+from ..router.methods import BIAS_METHODS, GroupScore, RoutingMethod
 from ..shapes import RoutingShape
 
 __all__ = [
@@ -422,15 +423,13 @@ class _ReplayHook(_Hook):
         probs, routing_map = self.routed(arguments)
         logits, top_k = arguments["logits"], arguments["topk"]
         n = logits.shape[0]
-        # a RoutingReplayer's row-count check rides in replay_routing's forward kernel
-        row_count = getattr(self.replayer, "row_count", None)
-        fused = {"device_check": False} if isinstance(row_count, torch.Tensor) else {}
-        if not fused:
-            row_count = None
-        if self.kind == "mtp":
-            recorded = self.replayer.layer_ids(self.index, n, kind="mtp", **fused)
+        # a RoutingReplayer's rows come with the row count its device check needs (None where the
+        # host checked): the check rides in replay_routing's forward kernel
+        kind = {"kind": "mtp"} if self.kind == "mtp" else {}
+        if callable(getattr(self.replayer, "rows", None)):
+            recorded, row_count = self.replayer.rows(self.index, n, **kind)
         else:
-            recorded = self.replayer.layer_ids(self.index, n, **fused)
+            recorded, row_count = self.replayer.layer_ids(self.index, n, **kind), None
         rule = _call_rule(arguments, logits.dtype)
         bias = arguments["expert_bias"] if rule.method in BIAS_METHODS else None
         live_ids = routing_ids(routing_map, top_k)

@@ -40,7 +40,8 @@ from ..capture.protocol import Capturer
 from ..capture.target import CaptureTarget
 from ..replay.attach import ReplayRule
 from ..router import RoutingMethod, route
-from ..router.methods import BIAS_METHODS, validate_route_args
+from ..router.args import validate_route_args
+from ..router.methods import BIAS_METHODS
 from ..router.op import BACKENDS
 from ..router.reference import weights_for_ids
 

@@ -61,7 +61,8 @@ from .._runtime.library import identity
 from .._runtime.triton import HAS_TRITON, interpreting, next_power_of_2
 from ..capture.kernels import size_hint
 from ..router._hash import hash_ids_torch
-from ..router.kernels import launch_config, tile_shape
+from ..router.args import tile_shape
+from ..router.kernels import launch_config
 from ..router.methods import METHODS, RoutingMethod, WeightRule
 from ..router.nonfinite import count_zeroed_rows, nonfinite_counter
 from ..router.reference import (
@@ -127,7 +128,7 @@ _FORWARD_WARPS = 4
 
 def forward_launch_config(n_tokens: int, ng_pad: int, g_pad: int) -> tuple[int, int]:
     """(rows per program, warps) of the forward kernel for a ``(ng_pad, g_pad)`` expert tile
-    (:func:`moe_ops.router.kernels.tile_shape`)."""
+    (:func:`moe_ops.router.args.tile_shape`)."""
     if interpreting():
         # The interpreter pays per program and per operation, hardly per element: few programs.
         return min(next_power_of_2(n_tokens), 64), 1
@@ -169,40 +170,43 @@ def _classify(rec: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
 def replay_rows_torch(
     router_logits: torch.Tensor,
     recorded_ids: torch.Tensor,
-    bias: torch.Tensor | None,
     weights: torch.Tensor,
     ids: torch.Tensor,
     errors: torch.Tensor,
+    nonfinite: torch.Tensor | None,
+    row_count: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    hash_table: torch.Tensor | None,
+    token_ids: torch.Tensor | None,
     method: int,
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
-    row_count: torch.Tensor | None = None,
-    unnormalized: bool = False,
-    hash_table: torch.Tensor | None = None,
-    token_ids: torch.Tensor | None = None,
-    group_top: int = 2,
-    *,
-    nonfinite: torch.Tensor | None = None,
+    unnormalized: bool,
+    group_top: int,
 ) -> None:
     """PyTorch twin of :func:`replay_rows_triton`: same arguments, same writes, same fault record.
+    The arguments are ``moe_ops::replay_routing_``'s, in its order
+    (:data:`moe_ops.replay.op.REPLAY_OP`): the op's CPU kernel.
 
     router_logits: (n, E) float - live router outputs
     recorded_ids: (n, k) integer - the rollout's ids; rows of -1 are routed live
-    bias: (E,) float or None - the selection bias of BIAS_METHODS (live rows only; never in weights)
     weights: (n, k) float32, or float64 for float64 logits - written; the compute dtype
     ids: (n, k) int32 - written
     errors: (2,) int32 - [faulty rows, OR of fault bits], added to
-    unnormalized: the method's other weight rule (``RouteConfig.unnormalized``)
-    group_top: the keys a group score sums (``RouteConfig.group_top``; live rows with groups)
-    row_count: (1,) int32 or None - the rows the recorded batch holds (a ``RoutingReplayer``'s
-        ``row_count``); when it is not ``n``, one faulty call with :data:`REPLAY_FAULT_ROW_COUNT`
-    hash_table: (vocab, k) integer or None - a hash layer's table: live and faulty rows take
-        ``hash_table[token_ids]`` (module doc)
-    token_ids: (n,) integer or None - each row's token id (with ``hash_table``)
     nonfinite: (1,) int32 or None - the non-finite rows counter (``moe_ops.router.nonfinite``):
         rows whose weights were not all finite are written as 0 and counted there; None: the
         logits' device's
+    row_count: (1,) int32 or None - the rows the recorded batch holds (a ``RoutingReplayer``'s
+        ``row_count``); when it is not ``n``, one faulty call with :data:`REPLAY_FAULT_ROW_COUNT`
+    bias: (E,) float or None - the selection bias of BIAS_METHODS (live rows only; never in weights)
+    hash_table: (vocab, k) integer or None - a hash layer's table: live and faulty rows take
+        ``hash_table[token_ids]`` (module doc)
+    token_ids: (n,) integer or None - each row's token id (with ``hash_table``)
+    method, n_group, topk_group, routed_scaling_factor: the routing arguments
+        (:class:`moe_ops.router.args.RoutingArgs`)
+    unnormalized: the method's other weight rule (``RoutingArgs.unnormalized``)
+    group_top: the keys a group score sums (``RoutingArgs.group_top``; live rows with groups)
 
     Live ids are :func:`moe_ops.router.reference.select_experts` of every row in the compute dtype
     (the route twin's rule, so equal to ``route(backend="torch")`` bit for bit), used where needed.
@@ -263,10 +267,11 @@ def replay_backward_torch(
     grad_logits: torch.Tensor,
     method: int,
     routed_scaling_factor: float,
-    unnormalized: bool = False,
+    unnormalized: bool,
 ) -> None:
     """PyTorch twin of :func:`replay_backward_triton`: writes ``grad_logits``, the method's gradient
-    rule (module doc formulas; :func:`moe_ops.router.reference.rule_gradient`).
+    rule (module doc formulas; :func:`moe_ops.router.reference.rule_gradient`). The arguments are
+    ``moe_ops::replay_routing_backward_``'s, in its order (``REPLAY_BACKWARD_OP``).
 
     grad_weights: (n, k) float - gradient of the loss w.r.t. the forward's weights (any strides)
     router_logits: (n, E) float - the forward's logits
@@ -717,27 +722,27 @@ if HAS_TRITON:
 def replay_rows_triton(
     router_logits: torch.Tensor,
     recorded_ids: torch.Tensor,
-    bias: torch.Tensor | None,
     weights: torch.Tensor,
     ids: torch.Tensor,
     errors: torch.Tensor,
+    nonfinite: torch.Tensor | None,
+    row_count: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    hash_table: torch.Tensor | None,
+    token_ids: torch.Tensor | None,
     method: int,
     n_group: int,
     topk_group: int,
     routed_scaling_factor: float,
-    row_count: torch.Tensor | None = None,
-    unnormalized: bool = False,
-    hash_table: torch.Tensor | None = None,
-    token_ids: torch.Tensor | None = None,
-    group_top: int = 2,
+    unnormalized: bool,
+    group_top: int,
     *,
-    nonfinite: torch.Tensor | None = None,
     block_m: int | None = None,
     num_warps: int | None = None,
     wrap=identity,
 ) -> None:
-    """Launches the forward kernel (arguments as :func:`replay_rows_torch`; ``weights`` float32,
-    or float64 for float64 logits: the kernel computes in the weights' dtype).
+    """Launches the forward kernel (arguments as :func:`replay_rows_torch`, the op's, in its order;
+    ``weights`` float32, or float64 for float64 logits: the kernel computes in the weights' dtype).
 
     block_m, num_warps: override the launch configuration (tests and tuning); the default is
     :func:`forward_launch_config`. A block that needs live routing holds a (block_m, NG_PAD, G_PAD)
@@ -770,7 +775,7 @@ def replay_rows_triton(
         nonfinite = nonfinite_counter(router_logits.device)
     table_arg = hash_table if hashed else (recorded_ids.new_empty(0) if traced else recorded_ids)
     tok_arg = token_ids if hashed else (recorded_ids.new_empty(0) if traced else recorded_ids)
-    wrap(_replay_kernel)[(programs,)](
+    args = (
         router_logits,
         recorded_ids,
         bias_arg,
@@ -799,6 +804,8 @@ def replay_rows_triton(
         hash_table.stride(0) if hashed else 0,
         hash_table.stride(1) if hashed else 0,
         token_ids.stride(0) if hashed else 0,
+    )
+    constexprs = dict(
         METHOD=int(method),
         UNNORM=bool(unnormalized),
         HAS_BIAS=bias is not None,
@@ -811,8 +818,16 @@ def replay_rows_triton(
         HASH=hashed,
         # one variant without groups whatever the rule (unread there)
         GROUP_TOP=int(group_top) if n_group > 1 else 2,
-        num_warps=num_warps,
     )
+    launch = wrap(_replay_kernel)[(programs,)]
+    if errors.device.type == "cpu":
+        # interpreted Triton updates the fault counters in Python: the CPU counters' lock makes the
+        # launch atomic with respect to a check's read-and-subtract (moe_ops._runtime.faults); on
+        # CUDA the kernel's atomics need no lock
+        with cpu_counter_lock(errors.device):
+            launch(*args, **constexprs, num_warps=num_warps)
+    else:
+        launch(*args, **constexprs, num_warps=num_warps)
 
 
 def replay_backward_triton(
@@ -823,7 +838,7 @@ def replay_backward_triton(
     grad_logits: torch.Tensor,
     method: int,
     routed_scaling_factor: float,
-    unnormalized: bool = False,
+    unnormalized: bool,
     *,
     block_m: int | None = None,
     num_warps: int | None = None,

@@ -16,39 +16,35 @@ non-functional operator"). Dynamo traces the autograd function, so ``torch.compi
 compiles the forward and the backward without a graph break, and CUDA graphs capture both after one
 warm-up call (which compiles the Triton kernels and allocates the fault counter).
 
+Arguments: :func:`replay_routing` checks them with ``route``'s own preamble
+(:func:`moe_ops.router.args.resolve_routing`), and the ops' schemas are generated from the
+routing arguments they read (:data:`REPLAY_OP`, :data:`REPLAY_BACKWARD_OP`); their kernels are the
+launchers and twins of :mod:`moe_ops.replay.kernels`, which take the ops' arguments in that order.
+
 Faults go to the device-wide replay counter, one of the package's fault counters
-(:mod:`moe_ops._runtime.faults`: one registry, one CPU lock, read-and-subtract checks).
+(:mod:`moe_ops._runtime.faults`: one registry, one CPU lock, read-and-subtract checks;
+``moe_ops.check_faults`` reads it with the others).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._runtime.faults import (
-    DeviceCounter,
-    check_counter,
-    counter_or_stand_in,
-    cpu_counter_lock,
-    device_counter,
-)
-from .._runtime.library import destination_op, eager_caller, identity, reference_op
+from .._runtime.faults import check_counter, counters_for, routing_counters
+from .._runtime.library import destination_op, eager_caller, reference_op
 from .._runtime.triton import HAS_TRITON
-from ..router.hash import check_hash_args
-from ..router.kernels import write_shared_columns
-from ..router.methods import (
-    METHODS,
+from ..capture.spec import Arg
+from ..router.args import (
+    REPLAY_BACKENDS,
     REPLAY_LOGIT_DTYPES,
-    GroupScore,
-    RoutingMethod,
+    OpSignature,
+    RoutingArgs,
     method_from_value,
-    validate_route_args,
+    resolve_routing,
 )
-from ..router.nonfinite import counter_for
-from ..router.op import choose_triton
-from ..router.shared import check_num_fused_shared_experts
+from ..router.kernels import write_shared_columns
+from ..router.methods import METHODS, GroupScore, RoutingMethod
 from .kernels import (
     REPLAY_FAULT_HASH,
     REPLAY_FAULT_OUT_OF_RANGE,
@@ -66,13 +62,15 @@ if HAS_TRITON:
 __all__ = [
     "BACKENDS",
     "RECORDED_ID_DTYPES",
+    "REPLAY_BACKWARD_OP",
+    "REPLAY_OP",
     "ReplayFaultError",
     "check_replay_errors",
     "replay_fault_counter",
     "replay_routing",
 ]
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = REPLAY_BACKENDS
 # uint8 is what decode_routing gives for up to 256 experts (it cannot hold the -1 of a live row)
 RECORDED_ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -83,7 +81,6 @@ RECORDED_ID_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.i
 
 # the registry's kind of the device-wide replay counter: (2,) int32 [faulty rows, OR of REPLAY_FAULT_*]
 _KIND = "replay"
-_SLOTS = 2
 
 _FAULT_NAMES = {
     REPLAY_FAULT_OUT_OF_RANGE: "an id outside [0, num_experts) in a row that is not all -1",
@@ -93,10 +90,6 @@ _FAULT_NAMES = {
     REPLAY_FAULT_HASH: "a hash layer's row with a token id outside hash_table's vocabulary or a table "
     "entry outside [0, num_experts) (ids -1, weights 0)",
 }
-
-
-def _make_counter(device: torch.device) -> DeviceCounter:
-    return DeviceCounter(_SLOTS, device)
 
 
 class ReplayFaultError(RuntimeError):
@@ -139,7 +132,7 @@ def replay_fault_counter(device: torch.device | str | int | None = None) -> torc
     op's mutation of it. Thread-safe: concurrent first calls get the same tensor. The count is int32:
     it wraps after 2**31 faulty rows without a check.
     """
-    return device_counter(_KIND, device, _make_counter).tensor
+    return routing_counters(device).replay
 
 
 def check_replay_errors(device: torch.device | str | int | None = None, *, raise_error: bool = True) -> int:
@@ -165,193 +158,111 @@ def check_replay_errors(device: torch.device | str | int | None = None, *, raise
 # Registered ops
 # ---------------------------------------------------------------------------------------------------
 
-
-# torch.library infers the schema from these annotations; it needs typing.Optional, not "X | None".
-def _forward_twin(
-    router_logits: torch.Tensor,
-    recorded_ids: torch.Tensor,
-    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    errors: torch.Tensor,
-    nonfinite: torch.Tensor,
-    method: int,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-    row_count: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
-    unnormalized: bool = False,
-    hash_table: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
-    token_ids: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
-    group_top: int = 2,
-) -> None:
-    """Writes every row's replayed (or live) ``weights`` and ``ids``; counts faulty rows (and a
-    call whose row count is not ``row_count``) in ``errors`` and rows whose weights were zeroed
-    (not all finite) in ``nonfinite`` (contract in kernels.py)."""
-    replay_rows_torch(
-        router_logits,
-        recorded_ids,
-        bias,
-        weights,
-        ids,
-        errors,
-        method,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        row_count,
-        unnormalized,
-        hash_table,
-        token_ids,
-        group_top,
-        nonfinite=nonfinite,
-    )
-
-
-def _backward_twin(
-    grad_weights: torch.Tensor,
-    router_logits: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    grad_logits: torch.Tensor,
-    method: int,
-    routed_scaling_factor: float,
-    unnormalized: bool = False,
-) -> None:
-    """Writes the gradient of the loss w.r.t. ``router_logits`` into ``grad_logits`` (every element)."""
-    replay_backward_torch(
-        grad_weights, router_logits, weights, ids, grad_logits, method, routed_scaling_factor, unnormalized
-    )
-
-
-def _forward_triton(
-    router_logits: torch.Tensor,
-    recorded_ids: torch.Tensor,
-    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    errors: torch.Tensor,
-    nonfinite: torch.Tensor,
-    method: int,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-    row_count: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
-    unnormalized: bool = False,
-    hash_table: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
-    token_ids: Optional[torch.Tensor] = None,  # noqa: UP045 - the schema parser needs Optional
-    group_top: int = 2,
-    *,
-    wrap=identity,
-) -> None:
-    """The forward kernel's launcher as the op calls it (``wrap``: see moe_ops._runtime.library)."""
-    args = (router_logits, recorded_ids, bias, weights, ids, errors, method, n_group, topk_group)
-    rest = (routed_scaling_factor, row_count, unnormalized, hash_table, token_ids, group_top)
-    if errors.device.type == "cpu":
-        # interpreted Triton updates the fault counter in Python: the CPU counters' lock makes the
-        # launch atomic with respect to a check's read-and-subtract (moe_ops._runtime.faults); on
-        # CUDA the kernel's atomics need no lock
-        with cpu_counter_lock(errors.device):
-            replay_rows_triton(*args, *rest, nonfinite=nonfinite, wrap=wrap)
-    else:
-        replay_rows_triton(*args, *rest, nonfinite=nonfinite, wrap=wrap)
-
-
-_FORWARD_MUTATES = ("weights", "ids", "errors", "nonfinite")
-_BACKWARD_MUTATES = ("grad_logits",)
-_FORWARD_SCHEMA = torch.library.infer_schema(_forward_twin, mutates_args=_FORWARD_MUTATES)
-_BACKWARD_SCHEMA = torch.library.infer_schema(_backward_twin, mutates_args=_BACKWARD_MUTATES)
-# CUDA: the Triton kernels (inductor launches them from its own code under torch.compile); CPU: the
-# twins, or the kernels where Triton is interpreted on the CPU. backend="torch" where a kernel would
-# run takes the *_reference_ ops (moe_ops._runtime.library says why they are ops).
-_FORWARD_TRITON = dict(
-    cuda=_forward_triton,
-    interpreted=_forward_triton,
-    traceable=_forward_triton,
-    kernels=(_replay_kernel,) if HAS_TRITON else (),
+# moe_ops::replay_routing_: the logits and the record, the outputs and the counters, the row count to
+# check (or None), then the routing arguments the forward reads (the fused shared columns are
+# written beside the op: its outputs are views of the routed columns)
+REPLAY_OP = OpSignature(
+    (
+        Arg("router_logits", "Tensor"),
+        Arg("recorded_ids", "Tensor"),
+        Arg("weights", "Tensor", True),
+        Arg("ids", "Tensor", True),
+        Arg("errors", "Tensor", True),
+        Arg("nonfinite", "Tensor", True),
+        Arg("row_count", "Tensor?"),
+    ),
+    routing=(
+        "bias",
+        "hash_table",
+        "token_ids",
+        "method",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "unnormalized",
+        "group_top",
+    ),
 )
-_BACKWARD_TRITON = dict(
-    cuda=replay_backward_triton,
-    interpreted=replay_backward_triton,
-    traceable=replay_backward_triton,
-    kernels=(_replay_backward_kernel,) if HAS_TRITON else (),
+# moe_ops::replay_routing_backward_: the incoming gradient, what the forward saved, the gradient it
+# writes, and the weight rule's arguments
+REPLAY_BACKWARD_OP = OpSignature(
+    (
+        Arg("grad_weights", "Tensor"),
+        Arg("router_logits", "Tensor"),
+        Arg("weights", "Tensor"),
+        Arg("ids", "Tensor"),
+        Arg("grad_logits", "Tensor", True),
+    ),
+    routing=("method", "routed_scaling_factor", "unnormalized"),
 )
-replay_routing_op = destination_op(
+for _kernel in (replay_rows_triton, replay_rows_torch):
+    REPLAY_OP.check_kernel(_kernel)
+for _kernel in (replay_backward_triton, replay_backward_torch):
+    REPLAY_BACKWARD_OP.check_kernel(_kernel)
+
+
+def _register(name: str, signature: OpSignature, launcher, twin, kernels: tuple) -> None:
+    """``moe_ops::<name>``: the Triton launcher on CUDA (inductor launches its kernel from its own
+    code under torch.compile) and where Triton is interpreted on the CPU, the twin on the CPU
+    otherwise; ``moe_ops::<name>reference_``: the twin everywhere, for backend="torch" where a
+    kernel would run (moe_ops._runtime.library says why it is an op)."""
+    schema, mutates = signature.schema(), signature.mutates
+    triton = dict(cuda=launcher, interpreted=launcher, traceable=launcher, kernels=kernels)
+    destination_op(name, mutates=mutates, cpu=twin, schema=schema, **(triton if HAS_TRITON else {}))
+    reference_op(name, twin, mutates=mutates, schema=schema)
+
+
+_register(
     "replay_routing_",
-    mutates=_FORWARD_MUTATES,
-    cpu=_forward_twin,
-    schema=_FORWARD_SCHEMA,
-    **(_FORWARD_TRITON if HAS_TRITON else {}),
+    REPLAY_OP,
+    replay_rows_triton,
+    replay_rows_torch,
+    (_replay_kernel,) if HAS_TRITON else (),
 )
-replay_routing_reference_op = reference_op(
-    "replay_routing_", _forward_twin, mutates=_FORWARD_MUTATES, schema=_FORWARD_SCHEMA
-)
-replay_routing_backward_op = destination_op(
+_register(
     "replay_routing_backward_",
-    mutates=_BACKWARD_MUTATES,
-    cpu=_backward_twin,
-    schema=_BACKWARD_SCHEMA,
-    **(_BACKWARD_TRITON if HAS_TRITON else {}),
-)
-replay_routing_backward_reference_op = reference_op(
-    "replay_routing_backward_", _backward_twin, mutates=_BACKWARD_MUTATES, schema=_BACKWARD_SCHEMA
+    REPLAY_BACKWARD_OP,
+    replay_backward_triton,
+    replay_backward_torch,
+    (_replay_backward_kernel,) if HAS_TRITON else (),
 )
 # eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._runtime.library).
-# Forward: the logits, the recorded ids, the bias and the row count are checked; the outputs were
-# made on the logits' device and the counter is that device's. Backward: the incoming gradient and
-# the logits; weights, ids and grad_logits are the forward's and this call's own.
-_forward_call = eager_caller("replay_routing_", checked=(0, 1, 2, 11, 13, 14))
-_backward_call = eager_caller("replay_routing_backward_", checked=(0, 1))
+# Forward: the caller's tensors are checked; the outputs were made on the logits' device and the
+# counters are that device's. Backward: the incoming gradient and the logits; weights, ids and
+# grad_logits are the forward's and this call's own.
+_CALLER_TENSORS = ("router_logits", "recorded_ids", "row_count", "bias", "hash_table", "token_ids")
+_forward_call = eager_caller("replay_routing_", REPLAY_OP.positions(*_CALLER_TENSORS))
+_backward_call = eager_caller(
+    "replay_routing_backward_", REPLAY_BACKWARD_OP.positions("grad_weights", "router_logits")
+)
 _reference_forward = torch.ops.moe_ops.replay_routing_reference_
 _reference_backward = torch.ops.moe_ops.replay_routing_backward_reference_
 
 
-def _errors_for(router_logits: torch.Tensor) -> torch.Tensor:
-    return counter_or_stand_in(router_logits, 2, replay_fault_counter)
-
-
 def _forward(
-    router_logits,
-    recorded_ids,
-    bias,
-    method,
-    n_group,
-    topk_group,
-    scale,
-    unnormalized,
-    use_triton,
-    dtype,
-    row_count,
-    hash_table=None,
-    token_ids=None,
-    n_shared=0,
-    group_top=2,
-):
-    """Allocates the outputs and runs the forward op (``dtype``: the compute dtype, float32 or
-    float64; ``group_top``: ``RouteConfig.group_top``). With ``n_shared`` fused shared experts the
-    op writes the routed columns (views of the outputs) and :func:`write_shared_columns` the
-    constant ones: two elementwise writes, only when ``n_shared > 0``."""
+    router_logits: torch.Tensor, recorded_ids: torch.Tensor, row_count: torch.Tensor | None, args: RoutingArgs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocates the outputs and runs the forward op. With ``num_fused_shared_experts`` the op
+    writes the routed columns (views of the outputs) and :func:`write_shared_columns` the constant
+    ones: two elementwise writes, only then."""
     n, k = recorded_ids.shape
-    weights = torch.empty((n, k + n_shared), dtype=dtype, device=router_logits.device)
-    ids = torch.empty((n, k + n_shared), dtype=torch.int32, device=router_logits.device)
-    forward_ = _forward_call if use_triton else _reference_forward
+    n_shared = args.num_fused_shared_experts
+    dtype, device = args.compute_dtype, router_logits.device
+    weights = torch.empty((n, k + n_shared), dtype=dtype, device=device)
+    ids = torch.empty((n, k + n_shared), dtype=torch.int32, device=device)
+    counters = counters_for(router_logits)
+    forward_ = _forward_call if args.use_triton else _reference_forward
     forward_(
-        router_logits,
-        recorded_ids,
-        bias,
-        weights[:, :k] if n_shared else weights,
-        ids[:, :k] if n_shared else ids,
-        _errors_for(router_logits),
-        counter_for(router_logits),
-        method,
-        n_group,
-        topk_group,
-        scale,
-        row_count,
-        unnormalized,
-        hash_table,
-        token_ids,
-        group_top,
+        *REPLAY_OP.values(
+            args,
+            router_logits=router_logits,
+            recorded_ids=recorded_ids,
+            weights=weights[:, :k] if n_shared else weights,
+            ids=ids[:, :k] if n_shared else ids,
+            errors=counters.replay,
+            nonfinite=counters.nonfinite,
+            row_count=row_count,
+        )
     )
     if n_shared:
         write_shared_columns(weights, ids, router_logits.shape[1], n_shared)
@@ -362,56 +273,24 @@ class ReplayRoutingFunction(torch.autograd.Function):
     """Autograd over the two ops: gradients reach ``router_logits`` only (the ids are
     non-differentiable and the bias only chooses live rows, a piecewise-constant choice).
 
-    ``apply(router_logits, recorded_ids, bias, method, n_group, topk_group, scale, unnormalized,
-    use_triton, dtype, row_count, hash_table, token_ids, n_shared, group_top)`` with validated
-    arguments; ``dtype`` is the compute and weights dtype (in :func:`replay_routing`: float64 for
-    float64 logits, else float32). The ``n_shared`` fused shared columns are constants: their
-    incoming gradient is dropped (none reaches the logits).
+    ``apply(router_logits, recorded_ids, row_count, args)`` with ``args`` the call's
+    :class:`~moe_ops.router.args.RoutingArgs` (its ``compute_dtype`` is the weights' dtype). The
+    fused shared columns are constants: their incoming gradient is dropped (none reaches the
+    logits).
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        router_logits,
-        recorded_ids,
-        bias,
-        method,
-        n_group,
-        topk_group,
-        scale,
-        unnormalized,
-        use_triton,
-        dtype,
-        row_count,
-        hash_table=None,
-        token_ids=None,
-        n_shared=0,
-        group_top=2,
-    ):
-        weights, ids = _forward(
-            router_logits,
-            recorded_ids,
-            bias,
-            method,
-            n_group,
-            topk_group,
-            scale,
-            unnormalized,
-            use_triton,
-            dtype,
-            row_count,
-            hash_table,
-            token_ids,
-            n_shared,
-            group_top,
-        )
+    def forward(ctx, router_logits, recorded_ids, row_count, args):
+        weights, ids = _forward(router_logits, recorded_ids, row_count, args)
         ctx.save_for_backward(router_logits, weights, ids)
         ctx.mark_non_differentiable(ids)
         if not torch.compiler.is_compiling():
             # Eager autograd would fill a zero gradient for the ids: one more kernel per backward.
             # (Dynamo refuses this call; AOT autograd gives integer outputs no gradient anyway.)
             ctx.set_materialize_grads(False)
-        ctx.method, ctx.scale, ctx.unnormalized, ctx.use_triton = method, scale, unnormalized, use_triton
+        # what the backward op reads, under REPLAY_BACKWARD_OP's names (ctx is its routing object)
+        ctx.method, ctx.unnormalized = args.method, args.unnormalized
+        ctx.routed_scaling_factor, ctx.use_triton = args.routed_scaling_factor, args.use_triton
         ctx.n_routed = recorded_ids.shape[1]
         return weights, ids
 
@@ -420,16 +299,23 @@ class ReplayRoutingFunction(torch.autograd.Function):
     def backward(ctx, grad_weights, grad_ids):
         router_logits, weights, ids = ctx.saved_tensors
         if grad_weights is None:  # no gradient reached the weights (grads are not materialised)
-            return (None,) * 15
+            return None, None, None, None
         grad_logits = torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
         backward_ = _backward_call if ctx.use_triton else _reference_backward
         k = ctx.n_routed
         if weights.shape[1] != k:  # fused shared columns: constant weights, their gradient dropped
             grad_weights, weights, ids = grad_weights[:, :k], weights[:, :k], ids[:, :k]
         backward_(
-            grad_weights, router_logits, weights, ids, grad_logits, ctx.method, ctx.scale, ctx.unnormalized
+            *REPLAY_BACKWARD_OP.values(
+                ctx,
+                grad_weights=grad_weights,
+                router_logits=router_logits,
+                weights=weights,
+                ids=ids,
+                grad_logits=grad_logits,
+            )
         )
-        return (grad_logits, *(None,) * 14)
+        return grad_logits, None, None, None
 
 
 def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor, method) -> None:
@@ -456,7 +342,7 @@ def _check_recorded_ids(recorded_ids: torch.Tensor, router_logits: torch.Tensor,
         raise ValueError(
             f"recorded_ids must be on router_logits' device {router_logits.device}, got {recorded_ids.device}"
         )
-    method = method_from_value(method)
+    method = method_from_value(method)  # before the other routing arguments: this check names it
     spec = METHODS[method]  # a fixed top_k is the method table's (LLAMA4: 1)
     if spec.top_k is not None and top_k != spec.top_k:
         picks = "one expert" if spec.top_k == 1 else f"{spec.top_k} experts"
@@ -568,54 +454,30 @@ def replay_routing(
     arguments raise before anything runs (ValueError naming the argument; TypeError for
     non-tensors).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
     _check_recorded_ids(recorded_ids, router_logits, method)
-    top_k = recorded_ids.shape[1]
-    cfg = validate_route_args(
+    args = resolve_routing(
         router_logits,
-        top_k,
+        recorded_ids.shape[1],
         method,
-        bias,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
+        bias=bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
         renormalize=renormalize,
-        logit_dtypes=REPLAY_LOGIT_DTYPES,
         group_score=group_score,
+        hash_table=hash_table,
+        token_ids=token_ids,
+        num_fused_shared_experts=num_fused_shared_experts,
+        backend=backend,
+        backends=BACKENDS,
+        logit_dtypes=REPLAY_LOGIT_DTYPES,
     )
-    hashed = check_hash_args(router_logits, top_k, hash_table, token_ids, bias, n_group, topk_group)
-    n_shared = check_num_fused_shared_experts(num_fused_shared_experts, cfg.num_experts)
-    if hashed and n_shared:
-        raise ValueError(
-            "num_fused_shared_experts > 0 with hash_table: hash routing replays the table's top_k "
-            "columns only; append the shared experts after the call"
-        )
-    # the router's rule: a block routed live holds the router's tile
-    use_triton = choose_triton(backend, router_logits.device, cfg)
-    compute = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
-    args = (
-        router_logits,
-        recorded_ids,
-        bias,
-        int(cfg.method),
-        cfg.n_group,
-        cfg.topk_group,
-        cfg.routed_scaling_factor,
-        cfg.unnormalized,
-        use_triton,
-        compute,
-        _check_row_count(row_count, router_logits),
-        hash_table if hashed else None,
-        token_ids if hashed else None,
-        n_shared,
-        cfg.group_top,
-    )
+    row_count = _check_row_count(row_count, router_logits)
     recorded_mode = _check_weights_mode(weights, recorded_weights, recorded_ids, router_logits)
     if torch.is_grad_enabled() and router_logits.requires_grad:
-        out, ids = ReplayRoutingFunction.apply(*args)
+        out, ids = ReplayRoutingFunction.apply(router_logits, recorded_ids, row_count, args)
     else:
-        out, ids = _forward(*args)
+        out, ids = _forward(router_logits, recorded_ids, row_count, args)
     if recorded_mode:
         out = _straight_through(out, ids, recorded_ids, recorded_weights)
     return out, ids

@@ -38,22 +38,13 @@ from .._runtime.triton import HAS_TRITON, interpreting, next_power_of_2
 from ..capture.errors import cpu_counter_lock
 from ..capture.kernels import capture_rows_torch, size_hint
 from ..capture.spec import CAPTURE_OP, CaptureSpec, absent_kernel_args, kernel_constexprs
+from .args import tile_shape
 from .methods import METHODS, RoutingMethod
 from .nonfinite import count_zeroed_rows, nonfinite_counter
 from .reference import rule_weights, select_experts, selection_keys, zero_nonfinite_rows
 
-__all__ = [
-    "TRITON_MAX_TILE",
-    "launch_config",
-    "route_rows_torch",
-    "route_rows_triton",
-    "tile_shape",
-    "write_shared_columns",
-]
+__all__ = ["launch_config", "route_rows_torch", "route_rows_triton", "write_shared_columns"]
 
-# Largest padded expert row the kernel holds in registers (NG_PAD * G_PAD): 4096 logits per row are
-# 32 per thread with the 4 warps launch_config gives them.
-TRITON_MAX_TILE = 4096
 # Launch configuration (see launch_config), from `benchmarks/bench_routing.py --sweep` and a sweep
 # of kernel variants on an H200 (kernel times with capture, us; sizes 1 / 128 / 4096 tokens):
 #
@@ -77,13 +68,6 @@ _LARGE_BATCH = 2048
 _TARGET_PROGRAMS = 4096
 # the capture constexprs of a launch without capture: one (unread) sizes entry, no offset, no stamp
 _NO_CAPTURE = kernel_constexprs(1, 0, False)
-
-
-def tile_shape(num_experts: int, n_group: int) -> tuple[int, int]:
-    """(NG_PAD, G_PAD): the padded (groups, experts per group) register tile of one token."""
-    if n_group > 1:
-        return next_power_of_2(n_group), next_power_of_2(num_experts // n_group)
-    return 1, next_power_of_2(num_experts)
 
 
 def launch_config(n_tokens: int, ng_pad: int, g_pad: int) -> tuple[int, int]:

@@ -16,19 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from .._runtime.faults import (
-    DeviceCounter,
-    check_counter,
-    counter_or_stand_in,
-    cpu_counter_lock,
-    device_counter,
-)
+from .._runtime.faults import check_counter, cpu_counter_lock, routing_counters
 
 __all__ = [
     "NonFiniteRowsError",
     "check_nonfinite_rows",
     "count_zeroed_rows",
-    "counter_for",
     "nonfinite_counter",
 ]
 
@@ -48,10 +41,6 @@ class NonFiniteRowsError(RuntimeError):
         )
 
 
-def _make_counter(device: torch.device) -> DeviceCounter:
-    return DeviceCounter(1, device)
-
-
 # Under torch.compile this runs at trace time, as plain Python (as replay_fault_counter), and the
 # graph holds the counter as a constant.
 @torch._dynamo.assume_constant_result
@@ -59,13 +48,7 @@ def nonfinite_counter(device: torch.device | str | int | None = None) -> torch.T
     """The persistent (1,) int32 non-finite rows counter of ``device``: [rows zeroed]. Allocated on
     first use, then fixed for the process (a static address for CUDA graphs and inductor). The
     count is int32: it wraps after 2**31 rows without a check."""
-    return device_counter(_KIND, device, _make_counter).tensor
-
-
-def counter_for(router_logits: torch.Tensor) -> torch.Tensor:
-    """The counter an op on ``router_logits`` adds to: the device's, or a fake stand-in where the
-    logits are fake (traced outside dynamo: FakeTensorMode, make_fx)."""
-    return counter_or_stand_in(router_logits, 1, nonfinite_counter)
+    return routing_counters(device).nonfinite
 
 
 def check_nonfinite_rows(device: torch.device | str | int | None = None, *, raise_error: bool = True) -> int:

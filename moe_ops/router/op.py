@@ -1,59 +1,99 @@
-"""``moe_ops.route`` and its registered custom ops ``moe_ops::route_`` and ``moe_ops::route_capture_``.
+"""``moe_ops.route`` and its registered custom ops: ``moe_ops::route_`` (the router),
+``moe_ops::route_hash_`` (a hash layer's table), and each with a capture fused in
+(``route_capture_``, ``route_hash_capture_``).
 
-Destination-passing, like the capture op: ``route`` allocates the two outputs and calls one op that
+Destination-passing, like the capture op: ``route`` resolves its arguments once
+(:func:`moe_ops.router.args.resolve_routing`), allocates the two outputs and calls one op that
 writes them (and, with a capture target, the replay buffer, its weights buffer and the fault
-counter). Each op declares
-what it mutates and has a fake implementation, so ``torch.compile(fullgraph=True)`` traces ``route``
-without a graph break and CUDA graphs capture it after one warm-up call (which compiles the Triton
-kernel and allocates the fault counter).
+counter). Each op's schema is its own arguments followed by the routing arguments it reads, both
+generated (:class:`~moe_ops.router.args.OpSignature`; the capture's from
+:class:`~moe_ops.capture.spec.CaptureSpec`), and ``route`` passes them by name. Each op declares what
+it mutates and has a fake, so ``torch.compile(fullgraph=True)`` traces ``route`` without a graph
+break (inductor launches the Triton kernels itself) and CUDA graphs capture it after one warm-up
+call (which compiles the Triton kernel and allocates the fault counters).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
+from .._runtime.faults import counters_for
 from .._runtime.library import destination_op, eager_caller, identity, reference_op
-from .._runtime.triton import HAS_TRITON, triton_runs_on
+from .._runtime.triton import HAS_TRITON
 from ..capture.op import capture_into
-from ..capture.spec import OpArgs, parse_args
+from ..capture.spec import Arg
 from ..capture.target import CaptureTarget
 from ..layout import BatchLayout
-from .hash import check_hash_args, route_hashed
-from .kernels import TRITON_MAX_TILE, route_rows_torch, route_rows_triton, tile_shape
+from .args import (
+    BACKENDS,
+    OpSignature,
+    RoutingArgs,
+    check_capture_shared_experts,
+    resolve_routing,
+)
+from .hash_kernels import route_hash_rows_torch, route_hash_rows_triton
+from .kernels import route_rows_torch, route_rows_triton
+from .methods import GroupScore, RoutingMethod
 
 if HAS_TRITON:
+    from .hash_kernels import _route_hash_kernel
     from .kernels import _route_kernel
-from .methods import GroupScore, RouteConfig, RoutingMethod, validate_route_args
-from .nonfinite import counter_for
-from .policy import auto_runs_triton
-from .shared import check_capture_shared_experts, check_num_fused_shared_experts
 
-__all__ = ["BACKENDS", "route"]
+__all__ = ["BACKENDS", "ROUTE_CAPTURE", "ROUTE_HASH", "ROUTE_HASH_CAPTURE", "ROUTE_OP", "route"]
 
-BACKENDS = ("auto", "triton", "torch", "flashinfer")
+_OUT = (Arg("weights", "Tensor", True), Arg("ids", "Tensor", True), Arg("nonfinite", "Tensor", True))
+# route_: the logits, the outputs and the non-finite rows counter, then the routing arguments the
+# router kernel reads (the table's are route_hash_'s)
+ROUTE_OP = OpSignature(
+    (Arg("router_logits", "Tensor"), *_OUT),
+    routing=(
+        "bias",
+        "method",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "unnormalized",
+        "group_top",
+        "num_fused_shared_experts",
+    ),
+)
+# route_hash_: a hash layer's ids come from its table; the logits only weigh them (no bias, no groups,
+# no shared columns), and a row the table cannot route counts in the hash fault counter
+ROUTE_HASH = OpSignature(
+    (Arg("router_logits", "Tensor"), *_OUT, Arg("faults", "Tensor", True)),
+    routing=("hash_table", "token_ids", "method", "routed_scaling_factor", "unnormalized"),
+)
+# each with a CaptureSpec's arguments fused in (moe_ops.capture.spec: route's tensors, the spec's
+# tensors, route's scalars, the spec's scalars)
+ROUTE_CAPTURE = OpSignature(ROUTE_OP.own, [a.name for a in ROUTE_OP.routing], capture=True)
+ROUTE_HASH_CAPTURE = OpSignature(ROUTE_HASH.own, [a.name for a in ROUTE_HASH.routing], capture=True)
 
 
-# torch.library infers the schema from these annotations; it needs typing.Optional, not "X | None".
+# ---------------------------------------------------------------------------------------------------
+# The ops' kernels: each takes the op's arguments by name (checked against the signature at import)
+# ---------------------------------------------------------------------------------------------------
+
+
 def _route(
-    router_logits: torch.Tensor,
-    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    nonfinite: torch.Tensor,
-    method: int,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-    unnormalized: bool,
-    group_top: int,
-    num_fused_shared_experts: int = 0,
+    router_logits,
+    weights,
+    ids,
+    nonfinite,
+    bias,
+    method,
+    n_group,
+    topk_group,
+    routed_scaling_factor,
+    unnormalized,
+    group_top,
+    num_fused_shared_experts,
     *,
+    capture=None,
     wrap=identity,
 ) -> None:
-    """Writes every token's routing into ``weights`` and ``ids`` (see kernels.py) and adds the rows
-    whose weights were zeroed (not all finite) to ``nonfinite`` (``moe_ops.router.nonfinite``)."""
+    """Writes every token's routing into ``weights`` and ``ids`` (kernels.py), records this rank's
+    rows into ``capture`` (a CaptureSpec) when given, and adds the rows whose weights were zeroed
+    (not all finite) to ``nonfinite`` (``moe_ops.router.nonfinite``)."""
     route_rows_triton(
         router_logits,
         bias,
@@ -63,6 +103,7 @@ def _route(
         n_group,
         topk_group,
         routed_scaling_factor,
+        capture,
         unnormalized=unnormalized,
         group_top=group_top,
         num_fused_shared_experts=num_fused_shared_experts,
@@ -72,18 +113,20 @@ def _route(
 
 
 def _route_twin(
-    router_logits: torch.Tensor,
-    bias: Optional[torch.Tensor],  # noqa: UP045 - the schema parser needs Optional
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    nonfinite: torch.Tensor,
-    method: int,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-    unnormalized: bool,
-    group_top: int,
-    num_fused_shared_experts: int = 0,
+    router_logits,
+    weights,
+    ids,
+    nonfinite,
+    bias,
+    method,
+    n_group,
+    topk_group,
+    routed_scaling_factor,
+    unnormalized,
+    group_top,
+    num_fused_shared_experts,
+    *,
+    capture=None,
 ) -> None:
     """PyTorch twin of :func:`_route`."""
     route_rows_torch(
@@ -95,6 +138,7 @@ def _route_twin(
         n_group,
         topk_group,
         routed_scaling_factor,
+        capture,
         unnormalized=unnormalized,
         group_top=group_top,
         num_fused_shared_experts=num_fused_shared_experts,
@@ -102,107 +146,148 @@ def _route_twin(
     )
 
 
-_ROUTE_MUTATES = ("weights", "ids", "nonfinite")
-_ROUTE_SCHEMA = torch.library.infer_schema(_route_twin, mutates_args=_ROUTE_MUTATES)
-# route_capture_: route_'s arguments with a CaptureSpec's fused in (moe_ops.capture.spec generates
-# the list and the schema): route's tensors, the spec's tensors, route's scalars, the spec's
-# scalars, then route's defaulted num_fused_shared_experts (last, so older positional calls hold)
-ROUTE_CAPTURE = OpArgs.fused(parse_args(_ROUTE_SCHEMA))
-
-
-def _launcher_args(args) -> tuple[tuple, dict]:
-    """route_capture_'s arguments as the launchers take them: (positional, keywords)."""
-    route_args, capture = ROUTE_CAPTURE.split(args)
-    logits, bias, weights, ids, nonfinite, *scalars, unnormalized, group_top, n_shared = route_args
-    knobs = dict(
-        nonfinite=nonfinite, unnormalized=unnormalized, group_top=group_top, num_fused_shared_experts=n_shared
+def _route_hash(
+    router_logits,
+    weights,
+    ids,
+    nonfinite,
+    faults,
+    hash_table,
+    token_ids,
+    method,
+    routed_scaling_factor,
+    unnormalized,
+    *,
+    capture=None,
+    wrap=identity,
+) -> None:
+    """Writes every row's hash routing (hash_kernels.py): ids from the table, weights by the method's
+    rule at them; a row the table cannot route gets ids -1 and weights 0 and counts in ``faults``."""
+    route_hash_rows_triton(
+        router_logits,
+        hash_table,
+        token_ids,
+        weights,
+        ids,
+        faults,
+        method,
+        routed_scaling_factor,
+        capture,
+        unnormalized=unnormalized,
+        nonfinite=nonfinite,
+        wrap=wrap,
     )
-    return (logits, bias, weights, ids, *scalars, capture), knobs
 
 
-def _route_capture(*args, wrap=identity) -> None:
-    """Routes and records this rank's ids into ``buffer[:, layer_id]`` in the same launch.
+def _route_hash_twin(
+    router_logits,
+    weights,
+    ids,
+    nonfinite,
+    faults,
+    hash_table,
+    token_ids,
+    method,
+    routed_scaling_factor,
+    unnormalized,
+    *,
+    capture=None,
+) -> None:
+    """PyTorch twin of :func:`_route_hash`."""
+    route_hash_rows_torch(
+        router_logits,
+        hash_table,
+        token_ids,
+        weights,
+        ids,
+        faults,
+        method,
+        routed_scaling_factor,
+        capture,
+        unnormalized=unnormalized,
+        nonfinite=nonfinite,
+    )
 
-    ``args``: the op's arguments (:data:`ROUTE_CAPTURE`): ``_route``'s and a
-    :class:`~moe_ops.capture.spec.CaptureSpec`'s, as in ``moe_ops::capture_routing_``; the rows are
-    LOCAL, GATHERED or SHARDED (``route`` handles SEQUENCE_PARALLEL with the capture op). The spec's
-    ``expert_map`` is the empty stand-in (``num_logical_experts`` 0): the router's ids are logical,
-    and ``route`` refuses a target with a map (the router kernel does not read one).
-    """
-    positional, knobs = _launcher_args(args)
-    route_rows_triton(*positional, wrap=wrap, **knobs)
+
+def _fused(signature: OpSignature, kernel, *, traced: bool):
+    """The kernel of a capturing op: its arguments split into the host's and the spec."""
+    if traced:
+
+        def run(*args, wrap=identity) -> None:
+            host, spec = signature.split(args)
+            kernel(*host, capture=spec, wrap=wrap)
+
+    else:
+
+        def run(*args) -> None:
+            host, spec = signature.split(args)
+            kernel(*host, capture=spec)
+
+    run.__name__ = f"{kernel.__name__}_capture"
+    return run
 
 
-def _route_capture_twin(*args) -> None:
-    """PyTorch twin of :func:`_route_capture`."""
-    positional, knobs = _launcher_args(args)
-    route_rows_torch(*positional, **knobs)
+def _register(name: str, signature: OpSignature, launcher, twin, kernels: tuple):
+    """``moe_ops::<name>`` (the launcher on CUDA and interpreted CPU, traced by torch.compile into
+    its Triton kernels; the twin on the CPU) and ``moe_ops::<name>reference_`` (the twin
+    everywhere: backend="torch"); see moe_ops._runtime.library."""
+    schema, mutates = signature.schema(), signature.mutates
+    triton = dict(cuda=launcher, interpreted=launcher, traceable=launcher, kernels=kernels)
+    op = destination_op(name, mutates=mutates, cpu=twin, schema=schema, **(triton if HAS_TRITON else {}))
+    reference = reference_op(name, twin, mutates=mutates, schema=schema)
+    return op, reference
 
 
-_CAPTURE_MUTATES = ROUTE_CAPTURE.mutates
-_CAPTURE_SCHEMA = ROUTE_CAPTURE.schema()
-# CUDA: the Triton router (inductor launches it from its own code under torch.compile); CPU: the
-# twin, or the kernel where Triton is interpreted on the CPU. backend="torch" where the kernel would
-# run takes the *_reference op (moe_ops._runtime.library says why it is an op).
-# the kernel the traced launchers launch (for the compile caches' keys; moe_ops._runtime.library)
+for _sig, _kernel, _twin in ((ROUTE_OP, _route, _route_twin), (ROUTE_HASH, _route_hash, _route_hash_twin)):
+    _sig.check_kernel(_kernel)
+    _sig.check_kernel(_twin)
+
 _KERNELS = (_route_kernel,) if HAS_TRITON else ()
-_TRITON = dict(cuda=_route, interpreted=_route, traceable=_route, kernels=_KERNELS)
-route_op = destination_op(
-    "route_",
-    mutates=_ROUTE_MUTATES,
-    cpu=_route_twin,
-    schema=_ROUTE_SCHEMA,
-    **(_TRITON if HAS_TRITON else {}),
-)
-route_reference_op = reference_op("route_", _route_twin, mutates=_ROUTE_MUTATES, schema=_ROUTE_SCHEMA)
-_TRITON_CAPTURE = dict(
-    cuda=_route_capture, interpreted=_route_capture, traceable=_route_capture, kernels=_KERNELS
-)
-route_capture_op = destination_op(
+_HASH_KERNELS = (_route_hash_kernel,) if HAS_TRITON else ()
+route_op, route_reference_op = _register("route_", ROUTE_OP, _route, _route_twin, _KERNELS)
+route_capture_op, route_capture_reference_op = _register(
     "route_capture_",
-    mutates=_CAPTURE_MUTATES,
-    cpu=_route_capture_twin,
-    schema=_CAPTURE_SCHEMA,
-    **(_TRITON_CAPTURE if HAS_TRITON else {}),
+    ROUTE_CAPTURE,
+    _fused(ROUTE_CAPTURE, _route, traced=True),
+    _fused(ROUTE_CAPTURE, _route_twin, traced=False),
+    _KERNELS,
 )
-route_capture_reference_op = reference_op(
-    "route_capture_", _route_capture_twin, mutates=_CAPTURE_MUTATES, schema=_CAPTURE_SCHEMA
+route_hash_op, route_hash_reference_op = _register(
+    "route_hash_", ROUTE_HASH, _route_hash, _route_hash_twin, _HASH_KERNELS
 )
-# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._runtime.library): the
-# logits, the bias and the capture buffer are checked; route made the outputs on their device, the
-# target validated the count tensors (int32: no gradient) on the buffer's device
-_route_call = eager_caller("route_", checked=(0, 1))
-_route_capture_call = eager_caller(
-    "route_capture_", checked=ROUTE_CAPTURE.positions("router_logits", "bias", "buffer", "weights_buffer")
+route_hash_capture_op, route_hash_capture_reference_op = _register(
+    "route_hash_capture_",
+    ROUTE_HASH_CAPTURE,
+    _fused(ROUTE_HASH_CAPTURE, _route_hash, traced=True),
+    _fused(ROUTE_HASH_CAPTURE, _route_hash_twin, traced=False),
+    _HASH_KERNELS,
 )
+# eager CUDA calls skip the dispatcher where it would do nothing else (moe_ops._runtime.library):
+# the caller's tensors are checked; route made the outputs and took the counters on their device,
+# and the target validated the count tensors (int32: no gradient) on the buffer's device
+_CAPTURED = ("buffer", "weights_buffer")
+_CALLS = {
+    # (hashed, captured) -> (the op where the kernel runs, the reference op)
+    (False, False): (eager_caller("route_", ROUTE_OP.positions("router_logits", "bias")), route_reference_op),
+    (False, True): (
+        eager_caller("route_capture_", ROUTE_CAPTURE.positions("router_logits", "bias", *_CAPTURED)),
+        route_capture_reference_op,
+    ),
+    (True, False): (
+        eager_caller("route_hash_", ROUTE_HASH.positions("router_logits", "hash_table", "token_ids")),
+        route_hash_reference_op,
+    ),
+    (True, True): (
+        eager_caller(
+            "route_hash_capture_",
+            ROUTE_HASH_CAPTURE.positions("router_logits", "hash_table", "token_ids", *_CAPTURED),
+        ),
+        route_hash_capture_reference_op,
+    ),
+}
 
 
-def choose_triton(backend: str, device: torch.device, cfg: RouteConfig) -> bool:
-    """Whether the Triton kernel runs (True) or the PyTorch reference (False); raises for "triton"
-    where it cannot run. ``replay_routing`` takes the same rule: its live rows hold the same tile."""
-    ng_pad, g_pad = tile_shape(cfg.num_experts, cfg.n_group)
-    fits = ng_pad * g_pad <= TRITON_MAX_TILE
-    if backend == "torch":
-        return False
-    if backend == "auto":
-        return fits and auto_runs_triton(device)
-    if not triton_runs_on(device):
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set before "
-            f"moe_ops is imported); router_logits are on {device}"
-        )
-    if not fits:
-        raise ValueError(
-            f"backend='triton' holds a padded row of at most {TRITON_MAX_TILE} experts; "
-            f"num_experts={cfg.num_experts} with n_group={cfg.n_group} pads to {ng_pad * g_pad}. "
-            "Use backend='torch' (or 'auto')"
-        )
-    return True
-
-
-def _route_flashinfer(
-    router_logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor, capture
-):
+def _route_flashinfer(router_logits: torch.Tensor, args: RoutingArgs, capture, n_group, topk_group):
     try:
         from ..flashinfer.routing import route_flashinfer
     except ImportError as exc:
@@ -211,12 +296,12 @@ def _route_flashinfer(
         ) from exc
     return route_flashinfer(
         router_logits,
-        top_k,
-        method,
-        bias=bias,
+        args.top_k,
+        args.method,
+        bias=args.bias,
         n_group=n_group,
         topk_group=topk_group,
-        routed_scaling_factor=routed_scaling_factor,
+        routed_scaling_factor=args.routed_scaling_factor,
         capture=capture,
     )
 
@@ -252,7 +337,7 @@ def route(
         n_group, topk_group: expert groups (DEEPSEEK_V3, DEEPSEEK_V2, SOFTMAX_BIAS);
             ``n_group`` None or <= 1 means no grouping.
         routed_scaling_factor: multiplies every method's weights (None: 1.0; after the rule,
-            inside DEEPSEEK_V3's/MINIMAX2's/SQRTSOFTPLUS's: docs/routing.md).
+            inside DEEPSEEK_V3's/MINIMAX2's/SQRTSOFTPLUS's: docs/routing.md); finite in float32.
         renormalize: None keeps the method's own rule; False on DEEPSEEK_V3/MINIMAX2 weights the
             chosen experts ``s * routed_scaling_factor``, without the division by their sum
             (vLLM's/SGLang's ``renormalize=False``, transformers' ``norm_topk_prob=False``); False
@@ -263,16 +348,15 @@ def route(
         capture: a :class:`CaptureTarget`: write the ids into ``capture.buffer[:, layer_id]`` as
             ``capture_routing`` would. LOCAL, GATHERED and SHARDED are recorded by the router kernel
             itself; SEQUENCE_PARALLEL routes, then calls ``capture_routing`` (it needs its TP
-            all-gather first).
+            all-gather first). A target with a ``weights_buffer`` records the returned weights
+            there too (the same rows, cast to its dtype: from the kernel's registers, or the twin's
+            output).
         group_score: a group's score (:class:`GroupScore`, its value or its name; methods with
             groups): MAX, TOP2_SUM or TOPK_SHARE_SUM (Megatron's). None: the method's own
             (DEEPSEEK_V3 and SOFTMAX_BIAS TOP2_SUM, DEEPSEEK_V2 MAX). A rule that cannot apply
             raises ValueError naming the reason (a method without groups; a sum on DEEPSEEK_V2,
             which chooses on the logits; TOPK_SHARE_SUM summing none or more than a group holds).
             ``backend="flashinfer"`` takes TOP2_SUM only.
-            all-gather first). A target with a ``weights_buffer`` records the returned weights
-            there too (the same rows, cast to its dtype: from the kernel's registers, or the twin's
-            output).
         backend: "auto" (Triton on CUDA, the PyTorch reference on CPU or for rows wider than the
             kernel's tile; never FlashInfer, see docs/routing.md; imports nothing of
             ``moe_ops.flashinfer``), "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (the
@@ -313,27 +397,23 @@ def route(
     Bad arguments raise before anything is written (ValueError naming the argument; TypeError for
     non-tensors; IndexError for a capture layer out of range).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
-    cfg = validate_route_args(
+    args = resolve_routing(
         router_logits,
         top_k,
         method,
-        bias,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
+        bias=bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
         renormalize=renormalize,
         group_score=group_score,
+        hash_table=hash_table,
+        token_ids=token_ids,
+        num_fused_shared_experts=num_fused_shared_experts,
+        backend=backend,
     )
-    hashed = check_hash_args(router_logits, top_k, hash_table, token_ids, bias, n_group, topk_group)
-    n_shared = check_num_fused_shared_experts(num_fused_shared_experts, cfg.num_experts)
+    n_shared = args.num_fused_shared_experts
     keep_shared = check_capture_shared_experts(capture_shared_experts, n_shared, capture is not None)
-    if hashed and n_shared:
-        raise ValueError(
-            "num_fused_shared_experts > 0 with hash_table: hash routing returns the table's top_k "
-            "columns only; append the shared experts after the call"
-        )
     device = router_logits.device
     if capture is not None:
         if not isinstance(capture, CaptureTarget):
@@ -344,61 +424,34 @@ def route(
             )
         capture.check_router_capture()
     if backend == "flashinfer":
-        if hashed:
-            raise ValueError(
-                "backend='flashinfer' has no hash routing; hash_table runs on 'auto', 'triton' or 'torch'"
-            )
-        if n_shared:
-            raise ValueError(
-                "backend='flashinfer' routes the top_k routed experts only; num_fused_shared_experts > 0 "
-                "runs on backend 'auto', 'triton' or 'torch'"
-            )
-        if cfg.unnormalized:
-            raise ValueError(
-                f"backend='flashinfer' always renormalises {cfg.method.name}; renormalize=False "
-                "runs on backend 'auto', 'triton' or 'torch'"
-            )
-        if cfg.grouped and cfg.group_score != GroupScore.TOP2_SUM:
-            raise ValueError(
-                f"backend='flashinfer' scores groups by TOP2_SUM only; group_score={cfg.group_score.name} "
-                "runs on backend 'auto', 'triton' or 'torch'"
-            )
-        return _route_flashinfer(
-            router_logits, top_k, cfg.method, bias, n_group, topk_group, routed_scaling_factor, capture
-        )
-    use_triton = choose_triton(backend, device, cfg)
-    if hashed:
-        return route_hashed(router_logits, hash_table, token_ids, cfg, capture, use_triton)
+        return _route_flashinfer(router_logits, args, capture, n_group, topk_group)
 
     n_tokens = router_logits.shape[0]
     weights = torch.empty((n_tokens, top_k + n_shared), dtype=torch.float32, device=device)
     ids = torch.empty((n_tokens, top_k + n_shared), dtype=torch.int32, device=device)
-    route_args = (
-        int(cfg.method),
-        cfg.n_group,
-        cfg.topk_group,
-        cfg.routed_scaling_factor,
-        cfg.unnormalized,
-        cfg.group_top,
-        n_shared,
-    )
+    counters = counters_for(router_logits)
+    hashed = args.hashed
+    own = dict(router_logits=router_logits, weights=weights, ids=ids, nonfinite=counters.nonfinite)
+    if hashed:
+        signature, fused = ROUTE_HASH, ROUTE_HASH_CAPTURE
+        own["faults"] = counters.hash
+    else:
+        signature, fused = ROUTE_OP, ROUTE_CAPTURE
     # the op runs the Triton kernel on CUDA (and on the CPU under the interpreter), the twin on the
     # CPU otherwise; the reference ops run the twin everywhere
-    route_ = _route_call if use_triton else torch.ops.moe_ops.route_reference_
-    outputs = (weights, ids, counter_for(router_logits))
+    host = signature.values(args, **own)
     if capture is None:
-        route_(router_logits, bias, *outputs, *route_args)
+        _CALLS[hashed, False][0 if args.use_triton else 1](*host)
         return weights, ids
 
     # what is recorded: the routed columns (a view, no copy), or every column with the knob; the
     # kernels read which from the buffer's width, checked here against the knob
     recorded = ids if keep_shared else ids[:, :top_k]
-    capture.check_num_experts(cfg.num_experts + n_shared if keep_shared else cfg.num_experts)
+    capture.check_num_experts(args.num_experts + n_shared if keep_shared else args.num_experts)
     capture.check_ids(recorded)
     if capture.layout == BatchLayout.SEQUENCE_PARALLEL:
-        route_(router_logits, bias, *outputs, *route_args)
+        _CALLS[hashed, False][0 if args.use_triton else 1](*host)
         capture_into(capture, recorded, weights[:, : recorded.shape[1]] if capture.has_weights else None)
         return weights, ids
-    route_capture = _route_capture_call if use_triton else torch.ops.moe_ops.route_capture_reference_
-    route_capture(*ROUTE_CAPTURE.join((router_logits, bias, *outputs, *route_args), capture.spec))
+    _CALLS[hashed, True][0 if args.use_triton else 1](*fused.join(host, capture.spec))
     return weights, ids

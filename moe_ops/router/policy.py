@@ -1,7 +1,7 @@
 """What ``route(..., backend="auto")`` runs: the Triton router where it runs, else the PyTorch reference.
 
 :func:`auto_runs_triton` is the rule ``route`` and ``replay_routing`` apply (beside the width limit of
-the kernel's tile, :data:`~moe_ops.router.kernels.TRITON_MAX_TILE`); :func:`routing_backend` is the
+the kernel's tile, :data:`~moe_ops.router.args.TRITON_MAX_TILE`); :func:`routing_backend` is the
 line ``moe_ops.backends()`` prints for it. FlashInfer's ``fused_topk_deepseek`` runs only when a
 caller asks for it (``backend="flashinfer"``); docs/routing.md gives the H200 times behind that.
 Nothing here imports ``moe_ops.flashinfer``.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .._runtime.triton import HAS_TRITON, triton_runs_on
-from .kernels import TRITON_MAX_TILE
+from .args import TRITON_MAX_TILE
 from .methods import RoutingMethod
 
 __all__ = ["BackendLine", "auto_runs_triton", "routing_backend"]

@@ -11,7 +11,8 @@ import torch
 from hypothesis import strategies as st
 
 from moe_ops import BatchLayout, GroupScore, RoutingMethod
-from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS, group_score_from_value
+from moe_ops.router.args import group_score_from_value
+from moe_ops.router.methods import METHODS, UNNORMALIZED_METHODS
 
 from .capture import capture_cases
 
