@@ -31,6 +31,7 @@ _EXPORTS = {
         "unbind_routing_capture",
     ),
     "moe_ops.capture.capturer": ("RoutingCapturer",),
+    "moe_ops.faults": ("FaultSummary", "FaultsError", "check_faults"),
     "moe_ops.guards": ("UnsupportedConfigError", "validate_serving_config"),
     "moe_ops.layout": ("BatchLayout", "infer_layout"),
     "moe_ops.replay": ("RoutingMismatch", "replay_routing", "routing_mismatch"),
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # what static tools read; at run time __getattr__ resolves th
         unbind_routing_capture,
     )
     from .capture.capturer import RoutingCapturer
+    from .faults import FaultsError, FaultSummary, check_faults
     from .guards import UnsupportedConfigError, validate_serving_config
     from .integrations.hf import attach_capture, attach_replay
     from .layout import BatchLayout, infer_layout
@@ -115,6 +117,8 @@ __all__ = [
     "BatchLayout",
     "CaptureFaultError",
     "CaptureTarget",
+    "FaultSummary",
+    "FaultsError",
     "FinishedRouting",
     "GroupScore",
     "LayerCapture",
@@ -141,6 +145,7 @@ __all__ = [
     "capture_error_counter",
     "capture_routing",
     "check_capture_errors",
+    "check_faults",
     "check_nonfinite_rows",
     "decode_routing",
     "decode_routing_bytes",

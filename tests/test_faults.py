@@ -12,11 +12,24 @@ from threads import run_threads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_ops.distributed  # noqa: F401 - registers moe_ops::clamp_counts_
-from moe_ops import RoutingMethod, capture_routing, replay_routing
+from moe_ops import (
+    CaptureFaultError,
+    FaultsError,
+    NonFiniteRowsError,
+    RoutingCapturer,
+    RoutingMethod,
+    RoutingShape,
+    capture_routing,
+    check_faults,
+    replay_routing,
+    route,
+)
 from moe_ops._runtime import faults
 from moe_ops.capture.errors import FAULT_SLOT, FAULT_SOURCE_SHORT, FaultCounter, device_fault_counter
 from moe_ops.replay import check_replay_errors, replay_fault_counter
 from moe_ops.replay.kernels import REPLAY_FAULT_OUT_OF_RANGE, REPLAY_FAULT_REPEATED, REPLAY_FAULT_ROW_COUNT
+from moe_ops.replay.op import ReplayFaultError
+from moe_ops.router.hash import HashFaultError
 
 CPU = torch.device("cpu")
 
@@ -143,7 +156,11 @@ def test_replay_updates_add_the_count_atomically():
     ids = torch.empty(3, 2, dtype=torch.int32)
     row_count = torch.tensor([4], dtype=torch.int32)  # 3 rows read of a batch of 4: one more
     with _CountSlotWrites(errors) as seen:
-        replay_rows_torch(logits, recorded, None, weights, ids, errors, 1, 1, 1, 1.0, row_count)
+        replay_rows_torch(
+            router_logits=logits, recorded_ids=recorded, weights=weights, ids=ids, errors=errors,
+            nonfinite=None, row_count=row_count, bias=None, hash_table=None, token_ids=None,
+            method=1, n_group=1, topk_group=1, routed_scaling_factor=1.0, unnormalized=False, group_top=2,
+        )  # fmt: skip
         _check_rows(row_count, 3, errors)
     assert errors.tolist() == [4, REPLAY_FAULT_OUT_OF_RANGE | REPLAY_FAULT_REPEATED | REPLAY_FAULT_ROW_COUNT]
     assert seen.ops and set(seen.ops) == {"index_add_.default"}, seen.ops
@@ -236,3 +253,122 @@ def test_replay_checks_lose_no_fault_while_replays_run():
     expected = 2 * sum(per_backend[backends[s % len(backends)]] for s in range(writers))
     assert sum(seen) + check_replay_errors("cpu", raise_error=False) == expected
     assert replay_fault_counter("cpu").tolist() == [0, 0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# check_faults: every kind in one report
+# ---------------------------------------------------------------------------------------------------
+
+
+def _record_one_fault_of_each_kind(capturer: RoutingCapturer) -> None:
+    """One call per kind on the CPU, each counting a known number of faults."""
+    logits = torch.randn(3, 8)
+    # replay: 2 faulty rows (9 out of range, 3 twice), routed live
+    recorded = torch.tensor([[0, 9], [1, 2], [3, 3]], dtype=torch.int32)
+    replay_routing(logits, recorded, RoutingMethod.RENORMALIZE, backend="torch")
+    # hash: a token id outside the table's vocabulary (rows 1 and 2)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    route(logits, 2, hash_table=table, token_ids=torch.tensor([0, 5, -1]), backend="torch")
+    # non-finite rows: one row whose chosen logits include a NaN
+    bad = logits.clone()
+    bad[1] = float("nan")
+    route(bad, 2, backend="torch")
+    # capture, device-wide counter: 5 rows claimed where 3 are: one clamped call
+    buffer = torch.full((8, 2, 2), -1, dtype=torch.int32)
+    capture_routing(buffer, recorded, 0, token_counts=torch.tensor([5], dtype=torch.int32))
+    # capture, the capturer's own counter: an id that does not fit int16 (one id refused)
+    capturer.set_step([1])
+    capturer.capture(0, torch.tensor([[0, 40000]], dtype=torch.int32))
+
+
+def test_check_faults_reports_every_kind_once_and_resets_them():
+    check_faults("cpu", raise_error=False)  # what earlier tests left
+    capturer = RoutingCapturer(RoutingShape(num_layers=2, num_experts=8, top_k=2), 4, "cpu", torch.int16)
+    _record_one_fault_of_each_kind(capturer)
+    with pytest.raises(FaultsError) as caught:
+        check_faults("cpu", capturers=[capturer])
+    summary = caught.value.summary
+    assert summary.device == CPU
+    assert (summary.replay_rows, summary.replay_flags) == (
+        2,
+        REPLAY_FAULT_OUT_OF_RANGE | REPLAY_FAULT_REPEATED,
+    )
+    assert summary.hash_rows == 2 and summary.hash_flags
+    assert summary.nonfinite_rows == 1
+    assert (summary.capture.calls, summary.capture.flags) == (1, FAULT_SOURCE_SHORT)
+    assert len(summary.capturers) == 1 and summary.capturers[0].bad_ids == 1
+    assert summary.total == 2 + 2 + 1 + 1 + 1
+    kinds = [type(e) for e in caught.value.errors]
+    assert kinds == [
+        CaptureFaultError,
+        CaptureFaultError,
+        ReplayFaultError,
+        HashFaultError,
+        NonFiniteRowsError,
+    ]
+    assert str(caught.value) == "\n".join(str(e) for e in caught.value.errors)
+    # read and reset: nothing left for the next check nor for the per-kind views
+    assert check_faults("cpu", capturers=[capturer]).total == 0
+    assert check_replay_errors("cpu") == 0 and capturer.check_errors() == 0
+
+
+def test_check_faults_without_raising_and_on_a_device_nothing_ran_on():
+    capturer = RoutingCapturer(RoutingShape(num_layers=2, num_experts=8, top_k=2), 4, "cpu", torch.int16)
+    _record_one_fault_of_each_kind(capturer)
+    summary = check_faults("cpu", capturers=[capturer], raise_error=False)
+    assert summary.total == 7
+    empty = check_faults("meta")
+    assert empty.total == 0 and empty.device == torch.device("meta")
+    with pytest.raises(TypeError, match="capturers must hold capturers with a fault_counter"):
+        check_faults("cpu", capturers=[object()])
+
+
+def test_the_per_kind_checks_are_views_of_check_faults_counters():
+    """A per-kind check reads and resets its kind only: check_faults then reports the others."""
+    from moe_ops.router.hash import check_hash_errors
+
+    check_faults("cpu", raise_error=False)
+    capturer = RoutingCapturer(RoutingShape(num_layers=2, num_experts=8, top_k=2), 4, "cpu", torch.int16)
+    _record_one_fault_of_each_kind(capturer)
+    assert check_hash_errors("cpu", raise_error=False) == 2
+    summary = check_faults("cpu", raise_error=False)
+    assert summary.hash_rows == 0 and summary.replay_rows == 2 and summary.nonfinite_rows == 1
+
+
+def test_check_faults_loses_no_fault_under_real_threads():
+    """Threads recording replay and non-finite faults while another calls check_faults in a loop:
+    the reports add up to every fault recorded."""
+    check_faults("cpu", raise_error=False)
+    logits = torch.randn(4, 8)
+    logits[3] = float("nan")  # one non-finite row per call (the live row)
+    recorded = torch.tensor([[0, 8], [1, 2], [3, 3], [-1, -1]], dtype=torch.int32)  # 2 faulty rows
+    writers, calls = 3, 20
+    seen = {"replay": 0, "nonfinite": 0}
+    stop = threading.Event()
+    done = threading.Semaphore(0)
+
+    def worker(seed: int) -> None:
+        if seed == writers:
+            while not stop.is_set():
+                summary = check_faults("cpu", raise_error=False)
+                seen["replay"] += summary.replay_rows
+                seen["nonfinite"] += summary.nonfinite_rows
+            return
+        try:
+            for _ in range(calls):
+                replay_routing(logits, recorded, RoutingMethod.RENORMALIZE, backend="torch")
+        finally:
+            done.release()
+
+    def watch() -> None:
+        for _ in range(writers):
+            done.acquire(timeout=300)
+        stop.set()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    run_threads(worker, writers + 1, timeout=600)
+    watcher.join(timeout=60)
+    last = check_faults("cpu", raise_error=False)
+    assert seen["replay"] + last.replay_rows == 2 * writers * calls
+    assert seen["nonfinite"] + last.nonfinite_rows == writers * calls
