@@ -755,16 +755,25 @@ class RoutedLayer(nn.Module):
 
 class RoutedStack(nn.Module):
     """``decoder.layers`` as Megatron's models hold them (what ``set_current_microbatch`` sets);
-    each layer checkpointed, so its backward recomputes the routing."""
+    each layer checkpointed, so its backward recomputes the routing: torch's checkpoint (reentrant
+    or not), or Megatron's own ``tensor_parallel.checkpoint`` (CheckpointFunction, CUDA only: it
+    saves the CUDA RNG state)."""
 
-    def __init__(self, routers, log):
+    def __init__(self, routers, log, checkpoint: str = "non-reentrant"):
         super().__init__()
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList([RoutedLayer(r, log) for r in routers])
+        self.checkpoint = checkpoint
 
     def forward(self, x):
         for layer in self.decoder.layers:
-            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            if self.checkpoint == "megatron":
+                from megatron.core import tensor_parallel
+
+                x = tensor_parallel.checkpoint(layer, False, x)
+            else:
+                reentrant = self.checkpoint == "reentrant"
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=reentrant)
         return x
 
 
@@ -812,6 +821,57 @@ def test_replaying_forward_step_reselects_each_microbatchs_slot_in_backward():
         outputs[1].sum().backward()
         assert read(1)
     assert routers[0].weight.grad is not None and routers[0].weight.grad.abs().sum() > 0
+
+
+def _one_f_one_b_without_reselecting(checkpoint: str, device: str = "cpu") -> None:
+    """1F1B on a non-last stage with two micro-batches of EQUAL size (where a wrong batch gives no
+    row-count error): each forward selects its slot, nothing selects in backward, and each
+    checkpointed layer's recompute still reads its own micro-batch's rows - the replayer finds the
+    forward a recompute belongs to."""
+    log: list[tuple[int, torch.Tensor]] = []
+    routers = [build_router({}, layer_number=i + 1, num_layers=2, seed=i, device=device) for i in range(2)]
+    model = RoutedStack(routers, log, checkpoint).to(device)
+    replayer = RoutingReplayer(mg.routing_shape(routers[0].config), 6, device, num_slots=2)
+    rng = np.random.default_rng(5)
+    batches = [record(rng, 6, 2, 8, 2) for _ in range(2)]
+    assert not np.array_equal(batches[0], batches[1])
+    for slot, rows in enumerate(batches):
+        replayer.set_batch(rows, slot=slot)
+
+    def read(mb) -> bool:
+        rows = [
+            torch.equal(map_ids(m, 2).cpu(), torch.from_numpy(np.sort(batches[mb][:, i], 1)).long())
+            for i, m in log
+        ]
+        ok = len(log) == 2 and all(rows)
+        log.clear()
+        return ok
+
+    outputs = []
+    with mg.attach_replay(model, replayer):
+        for mb in range(2):
+            replayer.select(mb)
+            outputs.append(model(torch.randn(3, 2, HIDDEN, device=device, requires_grad=True)))
+            assert read(mb)
+        assert replayer.slot == 1
+        deallocate_output_tensor(outputs[0], deallocate_pipeline_outputs=True)
+        custom_backward(outputs[0], torch.ones(3, 2, HIDDEN, device=device))
+        assert read(0), "micro-batch 0's recompute read another micro-batch's rows"
+        outputs[1].sum().backward()
+        assert read(1)
+    check_replay_errors(device)
+
+
+@pytest.mark.parametrize("checkpoint", ["non-reentrant", "reentrant"])
+def test_equal_micro_batches_recompute_their_own_rows_without_reselecting(checkpoint):
+    _one_f_one_b_without_reselecting(checkpoint)
+
+
+@pytest.mark.gpu
+def test_gpu_megatron_checkpoint_recomputes_its_own_micro_batch(cuda_device):
+    """The same with Megatron's own activation checkpoint (tensor_parallel.checkpoint, the reentrant
+    CheckpointFunction its recompute_granularity uses), which runs on CUDA only."""
+    _one_f_one_b_without_reselecting("megatron", "cuda")
 
 
 def test_replaying_forward_step_needs_a_schedules_microbatch():
@@ -1051,3 +1111,20 @@ def test_gpu_gpt_model_with_mtp_under_megatrons_schedule():
     # each decoder router routes every micro-batch in its forward and again in its recompute
     assert all(calls_per_path[r.path] >= 2 * micro for r in routers if r.kind == "decoder"), calls_per_path
     assert all(r.module.weight.grad is not None for r in routers)
+
+
+def test_a_replayed_router_call_stays_in_few_files():
+    """Megatron's hook rides the same corridor as every replayed router (tests/test_corridor.py):
+    from the dispatcher in router.py down to the replay kernel in at most 8 package files, coming
+    back into one it left at most 4 times (Megatron's own routing, which the hook runs first, is no
+    package file)."""
+    from corridor import KERNEL_ROOMS, walk
+
+    router = build_router({})
+    replayer = replayer_for(router, record(np.random.default_rng(0), 6, 1, 8, 2))
+    logits = torch.randn(6, 8, requires_grad=True)
+    with mg.attach_replay(router, replayer):
+        router.routing(logits)  # first use: the fault counters
+        trip = walk(lambda: router.routing(logits), end=KERNEL_ROOMS)
+    assert len(trip.files) <= 8 and trip.returns <= 4, trip.stays
+    assert "moe_ops/replay/kernels.py" in trip.stays

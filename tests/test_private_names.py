@@ -378,6 +378,7 @@ INSTANCES = {
     "triton.compiler.compiler.CompiledKernel.packed_metadata": _compiled_kernel,
     "triton.compiler.compiler.CompiledKernel.function": _compiled_kernel,
     "torch.SymInt.node": _symint,
+    "torch.autograd.graph.Node._sequence_nr": lambda: (torch.ones(1, requires_grad=True) * 2).grad_fn,
 }
 CUDA_INSTANCES = {_compiled_kernel}
 

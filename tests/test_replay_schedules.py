@@ -185,18 +185,93 @@ def test_every_forward_and_recompute_reads_its_own_micro_batch(name, reentrant):
             assert seen[("F", m, layer)] == 1 and seen[("B", m, layer)] == 1
 
 
-def test_without_reselecting_a_recompute_reads_another_micro_batch():
-    """The control: selecting only in forwards, the recompute in a backward reads whatever
-    micro-batch's forward ran last. With other row counts that is refused; with equal ones the
-    experts silently receive another micro-batch's ids, which the recorder sees."""
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("seq_lens", [SEQ_LENS, (6,) * len(SEQ_LENS)], ids=["sizes-differ", "equal-sizes"])
+def test_without_reselecting_each_recompute_still_reads_its_own_micro_batch(seq_lens, reentrant):
+    """Selecting only before each forward (no select_in_backward): the recompute in a backward
+    reads the batch its own forward read, found from the autograd node that runs it, even though
+    another micro-batch is selected then - also with equal micro-batch sizes, where reading the
+    selected batch would give no error and the wrong ids."""
     order, num_chunks = SCHEDULES["1f1b-stage0-of-4"]
-    with pytest.raises(ValueError, match="rows but the batch set for slot"):
-        run_schedule(order, num_chunks, reentrant=False, reselect=False)
-    equal = (6,) * len(SEQ_LENS)
-    recorder, routing, _ = run_schedule(order, num_chunks, reentrant=False, reselect=False, seq_lens=equal)
-    wrong = [
-        (kind, m, layer)
-        for (kind, m, _), layer, ids in recorder.calls
-        if not torch.equal(ids, torch.from_numpy(routing[m][:, layer]).to(ids.dtype))
-    ]
-    assert wrong and all(kind == "B" for kind, _, _ in wrong), "only recomputes can read another batch"
+    recorder, routing, slots = run_schedule(
+        order, num_chunks, reentrant=reentrant, reselect=False, seq_lens=seq_lens
+    )
+    assert slots > 1
+    recomputes = 0
+    for (kind, m, c), layer, ids in recorder.calls:
+        expected = torch.from_numpy(routing[m][:, layer]).to(ids.dtype)
+        assert torch.equal(ids, expected), f"{kind}{m} chunk {c} layer {layer} received other ids"
+        recomputes += kind == "B"
+    assert recomputes == len(seq_lens) * NUM_LAYERS
+
+
+def test_a_recompute_whose_batch_was_replaced_raises():
+    """A micro-batch's slot filled again before its backward: the recompute cannot read the batch
+    its forward read, and raises instead of replaying the new batch's ids (one slot, equal sizes)."""
+    model = hf.build_tiny_model("qwen3_moe", num_hidden_layers=NUM_LAYERS).train()
+    shape = resolve_routing_shape(model.config)
+    replayer = RoutingReplayer(shape, 6, "cpu")
+    rng = np.random.default_rng(1)
+    x = torch.randint(3, model.config.vocab_size, (1, 6))
+    with hf.attach_replay(model, replayer):
+        replayer.set_batch(distinct_rows(rng, 6, shape))
+        out = run_chunk(model, 0, 1, x, reentrant=False)
+        replayer.set_batch(distinct_rows(rng, 6, shape))  # the next micro-batch, too early
+        with pytest.raises(ValueError, match=r"filled again .* before this backward"):
+            out.sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing_enable.*:FutureWarning")  # 5.2x renamed it
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_gradient_checkpointing_recomputes_each_equal_micro_batch_with_its_own_rows(reentrant):
+    """transformers' own gradient checkpointing (``gradient_checkpointing_enable``): two micro-batches
+    of equal size run their forwards, then their backwards; each recompute reads its own rows with
+    nothing selected in backward, and the routers' gradients equal those of each micro-batch run on
+    its own (forward then backward, nothing in between)."""
+    model = hf.build_tiny_model("qwen3_moe", num_hidden_layers=NUM_LAYERS).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.enable_input_require_grads()  # reentrant checkpoints need an input that requires grad
+    shape = resolve_routing_shape(model.config)
+    rng = np.random.default_rng(11)
+    routing = [distinct_rows(rng, 6, shape) for _ in range(2)]
+    gen = torch.Generator().manual_seed(5)
+    inputs = [torch.randint(3, model.config.vocab_size, (1, 6), generator=gen) for _ in range(2)]
+    gates = [layer.mlp.gate.weight for layer in model.model.layers]
+
+    def gate_grads(interleaved: bool) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        replayer = RoutingReplayer(shape, 6, "cpu", num_slots=2)
+        for slot in range(2):
+            replayer.set_batch(routing[slot], slot=slot)
+        recorder = ExpertRecorder(model)
+        with hf.attach_replay(model, replayer):
+            if interleaved:  # F0 F1 B0 B1: micro-batch 1 is selected during 0's backward
+                outs = []
+                for mb in range(2):
+                    replayer.select(mb)
+                    recorder.step = ("F", mb, 0)
+                    outs.append(model(inputs[mb]).logits)
+                for mb in range(2):
+                    recorder.step = ("B", mb, 0)
+                    outs[mb].float().pow(2).mean().backward()
+            else:  # F0 B0 F1 B1
+                for mb in range(2):
+                    replayer.select(mb)
+                    recorder.step = ("F", mb, 0)
+                    out = model(inputs[mb]).logits
+                    recorder.step = ("B", mb, 0)
+                    out.float().pow(2).mean().backward()
+        for hook in recorder.hooks:
+            hook.remove()
+        recomputes = 0
+        for (kind, m, _), layer, ids in recorder.calls:
+            expected = torch.from_numpy(routing[m][:, layer]).to(ids.dtype)
+            assert torch.equal(ids, expected), f"{kind}{m} layer {layer} received other ids"
+            recomputes += kind == "B"
+        assert recomputes == 2 * NUM_LAYERS, "every checkpointed layer recomputes in backward"
+        return [g.grad.clone() for g in gates]
+
+    alone, interleaved = gate_grads(False), gate_grads(True)
+    for a, b in zip(alone, interleaved):
+        # the same sums of the same float32 products, in the same order: equal to rounding
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

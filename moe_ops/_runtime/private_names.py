@@ -50,6 +50,11 @@ CUDA_BUILD = (
     "torch 2.11 on the H200 by the GPU suite of c28b133 (a CUDA path); CUDA builds of torch only: "
     "absent from torch 2.13+cpu here"
 )
+RECOMPUTE = (
+    "torch 2.13 here (tests/test_replay_schedules.py, tests/test_megatron.py: recomputes under "
+    "torch's and transformers' checkpoints); torch 2.11 on the H200: this table's test and the GPU "
+    "suite (Megatron's tensor_parallel.checkpoint)"
+)
 INTERPRETED = (
     "torch 2.13 + Triton 3.9 here, with TRITON_INTERPRET=1 only: the H200 compiles its kernels, so "
     "the GPU suite of c28b133 did not reach it there (torch 2.11 / Triton 3.6 presence: this table's test "
@@ -133,6 +138,18 @@ PRIVATE: dict[str, Private] = {
     ),
     "torch._C._autograd._profiler_enabled": Private(
         "eager_caller: the profiler records ops by name, so the call goes through the dispatcher", BOTH
+    ),
+    "torch._C._autograd._get_sequence_nr": Private(
+        "RoutingReplayer: the next autograd node number of the selecting (forward's) thread when a "
+        "slot is selected, so that a recompute in backward finds the forward it belongs to; "
+        "getattr: none, a recompute reads the selected slot",
+        RECOMPUTE,
+    ),
+    "torch._C._current_autograd_node": Private(
+        "RoutingReplayer.layer_ids: the node a recomputing router call runs under (None outside a "
+        "backward), whose number tells which forward it recomputes; getattr: none, a recompute "
+        "reads the selected slot",
+        RECOMPUTE,
     ),
     "torch._C._are_functorch_transforms_active": Private(
         "eager_caller: a functorch transform (vmap, grad) is active, so the call goes through the "
@@ -256,6 +273,11 @@ PRIVATE: dict[str, Private] = {
 }
 
 PRIVATE_ATTRIBUTES: dict[str, Private] = {
+    "torch.autograd.graph.Node._sequence_nr": Private(
+        "RoutingReplayer: the number autograd gave a node when the forward created it, matched to "
+        "the selection in force then (a recompute's forward)",
+        RECOMPUTE,
+    ),
     "torch._ops.OpOverload._schema": Private(
         "eager_caller finds the op's tensor arguments (the positions it checks) in its schema", BOTH
     ),

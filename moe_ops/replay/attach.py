@@ -22,8 +22,14 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ..router.methods import GroupScore, RoutingMethod, validate_route_args
-from .op import BACKENDS, REPLAY_LOGIT_DTYPES, replay_routing
+from ..router.args import (
+    FLOAT32_ROUNDS_TO_INF,
+    REPLAY_LOGIT_DTYPES,
+    check_routed_scaling_factor,
+    validate_route_args,
+)
+from ..router.methods import GroupScore, RoutingMethod
+from .op import BACKENDS, replay_routing
 
 __all__ = [
     "CAPTURE_MARK",
@@ -80,6 +86,14 @@ class ReplayRule:
     # replay_routing's group_score (a GroupScore; None: the method's own), for faulty rows routed
     # live with groups
     group_score: GroupScore | None = None
+
+    def __post_init__(self) -> None:
+        # a scale that is inf in float32 (the kernels' type) would zero, and count, every row: refused
+        # here as route and replay_routing refuse it. Inline for a float in range: the transformers
+        # rules build a rule at every router call
+        scale = self.routed_scaling_factor
+        if scale is not None and not (type(scale) is float and abs(scale) < FLOAT32_ROUNDS_TO_INF):
+            check_routed_scaling_factor(scale)  # raises, naming what is wrong (an int passes)
 
 
 def replay_router_output(
@@ -226,6 +240,7 @@ def replaying_forward(
     where = f"the router at {path!r}" if path is not None else f"the router of layer {layer}"
     # the router's signature: fixed when wrapping, whatever its fields do later
     capture_kwarg = (rule if isinstance(rule, ReplayRule) else rule(module)).capture_kwarg
+    rows = getattr(replayer, "rows", None) if callable(getattr(replayer, "rows", None)) else None
 
     def forward(*args, **kwargs):
         capture = kwargs.pop(capture_kwarg, None) if capture_kwarg is not None else None
@@ -233,11 +248,11 @@ def replaying_forward(
         logits_at, weights_at, ids_at = _router_positions(output)
         live_ids = output[ids_at]
         n = live_ids.shape[0]
-        # a RoutingReplayer's row-count check rides in replay_routing's forward kernel (no op of its
-        # own in a compiled or graphed step); another replayer checks what it checks
-        row_count = getattr(replayer, "row_count", None)
-        if isinstance(row_count, torch.Tensor):
-            recorded = replayer.layer_ids(layer, n, device_check=False)
+        # a RoutingReplayer's rows come with the row count its device check needs (in a compiled or
+        # graphed step; None where the host checked): the check rides in replay_routing's forward
+        # kernel, no op of its own. Another replayer checks what it checks
+        if rows is not None:
+            recorded, row_count = rows(layer, n)
         else:
             recorded, row_count = replayer.layer_ids(layer, n), None
         if recorded.shape[-1] != live_ids.shape[-1]:

@@ -20,14 +20,21 @@ that reads a different number of rows than the batch holds is refused (``layer_i
 
 Pipeline schedules (1F1B, interleaved 1F1B) run the forward of micro-batch B before the backward,
 and the activation recompute, of micro-batch A. With ``num_slots=N`` the replayer holds N batches:
-``set_batch(routing, slot=i)`` fills slot ``i``, ``select(i)`` makes it the one the routers read,
-and ``select_in_backward(output, i)`` selects it again when the backward of that micro-batch
-starts, before its checkpointed layers recompute::
+``set_batch(routing, slot=i)`` fills slot ``i`` and ``select(i)`` makes it the one the routers
+read::
 
     replayer = RoutingReplayer(shape, max_num_tokens, "cuda", num_slots=4)
     replayer.set_batch(routing_of[mb], slot=mb % 4)
     replayer.select(mb % 4)                                   # this forward reads slot mb % 4
-    output = replayer.select_in_backward(model(x), mb % 4)    # and so does its recompute
+    loss = loss_fn(model(x))                                  # ... and so does its recompute
+
+A recompute reads the slot its forward read, whichever slot is selected when it runs: an eager
+router call inside a backward (an activation checkpoint recomputing) finds the forward it
+recomputes by the autograd node that runs it (nodes are numbered as the forward creates them) and
+reads the batch that forward read, from that slot's own storage; a batch replaced since (its slot
+filled again) raises instead of replaying another batch's ids (:meth:`RoutingReplayer.layer_ids`).
+``select_in_backward`` still selects a slot when a backward starts, for what cannot find its
+forward (a compiled step's recompute).
 
 Multi-token-prediction layers have their own columns (``num_mtp_layers``, ``mtp_routing``): an MTP
 layer never reads a decoder layer's rows (``layer_ids(i, n, kind="mtp")``).
@@ -38,9 +45,11 @@ The router wrappers that read it (``ReplayRule``, ``replaying_forward``, ``Repla
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,6 +72,17 @@ LAYER_KINDS = ("decoder", "mtp")
 # does). An all-zero row is never a routing when top_k >= 2 (expert 0 twice).
 NO_RECORD_MARKERS = (-1, 0)
 _INT32_MAX = (1 << 31) - 1
+# the most slots a replayer holds: each slot is a full buffer of max_num_tokens rows, so this bounds
+# a typo (2**40) before any allocation; pipeline depths and micro-batches in flight are far below it
+MAX_SLOTS = 1 << 16
+# selections remembered for recomputes (one per set_batch of the selected slot and per select): a
+# recompute whose forward is older than all of them raises (never reads another batch); 1F1B on a
+# 64-stage pipeline keeps 64 micro-batches in flight
+_HISTORY = 4096
+# the next autograd sequence number of the calling thread (torch 2.1+): nodes are numbered in the
+# order a forward creates them
+_next_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+_current_node = getattr(torch._C, "_current_autograd_node", None)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -309,6 +329,30 @@ replay_check_rows_op = destination_op("replay_check_rows_", mutates=("errors",),
 
 
 # ---------------------------------------------------------------------------------------------------
+# Which batch a recompute reads: the selections the forwards read
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Selection:
+    """What the routers read from one selection on (a ``select``, or a ``set_batch`` of the
+    selected slot) until the next: one slot's batch."""
+
+    # the slot, in [0, num_slots)
+    slot: int
+    # that slot's set_batch count then: a later set_batch replaces the batch (and counts one more)
+    generation: int
+    # the thread that selected, and its next autograd sequence number then
+    thread: int
+    requested_at: int
+    # the sequence number from which this selection's forwards numbered their autograd nodes:
+    # requested_at when the first eager router call under it ran on the selecting thread (every node
+    # the forward made came after the selection), else that call's own next number (a selection made
+    # on another thread numbers nothing of the forward's); None until an eager router call read it
+    start: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------------
 # The replayer
 # ---------------------------------------------------------------------------------------------------
 
@@ -382,6 +426,11 @@ class RoutingReplayer:
         if max_num_tokens > _INT32_MAX:
             raise ValueError(f"max_num_tokens must be < 2**31 (row_count is int32), got {max_num_tokens}")
         num_slots = _check_int("num_slots", num_slots, 1)
+        if num_slots > MAX_SLOTS:
+            raise ValueError(
+                f"num_slots must be at most {MAX_SLOTS} (each slot holds a batch of max_num_tokens rows; "
+                f"the micro-batches in flight at once), got {num_slots}"
+            )
         num_mtp_layers = _check_int("num_mtp_layers", num_mtp_layers, 0)
         self.no_record = check_no_record(no_record, shape.top_k)
         if not isinstance(record_live, bool):
@@ -402,25 +451,41 @@ class RoutingReplayer:
         # whether each slot was ever set (an empty batch is a batch; a never-set slot is a mistake)
         self._slot_set = [False] * num_slots
         # model layer -> buffer column, looked up at every router call (also while tracing)
-        self._column = {layer: i for i, layer in enumerate(shape.moe_layers)}
+        self._columns = {layer: i for i, layer in enumerate(shape.moe_layers)}
         self._lock = threading.Lock()
+        # each selection the routers read from, for recomputes (_recompute_slot): set_batch counts of
+        # each slot, the current selection (None before the first batch), the selections eager
+        # forwards read, oldest first
+        self._generation = [0] * num_slots
+        self._selection: _Selection | None = None
+        self._history: collections.deque[_Selection] = collections.deque(maxlen=_HISTORY)
+        self._history_lock = threading.Lock()
         rows = (max_num_tokens, shape.num_layers, shape.top_k)
         mtp_rows = (max_num_tokens, num_mtp_layers, shape.top_k)
-        self.buffer = torch.full(rows, -1, dtype=torch.int32, device=device)
-        self.mtp_buffer = torch.full(mtp_rows, -1, dtype=torch.int32, device=device)
-        self.row_count = torch.zeros(1, dtype=torch.int32, device=device)
-        self.live_buffer = self.mtp_live_buffer = None
-        if record_live:
-            self.live_buffer = torch.full(rows, -1, dtype=torch.int32, device=device)
-            self.mtp_live_buffer = torch.full(mtp_rows, -1, dtype=torch.int32, device=device)
+        try:
+            self.buffer = torch.full(rows, -1, dtype=torch.int32, device=device)
+            self.mtp_buffer = torch.full(mtp_rows, -1, dtype=torch.int32, device=device)
+            self.row_count = torch.zeros(1, dtype=torch.int32, device=device)
+            self.live_buffer = self.mtp_live_buffer = None
+            if record_live:
+                self.live_buffer = torch.full(rows, -1, dtype=torch.int32, device=device)
+                self.mtp_live_buffer = torch.full(mtp_rows, -1, dtype=torch.int32, device=device)
+            # each slot's storage (num_slots > 1): select() copies one into buffer / mtp_buffer
+            self._slots = self._mtp_slots = None
+            if num_slots > 1:
+                self._slots = torch.full((num_slots, *rows), -1, dtype=torch.int32, device=device)
+                self._mtp_slots = torch.full((num_slots, *mtp_rows), -1, dtype=torch.int32, device=device)
+        except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            per_batch = max_num_tokens * (shape.num_layers + num_mtp_layers) * shape.top_k * 4
+            buffers = (num_slots + 1 if num_slots > 1 else 1) + (1 if record_live else 0)
+            raise ValueError(
+                f"RoutingReplayer(max_num_tokens={max_num_tokens}, num_slots={num_slots}) needs "
+                f"{buffers} buffers of {per_batch} bytes on {device} ({buffers * per_batch} bytes), which "
+                f"could not be allocated ({type(exc).__name__}: {exc}); lower num_slots or max_num_tokens"
+            ) from exc
         for t in (self.buffer, self.mtp_buffer, self.row_count, self.live_buffer, self.mtp_live_buffer):
             if t is not None:
                 torch._dynamo.mark_static_address(t)
-        # each slot's storage (num_slots > 1): select() copies one into buffer / mtp_buffer
-        self._slots = self._mtp_slots = None
-        if num_slots > 1:
-            self._slots = torch.full((num_slots, *rows), -1, dtype=torch.int32, device=device)
-            self._mtp_slots = torch.full((num_slots, *mtp_rows), -1, dtype=torch.int32, device=device)
 
     def __repr__(self) -> str:
         s = self.shape
@@ -480,6 +545,7 @@ class RoutingReplayer:
                 raise ValueError(f"mtp_routing must have routing's {n} rows, got {mtp.shape[0]}")
         with self._lock:
             stale = self._slot_tokens[slot]
+            self._generation[slot] += 1
             if self._slots is None:
                 self._write(self.buffer, src, stale, stream)
                 self._write(self.mtp_buffer, mtp, stale, stream)
@@ -591,14 +657,20 @@ class RoutingReplayer:
             # per select on the H200 host against a few for the launch)
             self.row_count.fill_(n)
         self.slot, self.num_tokens = slot, n
+        sequence_nr = _next_sequence_nr() if _next_sequence_nr is not None else 0
+        self._selection = _Selection(slot, self._generation[slot], threading.get_ident(), sequence_nr)
 
     def select_in_backward(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
         """Returns ``tensor`` itself, with a gradient hook that selects slot ``slot`` when the
         backward reaches it, before the gradient flows on into the layers that produced it.
 
-        Put it on a micro-batch's output (a pipeline stage's output, or the loss): the backward of
-        that micro-batch starts there, so its checkpointed layers recompute with its own ids even
-        when other micro-batches' forwards ran in between (1F1B, interleaved 1F1B). The hook runs
+        Eager recomputes need none of it: a router call recomputing in a backward reads the slot
+        its forward read, whatever is selected then (:meth:`layer_ids`). It is what makes the
+        selected slot follow the backward where Python does not run per call - a recompute inside a
+        compiled step reads the selected slot - and what keeps ``buffer`` (and ``num_tokens``) the
+        backward's micro-batch for code that reads them. Put it on a micro-batch's output (a
+        pipeline stage's output, or the loss): the backward of that micro-batch starts there, so
+        the slot is selected before its checkpointed layers recompute. The hook runs
         on autograd's thread and enqueues the copy on the stream the backward runs on (autograd
         runs a node's backward on its forward's stream). No copy of ``tensor``, no view: a
         schedule may free the output's storage after sending it (Megatron's
@@ -638,20 +710,33 @@ class RoutingReplayer:
     def layer_ids(
         self, model_layer_index: int, num_tokens: int, *, kind: str = "decoder", device_check: bool = True
     ) -> torch.Tensor:
-        """(num_tokens, top_k) int32 view ``buffer[:num_tokens, column]`` of one MoE layer.
+        """(num_tokens, top_k) int32 view of one MoE layer's rows of the batch this call reads:
+        ``buffer[:num_tokens, column]`` (the selected slot's), or, for a recompute, its forward's.
 
         Args:
             model_layer_index: ``kind="decoder"``: the MODEL layer index of the router (mapped to
                 the buffer's MoE-only layer axis; IndexError outside the model, ValueError for a
                 dense layer). ``kind="mtp"``: the MTP layer's own index in
                 ``[0, num_mtp_layers)`` (IndexError outside), a column of ``mtp_buffer``.
-            num_tokens: the router's row count this call: it must equal the rows of the batch that
-                was set (``num_tokens``), else the router would read another batch's rows or a
-                prefix of this one.
+            num_tokens: the router's row count this call: it must equal the rows of the batch it
+                reads, else the router would read another batch's rows or a prefix of this one.
             kind: ``"decoder"`` or ``"mtp"`` (:data:`LAYER_KINDS`).
             device_check: False when the caller checks the row count on the device itself, fused
-                into its kernel (``replay_routing(..., row_count=replayer.row_count)``, what the
-                wrappers of ``attach_replay`` do); the eager host check runs either way.
+                into its kernel (``replay_routing(..., row_count=...)``: :meth:`rows` gives it);
+                the eager host check runs either way.
+
+        Which batch. A forward reads the selected slot. An eager call inside a backward - an
+        activation checkpoint recomputing the forward (``torch.utils.checkpoint``, reentrant or
+        not; Megatron's ``CheckpointFunction``) - reads the batch its forward read: the autograd
+        node running it was numbered when that forward ran (each thread numbers its nodes in
+        order), so the selection in force then is known, and its slot's own storage is read
+        (``num_slots > 1``) whatever slot is selected now. No ``select_in_backward`` is needed, and
+        micro-batches of equal size can no longer be confused. If that slot was filled again since
+        (``set_batch``), the batch is gone: ValueError, never another batch's ids. Selections made
+        on a thread other than the forwards' (a data loader's) take effect from the first router
+        call of the forward after them; select on the thread that runs the forwards. Inside a
+        compiled function the recompute is the graph's own and reads the selected slot (use
+        ``select_in_backward`` there).
 
         The row count is checked on the host where that is exact: an eager call raises ValueError
         (also when no batch was set). Inside a compiled function (where ``num_tokens`` may be
@@ -662,25 +747,7 @@ class RoutingReplayer:
         forward kernel when the caller passes ``row_count`` there (``device_check=False``). No
         copies: safe inside torch.compile and CUDA graphs.
         """
-        if kind == "decoder":
-            column = self._column.get(model_layer_index)
-            if column is None:
-                column = self.shape.buffer_layer(model_layer_index)  # raises the precise error
-            source, what = self.buffer, f"the router of layer {model_layer_index}"
-        elif kind == "mtp":
-            if (
-                isinstance(model_layer_index, bool)
-                or not isinstance(model_layer_index, int)
-                or not 0 <= model_layer_index < self.num_mtp_layers
-            ):
-                raise IndexError(
-                    f"MTP layer index must be an int in [0, num_mtp_layers={self.num_mtp_layers}), "
-                    f"got {model_layer_index!r}"
-                )
-            column, source = model_layer_index, self.mtp_buffer
-            what = f"the router of MTP layer {model_layer_index}"
-        else:
-            raise ValueError(f"kind must be one of {LAYER_KINDS}, got {kind!r}")
+        column, source, what = self._column(model_layer_index, kind)
         if num_tokens < 0:
             raise ValueError(f"{what} asks for {num_tokens} rows: num_tokens must be >= 0")
         if num_tokens > self.max_num_tokens:
@@ -690,12 +757,90 @@ class RoutingReplayer:
         if torch.compiler.is_compiling():
             if device_check:
                 self._check_rows_on_device(num_tokens)
-        else:
-            if num_tokens != self.num_tokens:
-                raise ValueError(self._row_message(what, num_tokens))
-            if device_check and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                self._check_rows_on_device(num_tokens)
+            return source[:num_tokens, column]
+        slot = self._eager_slot()
+        if slot is not None:  # a recompute whose forward read another slot: that slot's storage
+            if num_tokens != self._slot_tokens[slot]:
+                raise ValueError(self._row_message(what, num_tokens, slot))
+            storage = self._slots if kind == "decoder" else self._mtp_slots
+            return storage[slot, :num_tokens, column]
+        if num_tokens != self.num_tokens:
+            raise ValueError(self._row_message(what, num_tokens, self.slot))
+        if device_check and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self._check_rows_on_device(num_tokens)
         return source[:num_tokens, column]
+
+    def rows(
+        self, model_layer_index: int, num_tokens: int, *, kind: str = "decoder"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(ids, row_count)``: :meth:`layer_ids`' rows, and what ``replay_routing``'s
+        ``row_count`` should check them against on the device - the (1,) ``row_count`` where only
+        the device can check (inside a compiled function or a CUDA-graph capture), None where the
+        host checked exactly (an eager call: a mismatch raised already). What the wrappers of
+        ``attach_replay`` call."""
+        ids = self.layer_ids(model_layer_index, num_tokens, kind=kind, device_check=False)
+        on_device = torch.compiler.is_compiling() or (
+            self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        )
+        return ids, self.row_count if on_device else None
+
+    def _column(self, model_layer_index: int, kind: str) -> tuple[int, torch.Tensor, str]:
+        """(column, the selected buffer it is in, the router in words) of a router's layer."""
+        if kind == "decoder":
+            column = self._columns.get(model_layer_index)
+            if column is None:
+                column = self.shape.buffer_layer(model_layer_index)  # raises the precise error
+            return column, self.buffer, f"the router of layer {model_layer_index}"
+        if kind == "mtp":
+            if (
+                isinstance(model_layer_index, bool)
+                or not isinstance(model_layer_index, int)
+                or not 0 <= model_layer_index < self.num_mtp_layers
+            ):
+                raise IndexError(
+                    f"MTP layer index must be an int in [0, num_mtp_layers={self.num_mtp_layers}), "
+                    f"got {model_layer_index!r}"
+                )
+            return model_layer_index, self.mtp_buffer, f"the router of MTP layer {model_layer_index}"
+        raise ValueError(f"kind must be one of {LAYER_KINDS}, got {kind!r}")
+
+    def _eager_slot(self) -> int | None:
+        """The slot an eager router call reads when it is not the selected one: a recompute's
+        forward's (None: the selected slot's batch, in ``buffer``). A forward's first call under a
+        selection marks where that selection's autograd nodes begin (_Selection.start)."""
+        if _current_node is None or _next_sequence_nr is None:  # a torch without node numbers
+            return None
+        node = _current_node()
+        if node is None:  # a forward, not inside a backward
+            selection = self._selection
+            if selection is not None and selection.start is None:
+                same_thread = selection.thread == threading.get_ident()
+                selection.start = selection.requested_at if same_thread else _next_sequence_nr()
+                with self._history_lock:
+                    self._history.append(selection)
+            return None
+        return self._recompute_slot(node._sequence_nr())
+
+    def _recompute_slot(self, sequence_nr: int) -> int | None:
+        """The slot of the forward that created autograd node ``sequence_nr``, for a recompute in
+        its backward; None where that is the selected batch (or no eager forward was seen)."""
+        with self._history_lock:
+            if not self._history:
+                return None  # forwards that never ran eagerly here: nothing to tell them apart
+            forward = next((s for s in reversed(self._history) if s.start <= sequence_nr), None)
+        if forward is None:
+            raise ValueError(
+                f"a router recomputing in backward belongs to a forward older than the replayer's last "
+                f"{_HISTORY} selections: its batch is unknown; run each micro-batch's backward sooner"
+            )
+        if forward.generation != self._generation[forward.slot]:
+            raise ValueError(
+                f"a router recomputing in backward (activation checkpointing) belongs to a forward that "
+                f"read slot {forward.slot}, but that slot was filled again (set_batch) before this "
+                "backward: its batch is gone. Fill a slot after its micro-batch's backward, or give each "
+                "micro-batch in flight its own slot (num_slots)"
+            )
+        return None if forward.slot == self.slot else forward.slot
 
     def write_live(self, model_layer_index: int, live_ids: torch.Tensor, *, kind: str = "decoder") -> None:
         """Copies a router's own choice ``live_ids`` ``(n, top_k)`` into rows ``[0, n)`` of its
@@ -708,7 +853,7 @@ class RoutingReplayer:
         if kind == "mtp":
             column, target = model_layer_index, self.mtp_live_buffer
         else:
-            column = self._column.get(model_layer_index)
+            column = self._columns.get(model_layer_index)
             if column is None:
                 column = self.shape.buffer_layer(model_layer_index)
             target = self.live_buffer
@@ -717,15 +862,15 @@ class RoutingReplayer:
     def _check_rows_on_device(self, num_tokens: int) -> None:
         torch.ops.moe_ops.replay_check_rows_(self.row_count, num_tokens, replay_fault_counter(self.device))
 
-    def _row_message(self, what: str, num_tokens: int) -> str:
-        if not self._slot_set[self.slot]:
+    def _row_message(self, what: str, num_tokens: int, slot: int) -> str:
+        if not self._slot_set[slot]:
             return (
-                f"{what} has {num_tokens} rows but no batch was set for slot {self.slot}: call "
+                f"{what} has {num_tokens} rows but no batch was set for slot {slot}: call "
                 "replayer.set_batch(routing) before the forward (without a batch the routers would "
                 "route live, as if no replay were attached)"
             )
         return (
-            f"{what} has {num_tokens} rows but the batch set for slot {self.slot} has {self.num_tokens}: "
+            f"{what} has {num_tokens} rows but the batch set for slot {slot} has {self._slot_tokens[slot]}: "
             "the routers would read another batch's rows or part of this one. Build the batch with "
             "the forward's token layout (replay_batch(..., num_tokens=..., pad_to=...) for a padded "
             "batch, packed otherwise) or select the micro-batch's slot"
