@@ -34,6 +34,7 @@ from .shapes import (
     MTP_LAYER_FIELDS,
     TOP_K_FIELDS,
     RoutingShape,
+    UnreadableConfigError,
     _get,
     _is_int,
     _lookup,
@@ -146,10 +147,10 @@ def validate_serving_config(
     if model_config is not None:
         try:
             shape = resolve_routing_shape(model_config)
+        except UnreadableConfigError as e:  # the config's own code raised (a get_text_config, a property)
+            reasons.append(f"model_config cannot be read: {_raised(e.__cause__)}")
         except ValueError as e:
             reasons.append(f"not a mixture-of-experts model the capture understands: {e}")
-        except Exception as e:  # the config's own code raised (a get_text_config, a property)
-            reasons.append(f"model_config cannot be read: {_raised(e)}")
     reasons += _speculative_reasons(speculative_method, draft_model_config, model_config, shape)
     if reasons:
         raise UnsupportedConfigError(reasons)
@@ -270,8 +271,8 @@ def _draft_model_reasons(method: str, draft_config: Any) -> list[str]:
         ]
     try:
         draft = resolve_routing_shape(draft_config)
-    except Exception as e:
-        why = str(e) if isinstance(e, ValueError) else _raised(e)
+    except ValueError as e:
+        why = _raised(e.__cause__) if isinstance(e, UnreadableConfigError) else str(e)
         return [
             f"draft_model_config has router fields but cannot be resolved ({why}); a draft's MoE layers "
             "are not part of the target model's routing layer axis"

@@ -35,7 +35,14 @@ import numpy as np
 from .wire.npy import vllm_dtype, vllm_layout
 from .wire.sglang import sglang_layout
 
-__all__ = ["MAX_MODEL_LAYERS", "RoutingShape", "narrow_dtype", "resolve_routing_shape", "vllm_dtype"]
+__all__ = [
+    "MAX_MODEL_LAYERS",
+    "RoutingShape",
+    "UnreadableConfigError",
+    "narrow_dtype",
+    "resolve_routing_shape",
+    "vllm_dtype",
+]
 
 # Layers a shape may have (MoE or not). The deepest released decoder stacks have ~100-200 layers;
 # past this a config is refused before any per-layer list is built, so a hostile
@@ -518,6 +525,11 @@ def _moe_layers(config: Any, num_model_layers: int) -> tuple[list[int], int]:
     return list(range(n)), n
 
 
+class UnreadableConfigError(ValueError):
+    """:func:`resolve_routing_shape` could not read the config: its own code raised (a
+    ``get_text_config``, a property); the original exception is the ``__cause__``."""
+
+
 def resolve_routing_shape(config: Any) -> RoutingShape:
     """The :class:`RoutingShape` of a Hugging Face style model config (an object or a dict).
 
@@ -540,7 +552,20 @@ def resolve_routing_shape(config: Any) -> RoutingShape:
         ValueError: a field is missing or has a bad value (the message names the fields tried and
             the values found), the model has more than :data:`MAX_MODEL_LAYERS` layers or no MoE
             layer, or ``text_config`` loops back on itself.
+        UnreadableConfigError: (a ValueError) the config's own code raised while it was read (a
+            ``get_text_config`` or a property raising RuntimeError, say): the message names the
+            exception, which is its ``__cause__``.
     """
+    try:
+        return _resolve_routing_shape(config)
+    except ValueError:
+        raise
+    except Exception as e:  # the config's own code raised (a get_text_config, a property)
+        raised = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise UnreadableConfigError(f"the config cannot be read: {raised}") from e
+
+
+def _resolve_routing_shape(config: Any) -> RoutingShape:
     text = _text_config(config)
     top_k = _positive_field("top_k (ids per token)", text, TOP_K_FIELDS, per_layer="uniform")
     num_experts = _positive_field("num_experts", text, EXPERT_FIELDS, per_layer="max")

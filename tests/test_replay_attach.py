@@ -870,6 +870,15 @@ def test_replay_router_output_refuses_recorded_ids_of_another_shape():
         replay_router_output(logits, weights, ids, ids[:, :2], ReplayRule(RoutingMethod.DEFAULT))
 
 
+@pytest.mark.parametrize("scale", [1e39, float("inf"), float("nan"), "2"])
+def test_a_replay_rule_refuses_a_scale_the_kernels_cannot_hold(scale):
+    """A routed_scaling_factor that is not finite in float32 would make every replayed weight inf,
+    then zeroed and counted: ReplayRule refuses it when built, as route and replay_routing do."""
+    with pytest.raises(ValueError, match="routed_scaling_factor must be"):
+        ReplayRule(RoutingMethod.DEEPSEEK_V3, routed_scaling_factor=scale)
+    assert ReplayRule(RoutingMethod.DEEPSEEK_V3, routed_scaling_factor=2.5).routed_scaling_factor == 2.5
+
+
 def test_every_supported_architecture_has_a_replay_rule():
     assert set(REPLAY_RULES) == set(SUPPORTED_ARCHITECTURES)
 

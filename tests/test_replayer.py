@@ -478,6 +478,9 @@ def test_slots_hold_each_micro_batch_and_select_switches_what_routers_read():
             rep.set_batch(mb_a, slot=bad)
     with pytest.raises(ValueError, match="num_slots must be an int >= 1"):
         RoutingReplayer(shape, 4, "cpu", num_slots=0)
+    # bounded before anything is allocated (2**40 slots would raise a bare MemoryError)
+    with pytest.raises(ValueError, match="num_slots must be at most 65536"):
+        RoutingReplayer(shape, 4, "cpu", num_slots=2**40)
 
 
 class SlotModel:

@@ -105,6 +105,9 @@ BAD = [
     (dict(routed_scaling_factor=float("inf")), ValueError, "routed_scaling_factor must be finite"),
     (dict(routed_scaling_factor=True), ValueError, "routed_scaling_factor must be a float"),
     (dict(DS, routed_scaling_factor=float("nan")), ValueError, "routed_scaling_factor must be finite"),
+    # finite in float64, inf in float32, the kernels' type: every weight would be inf, zeroed, counted
+    (dict(routed_scaling_factor=1e39), ValueError, "routed_scaling_factor must be finite in float32"),
+    (dict(DS, routed_scaling_factor=-3.5e38), ValueError, "routed_scaling_factor must be finite in float32"),
     (dict(DS, routed_scaling_factor="2"), ValueError, "routed_scaling_factor must be a float"),
     (dict(backend="cuda"), ValueError, "backend must be one of 'auto', 'triton', 'torch', 'flashinfer'"),
     (dict(capture="buffer"), TypeError, "capture must be a CaptureTarget or None"),

@@ -763,3 +763,35 @@ def test_hostile_configs_raise_value_error_or_resolve_to_a_valid_shape(config):
     assert 1 <= shape.num_layers <= shape.num_model_layers <= MAX_MODEL_LAYERS
     assert all(0 <= i < shape.num_model_layers for i in shape.moe_layers)
     assert 1 <= shape.top_k <= shape.num_experts
+
+
+class _ConfigWhoseCodeRaises:
+    """A config whose get_text_config raises (a transformers config with a broken sub-config)."""
+
+    num_hidden_layers = 2
+
+    def get_text_config(self, decoder=False):
+        raise RuntimeError("sub-config 'text_config' failed to load")
+
+
+class _ConfigWhosePropertyRaises:
+    num_hidden_layers = 2
+    num_local_experts = 8
+
+    @property
+    def num_experts_per_tok(self):
+        raise KeyError("top_k")
+
+
+@pytest.mark.parametrize(
+    ("config", "raised"),
+    [(_ConfigWhoseCodeRaises(), RuntimeError), (_ConfigWhosePropertyRaises(), KeyError)],
+)
+def test_a_config_whose_own_code_raises_is_a_value_error_naming_it(config, raised):
+    """The config's own exception is wrapped as a ValueError (UnreadableConfigError) that names it,
+    as validate_serving_config reports it, with the original as its cause."""
+    from moe_ops.shapes import UnreadableConfigError
+
+    with pytest.raises(UnreadableConfigError, match=f"the config cannot be read: {raised.__name__}") as info:
+        resolve_routing_shape(config)
+    assert isinstance(info.value, ValueError) and isinstance(info.value.__cause__, raised)
