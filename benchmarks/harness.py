@@ -74,6 +74,12 @@ class _LineAwareStdout(io.TextIOBase):
     def isatty(self) -> bool:
         return self.stream.isatty()
 
+    def release(self) -> None:
+        """Lets the status line draw again after a line that never ended (the benchmark raised)."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.__exit__(None, None, None)
+
 
 @contextlib.contextmanager
 def running(status: StatusLine, name: str, what: str = "running") -> Iterator[None]:
@@ -83,14 +89,17 @@ def running(status: StatusLine, name: str, what: str = "running") -> Iterator[No
     global _status
     status.phase(f"{name}:", what)
     _status = status
+    stdout = _LineAwareStdout(sys.stdout, status) if status.enabled else None
     try:
-        if status.enabled:
-            with contextlib.redirect_stdout(_LineAwareStdout(sys.stdout, status)):
+        if stdout is not None:
+            with contextlib.redirect_stdout(stdout):
                 yield
         else:
             yield
     finally:
         _status = None
+        if stdout is not None:
+            stdout.release()
 
 
 def environment() -> dict[str, str]:

@@ -304,6 +304,30 @@ def test_a_run_on_a_terminal_names_each_step_and_keeps_prints_off_the_status_lin
     harness.step("after the run")  # no run: nothing is drawn, nothing raises
 
 
+def test_a_benchmark_that_raises_mid_line_leaves_the_status_line_drawing(scratch_registry, benches):
+    """A benchmark that raised after printing part of a line held the status line's redraws; the
+    next benchmark's steps are drawn all the same."""
+
+    def broken(cases, run):
+        print("half a line", end="")
+        raise RuntimeError("broken benchmark")
+
+    def fine(cases, run):
+        harness.step("measuring the fine one")
+        t = Table("fine", ["case"])
+        t.add(cases[0].name)
+        return t
+
+    registry.benchmark("broken", cases=BENCH_CASES["e2e"], needs="cpu")(broken)
+    registry.benchmark("fine", cases=BENCH_CASES["distributed"], needs="cpu")(fine)
+    term = Terminal()
+    with contextlib.redirect_stdout(term), contextlib.redirect_stderr(term):
+        assert registry.main(["broken", "fine"], status=StatusLine(stream=term)) == 1
+    drawn = frames(term.getvalue())
+    assert "0 s  fine: measuring the fine one" in drawn, drawn
+    assert "RuntimeError: broken benchmark" in term.getvalue()
+
+
 def test_the_runner_draws_a_status_line_before_its_imports():
     """On a terminal `python -m benchmarks` draws its first line before importing torch and the
     bench files (3-4 s warm on 2 cores; far more on cold caches)."""
