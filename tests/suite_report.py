@@ -6,14 +6,15 @@ a fresh clone, in which pytest prints nothing (``-q``, or any run whose output i
 So a line says when collection starts, and while it runs a line every ``COLLECT_EVERY_S`` seconds
 gives the files and tests collected so far (off a terminal, and with ``-q``; a terminal without
 ``-q`` has pytest's own live count). Then pytest's own progress: a line per test file ending with
-the percentage done. Off a terminal, Python buffers stdout in 8 KiB blocks, which held back minutes
-of that progress in a CI log: the terminal is flushed after every test.
+the percentage done. Off a terminal Python buffers stdout in 8 KiB blocks (unless PYTHONUNBUFFERED
+is set), so a log could get minutes of that progress at once: the terminal is flushed after every
+test.
 
-Skips. The suite skips 700-odd tests on a CPU-only machine (GPU tests, and checks of packages or
-devices that are absent), for a few dozen reasons; ``-ra`` listed every skip location, 180-odd
-``SKIPPED`` lines before the result. Here they are summed by reason, most frequent first, each with
-its count and its files (``-rs`` still lists every location). Failures and errors stay listed one
-by one (``-rfE`` in pyproject.toml).
+Skips. The suite skips 744 tests on a CPU-only machine (GPU tests, and checks of devices or packages
+that are absent), for 14 reasons; ``-ra`` listed them by location, 182 ``SKIPPED`` lines before the
+result (a full run on the 2-core machine). Here they are summed by reason, most frequent first, each
+with its count and its files (``-rs`` still lists every location). Failures and errors stay listed
+one by one (``-rfE`` in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class SuiteReport:
         tr = self.terminal
         if tr is not None:
             tr.write_line(text)
-            tr.flush()
+            _flush(tr)
 
     # ----------------------------------------------------------------------------------- progress
 
@@ -77,7 +78,8 @@ class SuiteReport:
         self.files_done += 1
         now = time.perf_counter()
         tr = self.terminal
-        live = tr is not None and tr.isatty() and self.config.get_verbosity() >= 0
+        # pytest's own live count: on a terminal, without -q (isatty: a bool before pytest 8)
+        live = tr is not None and bool(tr.isatty) and self.config.getoption("verbose") >= 0
         if live or now - self.last_line < COLLECT_EVERY_S:
             return
         self.last_line = now
@@ -90,7 +92,7 @@ class SuiteReport:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         tr = self.terminal
         if tr is not None:
-            tr.flush()  # after the terminal reporter wrote this test's letter (trylast)
+            _flush(tr)  # after the terminal reporter wrote this test's letter (trylast)
 
     # ------------------------------------------------------------------------------------- skips
 
@@ -103,6 +105,13 @@ class SuiteReport:
         for line in lines:
             terminalreporter.write_line(line)
         terminalreporter.write_line("(every skip with its file and line: add -rs)")
+
+
+def _flush(tr) -> None:
+    """Flushes the terminal reporter's stream, where the installed pytest's reporter has flush()."""
+    flush = getattr(tr, "flush", None)
+    if callable(flush):
+        flush()
 
 
 def _count_test_files(config: pytest.Config) -> int:
