@@ -29,8 +29,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.cases import BENCH_CASES, BENCH_SIZES
-from benchmarks.harness import Table, do_bench_median_us, graph_calls_us, graph_replay_us
-from benchmarks.host import host_us_per_call, launch_floor_us
+from benchmarks.harness import Table, do_bench_median_us, graph_calls_us, graph_replay_us, step
+from benchmarks.host import host_us_per_call, launch_floor_us, target_column, target_note
 from benchmarks.registry import benchmark, main, option, sizes_option, switch
 from moe_ops import BatchLayout, capture_routing
 from moe_ops._runtime.library import HAS_WRAP_TRITON, trace_triton_kernels
@@ -122,6 +122,7 @@ def capture(cases, run) -> list[Table]:
 
 
 EAGER_TARGET_US, COMPILED_TARGET_US = 25.0, 5.0
+
 # rows of the buffer in the "full-size buffer" rows: a serving engine's capacity, not the step's
 FULL_BUFFER_ROWS = 32768
 
@@ -162,8 +163,8 @@ def host_table(n: int, dp: int = 4) -> Table:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     table = Table(
         f"capture host cost per layer call (GATHERED {LAYERS}x{TOP_K}, {n} tokens/rank, dp {dp}, {dev.type}; "
-        f"eager {LAYERS} layers, compiled and graph {COMPILED_LAYERS})",
-        ["path", "mode", "host_us/call", "target_us"],
+        f"eager {LAYERS} layers, compiled and graph {COMPILED_LAYERS}){target_note(dev)}",
+        ["path", "mode", "host_us/call", target_column(dev)],
     )
     rows, rank = n * dp, dp - 1
     buffer = torch.zeros(max(rows, 1), LAYERS, TOP_K, dtype=torch.int32, device=dev)
@@ -218,6 +219,7 @@ def host_table(n: int, dp: int = 4) -> Table:
         modes = {"eager": (fn, LAYERS)} if with_eager else {}
         modes["compiled (no graphs)"] = (compiled, COMPILED_LAYERS)
         for mode, (f, layers) in modes.items():
+            step(f"{name}, {mode}: {'compiling, then ' if f is compiled else ''}timing {layers} layers")
             buf.zero_()
             xs = ids[:layers]
             us = host_us_per_call(lambda f=f, xs=xs, buf=buf: f(buf, *xs), dev, calls_per_fn=layers)

@@ -53,8 +53,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.cases import BENCH_CASES, BENCH_SIZES, BenchRouter
-from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us
-from benchmarks.host import host_us_per_call
+from benchmarks.harness import Table, device_us_per_call, do_bench_median_us, graph_calls_us, step
+from benchmarks.host import host_us_per_call, target_column, target_note
 from benchmarks.registry import benchmark, main, sizes_option, switch
 from moe_ops import BatchLayout, CaptureTarget, RoutingMethod, route
 from moe_ops._runtime.library import HAS_WRAP_TRITON, trace_triton_kernels
@@ -380,8 +380,8 @@ def host_table(n: int = 64, num_experts: int = 256, top_k: int = 8) -> Table:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     table = Table(
         f"route host cost per layer call (RENORMALIZE, n {n}, E {num_experts}, top_k {top_k}, {dev.type}; "
-        f"eager {HOST_LAYERS} layers, compiled and graph {COMPILED_LAYERS})",
-        ["path", "mode", "host_us/call", "target_us"],
+        f"eager {HOST_LAYERS} layers, compiled and graph {COMPILED_LAYERS}){target_note(dev)}",
+        ["path", "mode", "host_us/call", target_column(dev)],
     )
     logits = [torch.randn(n, num_experts, device=dev) for _ in range(HOST_LAYERS)]
 
@@ -398,6 +398,7 @@ def host_table(n: int = 64, num_experts: int = 256, top_k: int = 8) -> Table:
             ("eager", fn, HOST_LAYERS),
             ("compiled (no graphs)", compiled, COMPILED_LAYERS),
         ):
+            step(f"{name}, {mode}: {'compiling, then ' if f is compiled else ''}timing {layers} layers")
             xs = logits[:layers]
             got = f(*xs)
             # the sets agree (random logits: no ties); column order is each path's own

@@ -1,19 +1,31 @@
-"""Shared benchmark harness: medians, CUDA-graph replay timing, one table printed last, CSV rows.
+"""Shared benchmark harness: medians, CUDA-graph replay timing, one table printed last, CSV rows,
+and the runner's status line.
 
 Every benchmark compares against a floor or a peer measured in the same run and reports the ratio;
 absolute times are context. CSV rows carry the GPU name, torch/triton versions and the git sha.
+
+Progress: while the runner (``benchmarks/registry.py``) runs a benchmark, one status line on stderr
+(``moe_ops.demo.progress.StatusLine``, a terminal only) shows the benchmark, a running clock and the
+step: what the benchmark named last with :func:`step`, or the row its tables got last
+(``Table.add``: "row 3 done: ..."). A CPU table can take minutes (``capture --host``: 45 s on 2
+cores, most of it compiling), during which the run printed only ``NAME: running``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import os
 import statistics
 import subprocess
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from moe_ops.demo.progress import StatusLine
 
 __all__ = [
     "Table",
@@ -22,7 +34,72 @@ __all__ = [
     "environment",
     "graph_calls_us",
     "graph_replay_us",
+    "running",
+    "step",
 ]
+
+# the runner's status line while a benchmark runs (``running``); None: no run, step() does nothing
+_status: StatusLine | None = None
+
+
+def step(text: str) -> None:
+    """Names what the running benchmark measures now, on the runner's status line (a terminal
+    only; elsewhere nothing): call it before a measurement that takes seconds, e.g.
+    ``step(f"{name}, compiled: compiling, then timing")``."""
+    if _status is not None:
+        _status.update(text)
+
+
+class _LineAwareStdout(io.TextIOBase):
+    """stdout while the status line is drawn: the line is cleared before the first write of a
+    printed line and drawn again once the line ends, so a benchmark's own prints never land on it."""
+
+    def __init__(self, stream, status: StatusLine):
+        self.stream, self.status, self._held = stream, status, None
+
+    def write(self, s: str) -> int:
+        if self._held is None:
+            self._held = self.status.paused()
+            self._held.__enter__()
+        n = self.stream.write(s)
+        if s.endswith("\n"):
+            self.stream.flush()
+            held, self._held = self._held, None
+            held.__exit__(None, None, None)
+        return n
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def release(self) -> None:
+        """Lets the status line draw again after a line that never ended (the benchmark raised)."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def running(status: StatusLine, name: str, what: str = "running") -> Iterator[None]:
+    """The runner's block around one benchmark: ``name:`` drawn as the phase (with its clock) and
+    ``what`` after it until :func:`step` or ``Table.add`` names the step; prints to stdout clear
+    the line first."""
+    global _status
+    status.phase(f"{name}:", what)
+    _status = status
+    stdout = _LineAwareStdout(sys.stdout, status) if status.enabled else None
+    try:
+        if stdout is not None:
+            with contextlib.redirect_stdout(stdout):
+                yield
+        else:
+            yield
+    finally:
+        _status = None
+        if stdout is not None:
+            stdout.release()
 
 
 def environment() -> dict[str, str]:
@@ -132,6 +209,7 @@ class Table:
     def add(self, *values: object) -> None:
         assert len(values) == len(self.columns), (values, self.columns)
         self.rows.append(list(values))
+        step(f"row {len(self.rows)} done: {' '.join(map(self._fmt, values[:3]))}")
 
     def format(self) -> str:
         cells = [[self._fmt(v) for v in row] for row in self.rows]

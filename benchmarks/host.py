@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["host_us_per_call", "launch_floor_us", "sync"]
+__all__ = ["host_us_per_call", "launch_floor_us", "sync", "target_column", "target_note"]
 
 
 def sync(device: torch.device) -> None:
@@ -39,6 +39,24 @@ def host_us_per_call(
         sync(device)
         times.append((time.perf_counter() - t0) * 1e6 / (iters * calls_per_fn))
     return statistics.median(times)
+
+
+def target_column(dev: torch.device) -> str:
+    """The host tables' targets column: ``target_us`` on a GPU, ``gpu_target_us`` elsewhere. The
+    targets (eager <= 25 us, compiled <= 5 us per call) are for the host of a GPU machine, where the
+    call launches a CUDA kernel; on the CPU the op runs its PyTorch twin on CPU tensors, and the
+    targets are printed beside those numbers for reference only."""
+    return "target_us" if dev.type == "cuda" else "gpu_target_us"
+
+
+def target_note(dev: torch.device) -> str:
+    """What a host table's title adds on the CPU: that its targets are a GPU machine's."""
+    if dev.type == "cuda":
+        return ""
+    return (
+        "; gpu_target_us: the targets for a GPU machine's host (CUDA launches), not for this CPU run: "
+        "shown for reference"
+    )
 
 
 def launch_floor_us(device: torch.device, layers: int, compiled_layers: int) -> dict[str, float]:

@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import Table, environment  # noqa: E402 - needs ROOT on sys.path
+from benchmarks.harness import Table, environment, running  # noqa: E402 - needs ROOT on sys.path
+from moe_ops.demo.progress import StatusLine  # noqa: E402
 
 __all__ = [
     "Benchmark",
@@ -379,9 +380,21 @@ def _parser(benches: dict[str, Benchmark]) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The runner; returns the exit status (0: every chosen benchmark ran, or was dry-run)."""
+def main(argv: Sequence[str] | None = None, status: StatusLine | None = None) -> int:
+    """The runner; returns the exit status (0: every chosen benchmark ran, or was dry-run).
+    ``status``: the status line it draws each benchmark and its steps on (default: one on stderr,
+    drawn on a terminal only; ``python -m benchmarks`` passes the one it drew before its imports)."""
+    status = StatusLine() if status is None else status
+    try:
+        return _main(argv, status)
+    finally:
+        status.close()
+
+
+def _main(argv: Sequence[str] | None, status: StatusLine) -> int:
+    status.phase("benchmarks: importing every benchmarks/bench_*.py")
     benches = load_all()
+    status.close()
     parser = _parser(benches)
     args = vars(parser.parse_args(argv))
     named = bool(args["names"])
@@ -447,7 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 missing = missing_tests(b)
                 if missing:
                     raise AssertionError("cases name tests that do not exist: " + "; ".join(missing))
-                out = b.dry_run(b.cases, run) if b.dry_run is not None else _cases_table(b)
+                with running(status, b.name, "dry run"):
+                    out = b.dry_run(b.cases, run) if b.dry_run is not None else _cases_table(b)
             elif b.needs == "cuda" and not has_cuda:
                 print(
                     f"{b.name}: needs a CUDA GPU; skipped ({', '.join(t.name for t in not_here)}; --dry-run "
@@ -460,11 +474,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if not_here:  # said before the run, which may take minutes on the CPU tables
                     print(f"{b.name}: no CUDA GPU, not measured here: {'; '.join(t.name for t in not_here)}")
                 print(f"{b.name}: running", flush=True)
-                out = b.fn(b.cases, run)
+                with running(status, b.name):
+                    out = b.fn(b.cases, run)
         except Exception:
+            status.close()
             traceback.print_exc()
             failed.append(b.name)
             continue
+        status.close()
         for t in [out] if isinstance(out, Table) else list(out):
             t.print()
             tables.append((b.name, t))

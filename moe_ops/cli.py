@@ -61,13 +61,24 @@ def _cuda_available_without_torch() -> bool:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "selftest":
-        from .selftest import run_selftest
+        from .demo.progress import StatusLine  # no torch: drawn before the 2-7 s of importing it
 
-        return run_selftest(args.device)
+        with StatusLine() as status:
+            status.phase("moe-ops selftest: importing torch and moe_ops")
+            from .selftest import run_selftest
+
+            return run_selftest(args.device, status=status)
     if args.command == "backends":
-        from .backend_report import backends
+        from .demo.progress import StatusLine
 
-        print(backends(args.device))
+        with StatusLine() as status:
+            # cold caches on 2 busy cores: 23 s before the report, most of it these two imports
+            status.phase("moe-ops backends: importing torch and moe_ops")
+            from .backend_report import backends
+
+            status.phase("moe-ops backends: loading FlashInfer's op table, asking each kernel's device check")
+            report = backends(args.device)
+        print(report)
         return 0
     if args.command == "demo":
         check_demo_args(args)

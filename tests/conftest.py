@@ -1,8 +1,11 @@
 """Test setup: Triton interpretation on CPU-only machines, the `gpu` marker, hypothesis profiles, the
-repository root on ``sys.path``.
+repository root on ``sys.path``, and the run's progress and skip summary (``suite_report.py``).
 
 TRITON_INTERPRET must be set before any kernel module is imported (Triton decides at decoration
-time), so it is set here, before the test modules import moe_ops.
+time), so it is set when collection starts, before the test modules import moe_ops. torch is
+imported there too, not when this file loads: importing it takes 1.5 s warm and several cold, and
+nothing can be printed before this file has loaded (pytest captures its output), so importing it
+here kept the first line of the run that long. Hypothesis too (below).
 """
 
 import os
@@ -19,13 +22,9 @@ from pathlib import Path
 # caller set is kept.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
-from hypothesis import HealthCheck, settings
+
+pytest_plugins = ["suite_report"]
 
 # the tests that check the benchmarks' shapes import them from benchmarks/cases.py; `python -m pytest`
 # has the working directory on sys.path, `pytest` does not. Appended: an installed package keeps its
@@ -34,29 +33,52 @@ ROOT = str(Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:
     sys.path.append(ROOT)
 
-HAS_CUDA = torch.cuda.is_available()
 
-settings.register_profile(
-    "default",
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    derandomize=False,
-    print_blob=True,
-)
-settings.register_profile("quick", parent=settings.get_profile("default"), max_examples=20)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _hypothesis_profiles() -> None:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "default",
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        derandomize=False,
+        print_blob=True,
+    )
+    settings.register_profile("quick", parent=settings.get_profile("default"), max_examples=20)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_collection(session):
+    """Before the first test module is imported (suite_report's line about collection comes first:
+    it is tryfirst): the hypothesis profiles (a test module's ``settings(...)`` inherit the profile
+    loaded when it is imported), torch, and Triton interpreted where there is no CUDA device.
+    Importing hypothesis here, not when this file loads: pytest rewrites the asserts of its 108
+    modules (it is a pytest plugin's package), 1.1 s of the 1.2 s before the run's first line,
+    measured with PYTHONDONTWRITEBYTECODE=1 (every run rewrites them then)."""
+    _hypothesis_profiles()
+    if not _has_cuda():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none found: torch.cuda.is_available() is False)")
+    has_cuda = _has_cuda()
     for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
+        if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
 
 
 @pytest.fixture
 def cuda_device():
-    if not HAS_CUDA:
+    import torch
+
+    if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     return torch.device("cuda")
 
@@ -65,6 +87,8 @@ def cuda_device():
 def one_thread():
     """Tiny CPU ops: OpenMP workers only spin on a shared 2-core machine (see moe_ops/demo.py).
     Modules of tiny models use it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -5,7 +5,9 @@ exist, and the shapes those cases name are checked here where no other test cove
 from __future__ import annotations
 
 import ast
+import contextlib
 import csv
+import io
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,10 +19,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from routing_checks import check_routing
 from strategies import MODEL_ROUTERS, POISON, RouterCase, RouterConfig
+from terminal import frames, on_a_terminal
 
-from benchmarks import registry
+from benchmarks import harness, registry
 from benchmarks.cases import BENCH_CASES, BENCH_DEEPSEEK_V3, BENCH_SIZES
 from benchmarks.harness import Table
+from benchmarks.host import target_column, target_note
 from moe_ops import (
     BatchLayout,
     CaptureTarget,
@@ -30,6 +34,7 @@ from moe_ops import (
     encode_routing,
     route,
 )
+from moe_ops.demo.progress import StatusLine
 from moe_ops.models import reference_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -255,6 +260,90 @@ def test_a_failing_benchmark_fails_the_run_and_the_others_still_run(scratch_regi
     captured = capsys.readouterr()
     assert "RuntimeError: broken benchmark" in captured.err and "failed: broken" in captured.err
     assert "## fine" in captured.out
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal (the status line draws on terminals only)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_run_on_a_terminal_names_each_step_and_keeps_prints_off_the_status_line(scratch_registry, benches):
+    """`python -m benchmarks NAME` printed only "NAME: running" for the minutes a CPU table takes:
+    on a terminal the status line names what the benchmark said it measures (harness.step) and
+    each row as it is added; the benchmark's own prints clear the line first (one terminal here
+    for stdout and the status line, as a person's screen)."""
+
+    def stepper(cases, run):
+        t = Table("stepper", ["case", "us"])
+        harness.step("compiling the first case")
+        print("a line of the benchmark's own")
+        t.add(cases[0].name, 1.5)
+        return t
+
+    registry.benchmark("stepper", cases=BENCH_CASES["e2e"], needs="cpu")(stepper)
+    term = Terminal()
+    with contextlib.redirect_stdout(term):
+        assert registry.main(["stepper"], status=StatusLine(stream=term)) == 0
+    drawn = frames(term.getvalue())
+    order = [
+        "stepper: running",
+        "0 s  stepper: running",
+        "0 s  stepper: compiling the first case",
+        "a line of the benchmark's own",
+        f"0 s  stepper: row 1 done: {BENCH_CASES['e2e'][0].name} 1.500",
+        "## stepper",
+    ]
+    at = [next((i for i, f in enumerate(drawn) if f == want), None) for want in order]
+    assert None not in at and at == sorted(at), (order, drawn)
+    # the status line was cleared before the print: that terminal line shows the print alone
+    (line,) = [ln for ln in term.getvalue().split("\n") if "a line of the benchmark's own" in ln]
+    assert line.split("\r")[-1] == "a line of the benchmark's own" and not line.split("\r")[-2].strip()
+    assert harness._status is None, "the step reporter outlived its run"
+    harness.step("after the run")  # no run: nothing is drawn, nothing raises
+
+
+def test_a_benchmark_that_raises_mid_line_leaves_the_status_line_drawing(scratch_registry, benches):
+    """A benchmark that raised after printing part of a line held the status line's redraws; the
+    next benchmark's steps are drawn all the same."""
+
+    def broken(cases, run):
+        print("half a line", end="")
+        raise RuntimeError("broken benchmark")
+
+    def fine(cases, run):
+        harness.step("measuring the fine one")
+        t = Table("fine", ["case"])
+        t.add(cases[0].name)
+        return t
+
+    registry.benchmark("broken", cases=BENCH_CASES["e2e"], needs="cpu")(broken)
+    registry.benchmark("fine", cases=BENCH_CASES["distributed"], needs="cpu")(fine)
+    term = Terminal()
+    with contextlib.redirect_stdout(term), contextlib.redirect_stderr(term):
+        assert registry.main(["broken", "fine"], status=StatusLine(stream=term)) == 1
+    drawn = frames(term.getvalue())
+    assert "0 s  fine: measuring the fine one" in drawn, drawn
+    assert "RuntimeError: broken benchmark" in term.getvalue()
+
+
+def test_the_runner_draws_a_status_line_before_its_imports():
+    """On a terminal `python -m benchmarks` draws its first line before importing torch and the
+    bench files (3-4 s warm on 2 cores; far more on cold caches)."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": ""}
+    out = on_a_terminal([sys.executable, "-m", "benchmarks", "--list"], "this machine:", cwd=ROOT, env=env)
+    drawn = frames(out)
+    assert drawn[0] == "0 s  benchmarks: importing torch, moe_ops and every benchmarks/bench_*.py", drawn[:3]
+    assert any(f.startswith("this machine:") for f in drawn), out[-2000:]
+
+
+def test_host_tables_label_the_gpu_targets_on_the_cpu():
+    """`bench_capture --host` on the CPU printed the targets (eager <= 25 us, compiled <= 5 us, set
+    for a GPU machine's host) beside CPU numbers without saying so."""
+    assert target_column(torch.device("cpu")) == "gpu_target_us"
+    assert "not for this CPU run" in target_note(torch.device("cpu"))
+    assert (target_column(torch.device("cuda")), target_note(torch.device("cuda"))) == ("target_us", "")
 
 
 def test_registration_rejects_bad_entries_and_leaves_the_registry(scratch_registry, benches):

@@ -42,9 +42,11 @@ from moe_ops import (
     RoutingMethod,
     RoutingReplayExperts,
     RoutingShape,
+    SlotStore,
     capture_routing,
     route,
 )
+from moe_ops.capture.capturer import weights_channel
 from moe_ops.capture.errors import FaultCounter
 from moe_ops.capture.op import capture_into
 from moe_ops.capture.spec import CAPTURE_OP
@@ -538,6 +540,38 @@ def test_capturer_snapshot_carries_the_weights_channel(wdtype):
                 assert np.array_equal(rows["ids"][:, layer], sent[layer][0].numpy())
             else:
                 assert got[:, layer].isnan().all(), f"layer {layer} not captured this step must read NaN"
+
+
+@pytest.mark.parametrize("wdtype", [None, *CAPTURE_WEIGHT_DTYPES])
+def test_capturer_channels_are_what_a_slot_store_of_its_snapshots_takes(wdtype):
+    """RoutingCapturer.channels: the snapshots' channels, ids first; a SlotStore built from them
+    (no channel rebuilt by hand) stores a snapshot's rows, weights bit for bit. Read-only."""
+    shape = RoutingShape(num_layers=2, num_experts=300, top_k=2)  # uint16 ids (fill 65535)
+    capturer = RoutingCapturer(shape, 4, "cpu", weights_dtype=wdtype)
+    ids, *extra = capturer.channels
+    assert (ids.name, ids.dtype, ids.row_shape) == ("ids", np.dtype(np.uint16), (2, 2))
+    if wdtype is None:
+        assert extra == []
+    else:
+        (weights,) = extra
+        assert weights == weights_channel(2, 2, wdtype).resolved((2, 2))
+    with pytest.raises(AttributeError):
+        capturer.channels = ()
+    store = SlotStore(8, shape, ids.dtype, extra_channels=capturer.channels[1:])
+    capturer.set_step([3])
+    g = torch.Generator().manual_seed(3)
+    for layer in range(2):
+        topk = torch.randint(0, 300, (3, 2), dtype=torch.int32, generator=g)
+        w = torch.rand(3, 2, generator=g) if wdtype is not None else None
+        capturer.capture(layer, topk, **({} if w is None else {"weights": w}))
+    with capturer.snapshot() as handle:
+        rows = handle.results()
+        store.write([5, 1, 6], rows)
+    for channel in capturer.channels:
+        got = store.read_slots([5, 1, 6], channel=channel.name)
+        assert got.dtype == channel.dtype and np.array_equal(
+            got.view(np.uint8), rows[channel.name].view(np.uint8)
+        )
 
 
 def test_state_only_capturer_with_a_weights_buffer():

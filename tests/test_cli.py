@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from terminal import frames, on_a_terminal
 
 import moe_ops
-from moe_ops import cli_args, encode_routing
+from moe_ops import cli_args, encode_routing, encode_routing_weights
 from moe_ops.cli import MAX_DEMO_REQUESTS, MAX_STEP_ROWS, _build_parser, main
 from moe_ops.wire import FORMATS
 
@@ -351,8 +352,8 @@ needs_proc = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="
 
 @needs_proc
 def test_inspect_refuses_hostile_files_in_one_line_within_a_memory_bound(tmp_path):
-    """Measured: 20 s here (6 s writing the zip bomb, 10 s importing torch in the child); the
-    timeout is a hang guard."""
+    """Measured: 20 s here (6 s writing the zip bomb, 10 s importing torch in the child, which
+    imports no torch now); the timeout is a hang guard."""
     files = _hostile_files(tmp_path)
     results = _bounded_inspect(list(files.values()))
     for name, path in files.items():
@@ -422,6 +423,127 @@ def test_inspect_refuses_text_of_no_known_prefix_in_one_line(tmp_path, capsys):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"{path}: cannot read routing: text that starts with the prefix of no wire format")
     assert "format='sglang'" in line
+
+
+_INSPECT_WITHOUT_TORCH = """
+import contextlib, io, json, sys
+from moe_ops.cli import main
+for path in sys.argv[1:]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["inspect", path])
+    print(json.dumps([path, rc, out.getvalue(), err.getvalue(), "torch" in sys.modules]))
+"""
+
+
+def test_inspect_imports_no_torch(tmp_path):
+    """`moe-ops inspect` reads numpy files: a 26-row file took 17-19 s and a missing file 24-47 s
+    on a busy 2-core machine, all of it importing torch through moe_ops.demo. Checked in a fresh
+    interpreter: neither a summary nor a refusal imports it."""
+    good = tmp_path / "routing.npz"
+    routing = np.arange(26 * 2 * 4, dtype=np.uint8).reshape(26, 2, 4) % 16
+    np.savez(good, routing=routing, num_experts=np.int64(16), moe_layers=np.array([1, 2]))
+    missing = tmp_path / "missing.npz"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", _INSPECT_WITHOUT_TORCH, str(good), str(missing)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,  # a hang guard: 0.15 s measured
+    )
+    assert out.returncode == 0, out.stderr
+    (_, rc_good, text, _, torch_good), (_, rc_missing, _, err, torch_missing) = map(
+        json.loads, out.stdout.splitlines()
+    )
+    assert rc_good == 0 and "26 tokens x 2 MoE layers x top-4" in text
+    assert rc_missing == 1 and err.startswith(f"{missing}: cannot read routing: ")
+    assert not torch_good and not torch_missing, "moe-ops inspect imported torch"
+
+
+def _weights(n: int = 6) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    w = rng.random((n, 2, 4)).astype(np.float32) + 0.05
+    w /= w.sum(-1, keepdims=True)  # a renormalising router's top-k weights
+    w[1, 0] = np.nan  # a layer not captured in that step
+    return w
+
+
+def test_inspect_refuses_routing_weights_saying_what_they_are(tmp_path, capsys):
+    """A weights text or array is not summarised as expert ids: encode_routing_weights' bfloat16
+    text (uint16 bits that read as ids 15000-16256 and 32704), its float32 text (vLLM's
+    routed_expert_weights), a float16 .npy and a capturer's bfloat16 "weights" channel saved with
+    np.save (its fill is 0xFFFF) each get one line saying they are routing weights."""
+    w = _weights()
+    files = {
+        "bfloat16 text": encode_routing_weights(w),
+        "float32 text": encode_routing_weights(w, dtype="float32"),
+    }
+    paths = {}
+    for name, text in files.items():
+        paths[name] = tmp_path / f"{name.replace(' ', '_')}.txt"
+        paths[name].write_text(text)
+    paths["float16 npy"] = tmp_path / "w16.npy"
+    np.save(paths["float16 npy"], w.astype(np.float16))
+    bits = (w.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 bits (truncated: still weights)
+    bits[1, 0] = 0xFFFF  # the channel's fill
+    paths["bfloat16 channel npy"] = tmp_path / "channel.npy"
+    np.save(paths["bfloat16 channel npy"], bits)
+    for name, path in paths.items():
+        assert main(["inspect", str(path)]) == 1, name
+        captured = capsys.readouterr()
+        (line,) = captured.err.strip().splitlines()
+        assert line.startswith(f"{path}: cannot read routing: ") and not captured.out, name
+        assert "routing weights" in line and "not expert ids" in line, f"{name}: {line}"
+    text_line = "a text of routing weights (npy, float values, shape (6, 2, 4), values "
+    assert main(["inspect", str(paths["float32 text"])]) == 1
+    assert text_line in capsys.readouterr().err
+    assert main(["inspect", str(paths["bfloat16 text"])]) == 1
+    err = capsys.readouterr().err
+    assert "uint16 values that read as bfloat16 routing weights (shape (6, 2, 4)" in err
+    assert "4 NaN (no weight recorded)" in err and "more than 12416 experts" in err
+
+
+def test_inspect_still_reads_uint16_ids_of_a_large_model(tmp_path, capsys):
+    """The weights rule never takes real ids for weights: uint16 ids of a 384-expert model (Kimi
+    K2's count) with the no-routing marker 0xFFFF, and ids from 12416 up beside lower ones."""
+    ids = np.random.default_rng(1).integers(0, 384, (5, 2, 4)).astype(np.uint16)
+    ids[2] = 0xFFFF
+    path = tmp_path / "ids.txt"
+    path.write_text(encode_routing(ids))
+    assert main(["inspect", str(path)]) == 0
+    assert "dtype uint16 (text npy)" in capsys.readouterr().out
+    high = np.full((2, 1, 2), 16000, dtype=np.uint16)
+    high[0, 0, 0] = 5  # an id below the weights' range: ids
+    np.save(tmp_path / "high.npy", high)
+    assert main(["inspect", str(tmp_path / "high.npy")]) == 0
+    assert "experts: 16001 (guessed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, first_row",
+    [
+        (["selftest", "--device", "cpu"], "LOCAL              eager"),
+        (["backends"], 'routing (backend="auto"):'),
+    ],
+    ids=["selftest", "backends"],
+)
+def test_a_terminal_sees_a_status_line_first_then_each_step(argv, first_row):
+    """`moe-ops selftest` was silent ~40 s and then printed everything, `moe-ops backends` 23 s (cold
+    caches, 2 busy cores): on a terminal the first thing drawn is a status line, before torch is
+    imported; the selftest then names each check and prints its row when it ends."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = on_a_terminal([sys.executable, "-m", "moe_ops", *argv], first_row, cwd=ROOT, env=env)
+    drawn = frames(out)
+    assert first_row in out, out[-2000:]
+    assert drawn[0] == f"0 s  moe-ops {argv[0]}: importing torch and moe_ops", drawn[:3]
+    if argv[0] == "selftest":
+        check = next(i for i, f in enumerate(drawn) if f.endswith("check 1/8: LOCAL, eager"))
+        header = next(i for i, f in enumerate(drawn) if f.startswith("layout "))
+        row = next(i for i, f in enumerate(drawn) if f.startswith(first_row))
+        assert header < check < row, drawn
+    else:
+        assert any("loading FlashInfer's op table" in f for f in drawn), drawn
 
 
 # ---------------------------------------------------------------------------------------------------

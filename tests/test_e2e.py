@@ -144,7 +144,8 @@ def test_demo_command_writes_verified_routing_and_inspect_reads_it(tmp_path, cap
 
 def test_demo_exits_non_zero_on_a_mismatch(tmp_path, monkeypatch, capsys):
     """Fault injection: a reference that disagrees in one row must fail the demo."""
-    import moe_ops.demo as demo
+    # the command's module looks the reference up in its own namespace (moe_ops.demo re-exports it)
+    import moe_ops.demo.command as demo
 
     real = demo.reference_routing
 

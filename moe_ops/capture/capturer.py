@@ -145,6 +145,7 @@ class RoutingCapturer:
         fault_counter: this capturer's :class:`~moe_ops.capture.errors.FaultCounter`; its
             captures and targets record here, and :meth:`check_errors` reads only it.
         pipeline: the :class:`TransferPipeline` that :meth:`snapshot` uses.
+        channels: (read-only) the channels each snapshot carries, ids first (:attr:`channels`).
 
     Thread safety: one thread drives a capturer's steps (``set_step``, the forward,
     ``snapshot``); :meth:`check_errors` may run on any thread at any time.
@@ -467,6 +468,15 @@ class RoutingCapturer:
         if key is not None:
             self._targets[key] = target
         return target
+
+    @property
+    def channels(self) -> tuple[Channel, ...]:
+        """The channels every snapshot of this capturer carries, ids first: ``Channel("ids",
+        out_dtype, (num_layers, top_k))``, then with ``weights_dtype`` the ``"weights"`` channel
+        (:func:`weights_channel`). Read-only: what a :class:`~moe_ops.SlotStore` that stores these
+        snapshots takes, ``SlotStore(n, shape, capturer.channels[0].dtype,
+        extra_channels=capturer.channels[1:])``, so an engine never rebuilds them by hand."""
+        return self.pipeline.channels
 
     def _column(self, model_layer: int) -> int:
         """Buffer layer of a model layer (raises for dense layers and layers outside the model)."""

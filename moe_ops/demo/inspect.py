@@ -20,8 +20,15 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..wire import FORMATS, RAW_MAGIC, decode_routing, decode_routing_bytes, sniff_format
-from ..wire.npy import _MAX_NPY_HEADER, _parse_npy_header
+from ..wire import (
+    FORMATS,
+    RAW_MAGIC,
+    decode_routing,
+    decode_routing_bytes,
+    decode_routing_weights,
+    sniff_format,
+)
+from ..wire.npy import _MAX_NPY_HEADER, _WEIGHT_DESCR, _parse_npy_header
 
 __all__ = ["MAX_COMPRESSION_RATIO", "RoutingFile", "inspect_file", "main_inspect", "read_routing_file"]
 
@@ -79,7 +86,14 @@ def _read_npy(f: BinaryIO, name: str, stored: int, compressed: int | None) -> np
     try:
         shape, fortran, dtype, count, offset = _parse_npy_header(head, None, complete=False)
     except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
+        try:  # a float array: say it is weights rather than "not an integer dtype"
+            weights = _parse_npy_header(head, None, complete=False, descr=_WEIGHT_DESCR)
+        except ValueError:
+            raise ValueError(f"{name}: {e}") from None
+        raise ValueError(
+            f"{name}: {weights[2]} values of shape {weights[0]}: routing weights, not expert ids "
+            f"({_READS_IDS})"
+        ) from None
     size = count * dtype.itemsize
     if offset + size != stored:
         raise ValueError(
@@ -147,7 +161,51 @@ def _load(path: str) -> tuple[str, np.ndarray, dict[str, np.ndarray]]:
             f"text that starts with the prefix of no wire format ({known}); SGLang's bare base64 has "
             "none: decode it with moe_ops.decode_routing(text, format='sglang', ...)"
         )
-    return f"text {fmt.name}", decode_routing(text, format=fmt.name), {}
+    try:
+        return f"text {fmt.name}", decode_routing(text, format=fmt.name), {}
+    except ValueError as ids_error:
+        if fmt.weights is None:
+            raise
+        try:  # the format's weights text (float32, float16): say so rather than "not an integer dtype"
+            weights = decode_routing_weights(text, format=fmt.name)
+        except ValueError:
+            raise ids_error from None
+        raise ValueError(
+            f"a text of routing weights ({fmt.name}, float values, shape {weights.shape}, "
+            f"{_value_range(weights)}), not expert ids ({_READS_IDS}; "
+            f"moe_ops.decode_routing_weights(text, format={fmt.name!r}) decodes it)"
+        ) from None
+
+
+# what an array of routing weights is told
+_READS_IDS = "moe-ops inspect reads expert ids"
+# bfloat16 bits of a weight in [2**-30, 2**8]: the top 16 bits of the float32 (sign 0, exponent
+# 127-30 = 97 and 127+8 = 135, mantissa 0). Routers' weights lie there (softmax / sigmoid values,
+# times a routed scaling factor such as DeepSeek-V3's 2.5); 0 is a zeroed row.
+_BF16_LOW, _BF16_HIGH = 97 << 7, 135 << 7
+
+
+def _bfloat16_weights(routing: np.ndarray) -> np.ndarray | None:
+    """The float32 values of ``routing`` read as bfloat16 bits, when it looks like routing weights
+    rather than expert ids: uint16, every value 0, a bfloat16 NaN (no weight recorded: 0x7FC0 from
+    the wire, 0xFFFF from a capturer's channel) or a weight in [2**-30, 2**8] (bits 12416-17280),
+    and at least one such weight. As expert ids that array would name only experts 12416 to 17280
+    (and 0), of a model with more than 12416: none has that many. None otherwise."""
+    if routing.dtype != np.uint16 or routing.size == 0:
+        return None
+    bits = routing.reshape(-1)
+    nan = ((bits & 0x7F80) == 0x7F80) & ((bits & 0x7F) != 0)
+    weight = (bits >= _BF16_LOW) & (bits <= _BF16_HIGH)
+    if not weight.any() or not (weight | nan | (bits == 0)).all():
+        return None
+    return (routing.astype(np.uint32) << 16).view(np.float32)
+
+
+def _value_range(weights: np.ndarray) -> str:
+    finite = weights[~np.isnan(weights)]
+    span = f"values {float(finite.min()):.3g} to {float(finite.max()):.3g}" if finite.size else "no values"
+    missing = int(weights.size - finite.size)
+    return span + (f", {missing} NaN (no weight recorded)" if missing else "")
 
 
 def _scalar(extra: dict[str, np.ndarray], name: str, minimum: int) -> int | None:
@@ -183,6 +241,14 @@ def read_routing_file(path: str) -> RoutingFile:
     no-routing marker (-1; an unsigned array's largest value when num_experts is smaller).
     """
     form, routing, extra = _load(path)
+    weights = None if "num_experts" in extra else _bfloat16_weights(routing)
+    if weights is not None:
+        raise ValueError(
+            f"uint16 values that read as bfloat16 routing weights (shape {routing.shape}, "
+            f"{_value_range(weights)}), not expert ids: as ids they would need more than "
+            f"{_BF16_LOW} experts ({_READS_IDS}; moe_ops.decode_routing_weights decodes a weights text, "
+            "moe_ops.decode_routing an ids text of such a model)"
+        )
     if routing.ndim != 3:
         raise ValueError(f"routing must be (tokens, num_layers, top_k), got shape {routing.shape}")
     if routing.shape[2] < 1:
