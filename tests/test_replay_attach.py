@@ -29,6 +29,7 @@ from moe_ops import (
     replay_batch,
     resolve_routing_shape,
 )
+from moe_ops.attach.replaying import ReplayRule, replay_router_output
 from moe_ops.graphs import CompileCounters
 from moe_ops.integrations.hf import (
     MIN_REPLAY_TRANSFORMERS_VERSION,
@@ -38,7 +39,6 @@ from moe_ops.integrations.hf import (
 )
 from moe_ops.models import ReferenceMoEModel, reference_config
 from moe_ops.replay import check_replay_errors
-from moe_ops.replay.attach import ReplayRule, replay_router_output
 from moe_ops.router.methods import RoutingMethod
 
 try:
@@ -940,7 +940,8 @@ def test_the_reference_model_has_its_own_attach_path():
     moe_ops.attach_replay hands the reference model to it (one dispatch) and gives the same handle;
     it refuses a model that does not list its routers, before touching anything."""
     import moe_ops.models
-    from moe_ops.replay.attach import AttachHandle, ReplayHandle
+    from moe_ops.attach.replaying import ReplayHandle
+    from moe_ops.attach.sites import AttachHandle
 
     model = ReferenceMoEModel(REF)
     shape = model.config.routing_shape()
