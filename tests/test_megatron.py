@@ -603,7 +603,7 @@ def test_megatron_token_order_bad_input():
 def test_capture_records_each_decoder_routers_logical_ids():
     """Each decoder router's ids (the experts of the map Megatron returned: global ids, before the
     dispatcher maps them to expert-parallel ranks) land in its MoE-only column; MTP routers are not
-    captured. On top of a replay the replayed ids are recorded."""
+    captured. On top of a replay the replayed ids are recorded; under it, the router's own."""
     model = build_gpt()
     routers = mg.find_routers(model)
     shape = mg.routing_shape(model.config)
@@ -633,6 +633,16 @@ def test_capture_records_each_decoder_routers_logical_ids():
     expected = np.sort(rows, axis=-1)
     expected[1] = np.stack([map_ids(m, k)[1].numpy() for m in maps])
     assert np.array_equal(captured, expected)
+
+    # attached before the replay, the capture sits under it: the router's own ids, every row
+    with mg.attach_capture(model, capturer), mg.attach_replay(model, replayer):
+        capturer.set_step([n])
+        replayed = [r.module.routing(logits[r.path])[1] for r in routers[:2]]
+        with capturer.snapshot() as snap:
+            captured = snap.result()
+    own = [r.module.routing(logits[r.path])[1] for r in routers[:2]]  # nothing attached
+    assert np.array_equal(captured, np.stack([map_ids(m, k).numpy() for m in own], axis=1))
+    assert not np.array_equal(captured, np.stack([map_ids(m, k).numpy() for m in replayed], axis=1))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,6 +6,10 @@ layout=layout)`` and returns the output unchanged; :func:`check_capture_sites` r
 that already captures; :class:`CaptureHandle` is what ``attach_capture`` returns. The mirror of
 :mod:`moe_ops.attach.replaying`, on the plumbing of :mod:`moe_ops.attach.sites`; nothing here
 imports replay.
+
+Order with a replay: attached before ``attach_replay`` the capture sits under the replaying
+wrapper and records the router's own (live) ids; attached after it, on top, it records the
+replayed ids the experts get.
 """
 
 from __future__ import annotations
@@ -62,10 +66,11 @@ def capturing_forward(original: Callable, capturer: Capturer, layer: int, layout
         capturer.capture(layer, routed_ids(output), layout=layout)
         return output
 
-    return mark_wrapper(forward, CAPTURE_MARK)
+    return mark_wrapper(forward, CAPTURE_MARK, original)
 
 
 def check_capture_sites(sites: Sequence[RouterSite]) -> None:
-    """ValueError for a router that already has a capture attached. A replay attached before is no
-    error: the capture goes on top of it and records the replayed ids."""
+    """ValueError for a router that already captures (its capture outermost, or under a replay
+    attached on top of it): one capture per router. A replay attached before is no error: the
+    capture goes on top of it and records the replayed ids."""
     check_unwrapped(sites, CAPTURE_MARK, "capture")

@@ -7,6 +7,11 @@ The checks a replay makes before any router is touched (:func:`check_replayer`,
 :func:`check_rule`, :func:`check_replay_sites`) and :class:`ReplayHandle`, what the transformers
 and reference-model ``attach_replay`` return. The plumbing around them (sites, marks, handles) is
 :mod:`moe_ops.attach.sites`, shared with capture.
+
+Order with a capture (:mod:`moe_ops.attach.capturing`): each wrapper wraps whatever the router's
+attribute holds, so a capture attached before the replay sits under it and records the router's
+own (live) ids, and a capture attached after it sits on top and records the replayed ids - the
+order Megatron-Core's hooks give too.
 """
 
 from __future__ import annotations
@@ -20,15 +25,7 @@ from torch import nn
 
 from ..replay.op import BACKENDS, REPLAY_LOGIT_DTYPES, replay_routing
 from ..router.methods import GroupScore, RoutingMethod, validate_route_args
-from .sites import (
-    CAPTURE_MARK,
-    REPLAY_MARK,
-    AttachHandle,
-    RouterSite,
-    check_unwrapped,
-    describe_output,
-    mark_wrapper,
-)
+from .sites import REPLAY_MARK, AttachHandle, RouterSite, check_unwrapped, describe_output, mark_wrapper
 
 __all__ = [
     "ReplayHandle",
@@ -263,7 +260,7 @@ def replaying_forward(
         replayed[weights_at], replayed[ids_at] = weights, ids
         return tuple(replayed) if isinstance(output, tuple) else replayed
 
-    return mark_wrapper(forward, REPLAY_MARK)
+    return mark_wrapper(forward, REPLAY_MARK, original)
 
 
 class ReplayHandle(AttachHandle):
@@ -310,8 +307,8 @@ def check_rule(rule: ReplayRule, module: nn.Module, path: str, top_k: int | None
 def check_replay_sites(replayer: Any, sites: Sequence[RouterSite], rules: Sequence[ReplayRule]) -> None:
     """The per-router checks of a replay, before any router is touched: ``num_experts`` against
     ``replayer.shape``, the rule (:func:`check_rule`), and ValueError for a router that already
-    replays or that has a capture attached (the capture would record the live ids, not the
-    replayed ones the experts get)."""
+    replays (its replay outermost, or under a capture attached on top of it). A capture attached
+    before is no error: it stays under the replay and records the router's own ids."""
     shape = getattr(replayer, "shape", None)
     top_k, num_experts = getattr(shape, "top_k", None), getattr(shape, "num_experts", None)
     for site, rule in zip(sites, rules, strict=True):
@@ -323,11 +320,3 @@ def check_replay_sites(replayer: Any, sites: Sequence[RouterSite], rules: Sequen
             )
         check_rule(rule, site.module, site.path, getattr(site.module, "top_k", top_k))
         check_unwrapped([site], REPLAY_MARK, "replay")
-        if site.wrapped_by(CAPTURE_MARK):
-            # the capture would wrap the router below the replay and record its live choice
-            raise ValueError(
-                f"the router at {site.path!r} has a routing capture attached (attach_capture, then "
-                "attach_replay): the capture would record the router's live ids, not the replayed ids "
-                "the experts get. Attach in the other order: remove() the capture handle, attach_replay, "
-                "then attach_capture on top"
-            )

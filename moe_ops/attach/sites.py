@@ -7,8 +7,9 @@ which instance attribute is replaced), checks them before any is touched
 with :func:`attach_wrappers` and returns an :class:`AttachHandle` (``remove()`` or a ``with``
 block restores each attribute).
 
-A wrapper carries a mark (:data:`CAPTURE_MARK`, :data:`REPLAY_MARK`, :func:`mark_wrapper`), so
-that a second attach of one kind on a router is refused.
+A wrapper carries a mark (:data:`CAPTURE_MARK`, :data:`REPLAY_MARK`) and the callable it wraps
+(:func:`mark_wrapper`), so that a check sees every moe-ops wrapper of a router, not only the
+outermost: a capture under a replay is as much attached as one on top of it.
 """
 
 from __future__ import annotations
@@ -40,12 +41,16 @@ __all__ = [
 # set on replaying and capturing wrappers, so that a second attach of one kind on a router is refused
 REPLAY_MARK = "_moe_ops_replay"
 CAPTURE_MARK = "_moe_ops_capture"
+# set on every marked wrapper: the callable it wraps (the router's own, or another moe-ops wrapper)
+_INNER = "_moe_ops_inner"
 
 
-def mark_wrapper(wrapper: Callable, mark: str) -> Callable:
-    """``wrapper`` marked with ``mark`` (``CAPTURE_MARK``, ``REPLAY_MARK``), for
-    :meth:`RouterSite.wrapped_by`. Returns ``wrapper``."""
+def mark_wrapper(wrapper: Callable, mark: str, inner: Callable) -> Callable:
+    """``wrapper`` marked with ``mark`` (``CAPTURE_MARK``, ``REPLAY_MARK``), holding ``inner``, the
+    callable it wraps, for :meth:`RouterSite.wrapped_by`. Returns ``wrapper``: attributes of a
+    Python function, set once when wrapping (dynamo inlines the function and never reads them)."""
     setattr(wrapper, mark, True)
+    setattr(wrapper, _INNER, inner)
     return wrapper
 
 
@@ -73,8 +78,14 @@ class RouterSite:
     attr: str = "forward"
 
     def wrapped_by(self, mark: str) -> bool:
-        """True when the attribute is a wrapper carrying ``mark`` (REPLAY_MARK, CAPTURE_MARK)."""
-        return bool(getattr(self.module.__dict__.get(self.attr), mark, False))
+        """True when the attribute is a wrapper carrying ``mark`` (REPLAY_MARK, CAPTURE_MARK), or
+        a moe-ops wrapper around one, however deep (a capture under a replay counts)."""
+        wrapper = self.module.__dict__.get(self.attr)
+        while wrapper is not None:
+            if getattr(wrapper, mark, False):
+                return True
+            wrapper = getattr(wrapper, _INNER, None)
+        return False
 
 
 # what the instance __dict__ held for an attribute that was not there (a class attribute or method)
@@ -212,9 +223,9 @@ def check_device(target: Any, sites: Sequence[RouterSite], name: str) -> None:
 
 
 def check_unwrapped(sites: Sequence[RouterSite], mark: str, what: str) -> None:
-    """ValueError naming the router when its attribute already is a wrapper carrying ``mark``
-    (:meth:`RouterSite.wrapped_by`). ``what`` ("capture", "replay") is the attachment the message
-    names."""
+    """ValueError naming the router when one already has a wrapper carrying ``mark``, outermost or
+    under another wrapper (:meth:`RouterSite.wrapped_by`): one capture and one replay per router.
+    ``what`` ("capture", "replay") is the attachment the message names."""
     for site in sites:
         if site.wrapped_by(mark):
             raise ValueError(

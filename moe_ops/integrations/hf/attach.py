@@ -20,8 +20,10 @@ Compile and graph safety: each wrapper is plain Python around registered ops, so
 attribute and not on hooks: attaching or removing after a model was compiled recompiles (or reuses
 the graph compiled for that state) instead of silently replaying a stale graph.
 
-Order with a capture: ``attach_replay`` first, then ``attach_capture`` on top, which records the
-replayed ids the experts get; the other order is refused. Remove the handles in reverse order.
+Order: each wrapper wraps whatever ``forward`` holds. A capture attached before the replay sits
+under it and records the router's own (live) choice; a capture attached after it, on top, records
+the replayed ids the experts get - as Megatron-Core's hooks do. One capture and one replay per
+router; remove the handles in reverse order.
 """
 
 from __future__ import annotations
@@ -71,8 +73,12 @@ def attach_capture(
 
     Everything is checked before any router is touched: ValueError for an unsupported architecture
     (listing the supported ones), a model without routers, a capturer shape or device that does not
-    fit the model, or a router that already has a capture attached; TypeError for a capturer
-    without ``capture``.
+    fit the model, or a router that already has a capture attached (on top of a replay or under
+    it); TypeError for a capturer without ``capture``.
+
+    With a replay attached (:func:`attach_replay`) the capture goes on top of it and records the
+    replayed ids the experts get; attached before the replay, it stays under it and records the
+    router's own (live) choice.
 
     Attach before or after ``torch.compile``: dynamo guards on the wrapped ``forward``, so the
     first compiled call after attaching (or removing) recompiles, or reuses a graph compiled for
@@ -117,12 +123,14 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
     Everything is checked before any router is touched: ValueError for an unsupported
     architecture, a model without routers, a replayer shape or device that does not fit the model
     (a router's ``top_k`` other than ``replayer.shape.top_k`` included), a router whose rule
-    ``replay_routing`` would refuse, a router that already has a replay attached, or one that has a
-    capture attached (the capture would record the live ids, not the replayed ones: attach the
-    replay first, then the capture); TypeError for a replayer without ``layer_ids``. At a call,
-    ValueError naming the router when its ``top_k`` no longer matches the replayer's rows (changed
-    after attaching). Attach before or after ``torch.compile`` (dynamo guards on the wrapped
-    attribute, as for ``attach_capture``); no host reads and no graph breaks are added.
+    ``replay_routing`` would refuse, or a router that already has a replay attached (under a
+    capture included); TypeError for a replayer without ``layer_ids``. At a call, ValueError naming
+    the router when its ``top_k`` no longer matches the replayer's rows (changed after attaching).
+    Attach before or after ``torch.compile`` (dynamo guards on the wrapped attribute, as for
+    ``attach_capture``); no host reads and no graph breaks are added.
+
+    A capture attached before (:func:`attach_capture`) stays under the replay and records the
+    router's own (live) ids; one attached after it goes on top and records the replayed ids.
     """
     if lists_its_routers(model):
         return attach_own_replay(model, replayer, backend=backend)

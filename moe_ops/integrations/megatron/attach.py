@@ -30,8 +30,8 @@ router through those weights.
 
 Order: each hook wraps what the router's ``router_replay`` held. A capture attached before the
 replay sits under it and records the router's own (live) ids; attached after it, on top, it
-records the replayed ids. One capture and one replay per router; remove the handles in reverse
-order.
+records the replayed ids - as the transformers integration's wrappers do. One capture and one
+replay per router; remove the handles in reverse order.
 """
 
 from __future__ import annotations
