@@ -344,10 +344,10 @@ def test_remove_keeps_an_existing_instance_forward():
 
 def test_capture_and_replay_handles_are_one_class():
     """attach_capture's and attach_replay's handles are the one AttachHandle of
-    moe_ops.replay.attach: the same attributes, the same remove()."""
+    moe_ops.attach.sites: the same attributes, the same remove()."""
     from moe_ops import RoutingReplayer
+    from moe_ops.attach.sites import AttachHandle
     from moe_ops.integrations.hf import CaptureHandle, ReplayHandle, attach_replay
-    from moe_ops.replay.attach import AttachHandle
 
     model = build_tiny_model("olmoe")
     capturer = capturer_for(model, 4)
@@ -492,7 +492,7 @@ def test_transformers_older_than_the_minimum_is_refused_naming_both_versions(mon
     # (capture and replay) and building a tiny model refuse, naming both, and wrap no router
     model = build_tiny_model("olmoe")
     capturer = capturer_for(model, 8)
-    monkeypatch.setattr(hf, "MIN_TRANSFORMERS_VERSION", "999")
+    monkeypatch.setattr(hf.architectures, "MIN_TRANSFORMERS_VERSION", "999")
     message = (
         rf"needs transformers>=999 .* but transformers {re.escape(transformers.__version__)} is installed"
     )

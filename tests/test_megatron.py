@@ -118,7 +118,8 @@ def clean_state():
     RouterReplay.global_router_replay_instances.clear()
     yield
     RouterReplay.global_router_replay_instances.clear()
-    assert megatron_router.topk_routing_with_score_function is mg._megatron().original, "a handle leaked"
+    original = mg.routers._megatron().original
+    assert megatron_router.topk_routing_with_score_function is original, "a handle leaked"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -459,7 +460,8 @@ def test_fused_routing_reaches_the_hook_where_megatrons_router_replay_is_bypasse
     assert (
         names.index("_dispatch") < names.index("__call__") < names.index("topk_routing_with_score_function")
     )
-    assert all(file == mg.__file__ for name, file in ours if name in ("_dispatch", "__call__", "routed"))
+    hooks = mg.attach.__file__  # the dispatcher and the hooks' module
+    assert all(file == hooks for name, file in ours if name in ("_dispatch", "__call__", "routed"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -601,7 +603,7 @@ def test_megatron_token_order_bad_input():
 def test_capture_records_each_decoder_routers_logical_ids():
     """Each decoder router's ids (the experts of the map Megatron returned: global ids, before the
     dispatcher maps them to expert-parallel ranks) land in its MoE-only column; MTP routers are not
-    captured. On top of a replay the replayed ids are recorded."""
+    captured. On top of a replay the replayed ids are recorded; under it, the router's own."""
     model = build_gpt()
     routers = mg.find_routers(model)
     shape = mg.routing_shape(model.config)
@@ -632,6 +634,16 @@ def test_capture_records_each_decoder_routers_logical_ids():
     expected[1] = np.stack([map_ids(m, k)[1].numpy() for m in maps])
     assert np.array_equal(captured, expected)
 
+    # attached before the replay, the capture sits under it: the router's own ids, every row
+    with mg.attach_capture(model, capturer), mg.attach_replay(model, replayer):
+        capturer.set_step([n])
+        replayed = [r.module.routing(logits[r.path])[1] for r in routers[:2]]
+        with capturer.snapshot() as snap:
+            captured = snap.result()
+    own = [r.module.routing(logits[r.path])[1] for r in routers[:2]]  # nothing attached
+    assert np.array_equal(captured, np.stack([map_ids(m, k).numpy() for m in own], axis=1))
+    assert not np.array_equal(captured, np.stack([map_ids(m, k).numpy() for m in replayed], axis=1))
+
 
 # ---------------------------------------------------------------------------------------------------
 # Attaching, removing, errors
@@ -648,7 +660,7 @@ def test_remove_restores_megatron_and_nesting_is_ordered():
     replayer = replayer_for(router, rows)
     capturer = RoutingCapturer(mg.routing_shape(router.config), 4, "cpu")
     replay = mg.attach_replay(router, replayer)
-    assert megatron_router.topk_routing_with_score_function is not mg._megatron().original
+    assert megatron_router.topk_routing_with_score_function is not mg.routers._megatron().original
     capture = mg.attach_capture(router, capturer)
     with pytest.raises(RuntimeError, match="remove that handle first"):
         replay.remove()
@@ -657,7 +669,7 @@ def test_remove_restores_megatron_and_nesting_is_ordered():
     capture.remove()  # a second call does nothing
     replay.remove()
     assert not replay.attached and router.router_replay is original_replay
-    assert megatron_router.topk_routing_with_score_function is mg._megatron().original
+    assert megatron_router.topk_routing_with_score_function is mg.routers._megatron().original
     after = router.routing(logits)
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
     # an unattached router in the same process never reaches the hooks
@@ -670,7 +682,7 @@ def test_remove_restores_megatron_and_nesting_is_ordered():
 def test_megatron_handles_are_the_shared_attach_handle():
     """MegatronHandle is the AttachHandle every attach_* returns: what, arch, layers, paths, rules;
     removing the last one restores Megatron's routing function."""
-    from moe_ops.replay.attach import AttachHandle
+    from moe_ops.attach.sites import AttachHandle
 
     router = build_router({})
     replayer = replayer_for(router, record(np.random.default_rng(6), 4, 1, 8, 2))
@@ -684,7 +696,7 @@ def test_megatron_handles_are_the_shared_attach_handle():
             router.router_replay is capture._hooks[0][1] and router.router_replay.inner is replay._hooks[0][1]
         )
     assert router.router_replay is None and not replay.attached and not capture.attached
-    assert megatron_router.topk_routing_with_score_function is mg._megatron().original
+    assert megatron_router.topk_routing_with_score_function is mg.routers._megatron().original
 
 
 def test_attach_errors_leave_the_model_untouched():
@@ -694,7 +706,7 @@ def test_attach_errors_leave_the_model_untouched():
 
     def untouched():
         assert router.router_replay is None
-        assert megatron_router.topk_routing_with_score_function is mg._megatron().original
+        assert megatron_router.topk_routing_with_score_function is mg.routers._megatron().original
 
     with pytest.raises(TypeError, match="layer_ids"):
         mg.attach_replay(router, object())

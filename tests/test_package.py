@@ -50,8 +50,8 @@ def test_the_megatron_integration_imports_megatron_on_first_use_only():
 
 
 def test_optional_names_resolve_on_first_use():
-    assert moe_ops.attach_capture.__module__ == "moe_ops.integrations.hf"
-    assert moe_ops.attach_replay.__module__ == "moe_ops.integrations.hf"
+    assert moe_ops.attach_capture.__module__ == "moe_ops.integrations.hf.attach"
+    assert moe_ops.attach_replay.__module__ == "moe_ops.integrations.hf.attach"
     assert moe_ops.backends.__module__ == "moe_ops.backend_report"
     assert {"attach_capture", "attach_replay", "backends"} <= set(dir(moe_ops))
     try:
@@ -284,6 +284,10 @@ def test_the_wheel_installs_one_top_level_package_with_graphs_inside(tmp_path):
         assert {"moe_ops/graphs/runner.py", "moe_ops/graphs/compile.py"} <= names
         assert z.read("moe_ops/graphs/__init__.py") == (ROOT / "graphs" / "__init__.py").read_bytes()
     assert not [n for n in names if n.startswith("graphs/")], "a top-level graphs package was built"
+    # every subpackage, found by packages.find: each module of the checkout is in the wheel
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "moe_ops").rglob("*.py")}
+    modules = {m for m in modules if "__pycache__" not in m and not m.startswith("moe_ops/graphs/")}
+    assert not modules - names, f"modules the wheel lacks: {sorted(modules - names)}"
 
 
 def test_a_graphs_folder_in_the_working_directory_does_not_shadow_moe_ops_graphs(tmp_path):

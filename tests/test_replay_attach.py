@@ -29,6 +29,7 @@ from moe_ops import (
     replay_batch,
     resolve_routing_shape,
 )
+from moe_ops.attach.replaying import ReplayRule, replay_router_output
 from moe_ops.graphs import CompileCounters
 from moe_ops.integrations.hf import (
     MIN_REPLAY_TRANSFORMERS_VERSION,
@@ -38,7 +39,6 @@ from moe_ops.integrations.hf import (
 )
 from moe_ops.models import ReferenceMoEModel, reference_config
 from moe_ops.replay import check_replay_errors
-from moe_ops.replay.attach import ReplayRule, replay_router_output
 from moe_ops.router.methods import RoutingMethod
 
 try:
@@ -608,36 +608,88 @@ def test_capture_on_top_of_replay_records_the_replayed_ids():
     assert torch.equal(capturer.buffer, torch.from_numpy(recorded).to(torch.int32))
 
 
+class RouterInputs:
+    """Each router's own choice, worked out from its input: a pre-hook keeps the arguments of every
+    router call (the hook runs before the instance's ``forward``, wrapped or not), and the router
+    class's own ``forward`` - never a wrapper - is run on them again."""
+
+    def __init__(self, model):
+        self.args: dict[torch.nn.Module, list[tuple]] = {}
+        self.hooks = [r.register_forward_pre_hook(self._keep) for r in routers(model)]
+        self.routers = routers(model)
+
+    def _keep(self, module, args):
+        self.args.setdefault(module, []).append(tuple(a.detach().clone() for a in args))
+
+    def own_ids(self) -> torch.Tensor:
+        """(n, num_layers, top_k) ids each router's class forward picks on its last call's input."""
+        columns = []
+        for router in self.routers:
+            with torch.no_grad():
+                output = type(router).forward(router, *self.args[router][-1])
+            (ids,) = [t for t in output if not t.dtype.is_floating_point]
+            columns.append(ids)
+        return torch.stack(columns, dim=1)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+
+
 @needs_hf
-def test_replay_on_top_of_capture_is_refused_naming_the_order():
-    """attach_replay after attach_capture would wrap the capture: it would record the router's live
-    choice while the experts get the replayed ids. Refused, naming both orders; nothing attached."""
+def test_a_capture_under_the_replay_records_the_live_ids_and_one_on_top_the_replayed_ids():
+    """attach_capture, then attach_replay: the replay wraps the capture, which records each router's
+    own (live) choice while the experts get the recorded ids. attach_replay, then attach_capture: the
+    capture wraps the replay and records the replayed ids. The order Megatron-Core's hooks give;
+    one capture and one replay per router, under or on top; handles come off in reverse order."""
     model = build_tiny_model("olmoe")
     x = tokens(1, 6, seed=10)
     shape = resolve_routing_shape(model.config)
-    replayer = RoutingReplayer(shape, 6, "cpu")
+    _, plain = forward(model, x)  # nothing attached: the router's own ids
     recorded = distinct_rows(np.random.default_rng(6), 6, shape)
+    replayer = RoutingReplayer(shape, 6, "cpu", record_live=True)
     replayer.set_batch(recorded)
     capturer = RoutingCapturer(shape, 6, "cpu")
+    capturer.buffer.fill_(-7)
+
+    # capture first, replay on top of it: the capture records what each router chose itself
     capture = attach_capture(model, capturer)
+    replay = attach_replay(model, replayer)
     with pytest.raises(
-        ValueError,
-        match=r"'model\.layers\.0\.mlp\.gate' has a routing capture attached \(attach_capture, then "
-        r"attach_replay\).*attach_replay, then attach_capture",
+        ValueError, match=r"'model\.layers\.0\.mlp\.gate' already has a routing capture attached"
+    ):
+        attach_capture(model, RoutingCapturer(shape, 6, "cpu"))
+    with pytest.raises(
+        ValueError, match=r"'model\.layers\.0\.mlp\.gate' already has a routing replay attached"
     ):
         attach_replay(model, replayer)
     capturer.set_step([6])
-    _, live = forward(model, x)
-    assert not torch.equal(live, torch.from_numpy(recorded)), "the recorded ids must not be the live ones"
-    assert torch.equal(capturer.buffer, live.to(torch.int32)), "the capture alone records the live routing"
+    with RouterInputs(model) as inputs:
+        _, received = forward(model, x)
+    live = inputs.own_ids()
+    assert torch.equal(received, torch.from_numpy(recorded)), "the experts did not get the recorded ids"
+    assert torch.equal(capturer.buffer, live.to(torch.int32)), "the capture under the replay: live ids"
+    assert torch.equal(live[:, 0], plain[:, 0])  # layer 0's input is the plain model's
+    assert not torch.equal(live, received), "the live choice must differ from the record to tell them apart"
+    # the replayer's own record of the live choice agrees
+    assert torch.equal(replayer.live_buffer[:6], capturer.buffer)
+    with pytest.raises(RuntimeError, match="replaced after attach_capture"):
+        capture.remove()
+    replay.remove()
     capture.remove()
-    assert not any("forward" in r.__dict__ for r in routers(model)), "the refused replay left a wrapper"
-    # the documented order: the capture records what the experts got
+    assert not any("forward" in r.__dict__ for r in routers(model))
+
+    # replay first, capture on top of it: the capture records what the experts got
     capturer.buffer.fill_(-7)
     with attach_replay(model, replayer), attach_capture(model, capturer):
+        capturer.set_step([6])
         _, received = forward(model, x)
     assert torch.equal(received, torch.from_numpy(recorded))
-    assert torch.equal(capturer.buffer, received.to(torch.int32))
+    assert torch.equal(capturer.buffer, received.to(torch.int32)), "the capture on top: replayed ids"
+    assert not any("forward" in r.__dict__ for r in routers(model))
 
 
 def _path_of(model, module) -> str:
@@ -949,7 +1001,8 @@ def test_the_reference_model_has_its_own_attach_path():
     moe_ops.attach_replay hands the reference model to it (one dispatch) and gives the same handle;
     it refuses a model that does not list its routers, before touching anything."""
     import moe_ops.models
-    from moe_ops.replay.attach import AttachHandle, ReplayHandle
+    from moe_ops.attach.replaying import ReplayHandle
+    from moe_ops.attach.sites import AttachHandle
 
     model = ReferenceMoEModel(REF)
     shape = model.config.routing_shape()

@@ -20,8 +20,8 @@ from threads import run_threads
 
 import moe_ops
 from moe_ops import RoutingMethod, RoutingReplayer, RoutingShape, replay_batch, route
+from moe_ops.attach.replaying import ReplayRule, replay_router_output
 from moe_ops.replay import ReplayFaultError, check_replay_errors
-from moe_ops.replay.attach import ReplayRule, replay_router_output
 from moe_ops.replay.kernels import REPLAY_FAULT_ROW_COUNT
 
 # model layers 0..4, layer 0 and 3 dense: the MoE-only axis has 3 columns

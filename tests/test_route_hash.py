@@ -461,7 +461,7 @@ def test_replay_rule_of_transformers_hash_router(backend):
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter
 
-    from moe_ops.replay.attach import ReplayRule, replaying_forward
+    from moe_ops.attach.replaying import ReplayRule, replaying_forward
 
     backend, device = backend
     _skip_unavailable(backend, device)

@@ -299,7 +299,7 @@ def test_replay_rule_passes_renormalize():
     """attach_replay's rule carries the knob to replay_routing and to its attach-time check."""
     from torch import nn
 
-    from moe_ops.replay.attach import ReplayRule, check_rule, replay_router_output
+    from moe_ops.attach.replaying import ReplayRule, check_rule, replay_router_output
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(5, 16, generator=gen)

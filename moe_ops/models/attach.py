@@ -4,7 +4,7 @@ A transformers model is found by its ``config.model_type`` and its router classe
 (:mod:`moe_ops.integrations.hf`); the package's reference model needs neither: it says where its
 routers are (:meth:`~moe_ops.models.ReferenceMoEModel.replay_routers`: each MoE block's ``router``
 method and the block's own routing rule). Both attach with the same plumbing
-(:mod:`moe_ops.replay.attach`) and return the same :class:`~moe_ops.replay.attach.ReplayHandle`.
+(:mod:`moe_ops.attach`) and return the same :class:`~moe_ops.attach.replaying.ReplayHandle`.
 
 Who takes what: this ``attach_replay`` takes a model with ``replay_routers()`` only;
 ``moe_ops.attach_replay`` (= ``moe_ops.integrations.hf.attach_replay``) takes a transformers model
@@ -17,16 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from ..replay.attach import (
-    ReplayHandle,
-    RouterSite,
-    attach_wrappers,
-    check_against_shape,
-    check_device,
-    check_replay_sites,
-    check_replayer,
-    replaying_forward,
-)
+from ..attach.replaying import ReplayHandle, check_replay_sites, check_replayer, replaying_forward
+from ..attach.sites import RouterSite, attach_wrappers, check_against_shape, check_device
 
 __all__ = ["attach_replay", "lists_its_routers"]
 
@@ -50,9 +42,9 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
             ``num_experts`` the routers'.
         backend: ``replay_routing``'s backend ("auto", "triton", "torch").
 
-    Returns a :class:`~moe_ops.replay.attach.ReplayHandle` (``arch`` "reference"); ``remove()`` or
+    Returns a :class:`~moe_ops.attach.replaying.ReplayHandle` (``arch`` "reference"); ``remove()`` or
     a ``with`` block restores the routers. Each MoE block's ``router`` method is replaced on its
-    instance by :func:`~moe_ops.replay.attach.replaying_forward` with the block's rule (its routing
+    instance by :func:`~moe_ops.attach.replaying.replaying_forward` with the block's rule (its routing
     method, bias, groups and scale, fixed by its config): the recorded ids, weights from the live
     logits (gradients reach the gate), rows of -1 the block's own routing; a ``capture`` target
     given to the router records the replayed ids.

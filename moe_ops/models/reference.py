@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attach.replaying import ReplayRule
 from ..capture.protocol import Capturer
 from ..capture.target import CaptureTarget
-from ..replay.attach import ReplayRule
 from ..router import RoutingMethod, route
 from ..router.args import validate_route_args
 from ..router.methods import BIAS_METHODS

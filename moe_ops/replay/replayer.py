@@ -40,7 +40,7 @@ Multi-token-prediction layers have their own columns (``num_mtp_layers``, ``mtp_
 layer never reads a decoder layer's rows (``layer_ids(i, n, kind="mtp")``).
 
 The router wrappers that read it (``ReplayRule``, ``replaying_forward``, ``ReplayHandle``) are in
-:mod:`moe_ops.replay.attach`.
+:mod:`moe_ops.attach.replaying`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,29 @@
-"""Attaching to a model's routers, for replay and for capture, written once.
+"""The replaying router wrapper: a router's forward returning the recorded ids instead of its own.
 
-What a replaying router wrapper is made of: :class:`ReplayRule` (how one router's weights are
-formed), :func:`replay_router_output` (the replayed ``(weights, ids)`` of one router call) and
-:func:`replaying_forward` (a router's forward with its output replaced); the ids come from a
-:class:`~moe_ops.replay.replayer.RoutingReplayer`.
+:class:`ReplayRule` (how one router's weights are formed), :func:`replay_router_output` (the
+replayed ``(weights, ids)`` of one router call) and :func:`replaying_forward` (a router's forward
+with its output replaced); the ids come from a :class:`~moe_ops.replay.replayer.RoutingReplayer`.
+The checks a replay makes before any router is touched (:func:`check_replayer`,
+:func:`check_rule`, :func:`check_replay_sites`) and :class:`ReplayHandle`, what the transformers
+and reference-model ``attach_replay`` return. The plumbing around them (sites, marks, handles) is
+:mod:`moe_ops.attach.sites`, shared with capture.
 
-The plumbing every ``attach_*`` shares, capture and replay, transformers, Megatron-Core and the
-reference model (``moe_ops.models.attach_replay``): a :class:`RouterSite` per router (where it is,
-which instance attribute is replaced), the checks made before any router is touched
-(:func:`check_against_shape`, :func:`check_device`, :func:`check_replayer`,
-:func:`check_replay_sites`), :func:`attach_wrappers` (sets the wrappers) and :class:`AttachHandle`
-(what every ``attach_*`` returns: ``remove()`` or a ``with`` block restores each attribute).
+Order with a capture (:mod:`moe_ops.attach.capturing`): each wrapper wraps whatever the router's
+attribute holds, so a capture attached before the replay sits under it and records the router's
+own (live) ids, and a capture attached after it sits on top and records the replayed ids - the
+order Megatron-Core's hooks give too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..replay.op import BACKENDS, replay_routing
 from ..router.args import (
     FLOAT32_ROUNDS_TO_INF,
     REPLAY_LOGIT_DTYPES,
@@ -29,22 +31,14 @@ from ..router.args import (
     validate_route_args,
 )
 from ..router.methods import GroupScore, RoutingMethod
-from .op import BACKENDS, replay_routing
+from .sites import REPLAY_MARK, AttachHandle, RouterSite, check_unwrapped, describe_output, mark_wrapper
 
 __all__ = [
-    "CAPTURE_MARK",
-    "REPLAY_MARK",
-    "AttachHandle",
     "ReplayHandle",
     "ReplayRule",
-    "RouterSite",
-    "attach_wrappers",
-    "check_against_shape",
-    "check_device",
     "check_replay_sites",
     "check_replayer",
     "check_rule",
-    "describe_output",
     "replay_router_output",
     "replaying_forward",
 ]
@@ -187,20 +181,6 @@ def _router_positions(output: Any) -> tuple[int, int, int]:
     )
 
 
-def describe_output(output: Any) -> str:
-    """A router's output in words, for errors: tensors as shape and dtype, tuples recursively."""
-    if isinstance(output, torch.Tensor):
-        return f"a tensor {tuple(output.shape)} {output.dtype}"
-    if isinstance(output, (tuple, list)):
-        return "(" + ", ".join(describe_output(o) for o in output) + ")"
-    return type(output).__name__
-
-
-# set on replaying and capturing wrappers, so that a second attach of one kind on a router is refused
-REPLAY_MARK = "_moe_ops_replay"
-CAPTURE_MARK = "_moe_ops_capture"
-
-
 def replaying_forward(
     original: Callable,
     replayer: Any,
@@ -295,170 +275,11 @@ def replaying_forward(
         replayed[weights_at], replayed[ids_at] = weights, ids
         return tuple(replayed) if isinstance(output, tuple) else replayed
 
-    setattr(forward, REPLAY_MARK, True)
-    return forward
-
-
-# ---------------------------------------------------------------------------------------------
-# The attach plumbing: sites, checks, wrappers, handles
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RouterSite:
-    """One router an ``attach_*`` wraps, and the attribute it replaces on the router's instance."""
-
-    # decoder-layer index (transformers, the reference model), or Megatron's (kind, index)
-    layer: Any
-    # module path in the model ("model.layers.3.mlp.gate"), for handles and messages
-    path: str
-    # the router module whose instance attribute is replaced
-    module: nn.Module = field(repr=False, compare=False)
-    # that attribute: "forward" (transformers), "router" (the reference model's MoE block),
-    # "router_replay" (Megatron's hook)
-    attr: str = "forward"
-
-    def wrapped_by(self, mark: str) -> bool:
-        """True when the attribute is a wrapper carrying ``mark`` (REPLAY_MARK, CAPTURE_MARK)."""
-        return bool(getattr(self.module.__dict__.get(self.attr), mark, False))
-
-
-# what the instance __dict__ held for an attribute that was not there (a class attribute or method)
-_ABSENT = object()
-
-
-@dataclass
-class AttachHandle:
-    """What an ``attach_*`` attached; ``remove()`` (or leaving a ``with`` block) undoes it.
-
-    One class for every integration: ``ReplayHandle`` and ``CaptureHandle`` (transformers, the
-    reference model) and ``MegatronHandle`` are it, by name.
-    """
-
-    # "replay" or "capture": the attach_<what> that made this handle
-    what: str
-    # registry key of the model's architecture (config.model_type), "reference", or "megatron"
-    arch: str
-    # each wrapped router's layer (RouterSite.layer), strictly increasing
-    layers: tuple[Any, ...]
-    # module path of each wrapped router, same order as layers
-    paths: tuple[str, ...]
-    # replay: each router's weight rule when attached, same order as layers (the transformers
-    # rules re-read the router's fields at every call: moe_ops.integrations.hf.replay_rule gives
-    # the current one; Megatron's are for its config's logits dtype); capture: ()
-    rules: tuple[ReplayRule, ...] = ()
-    # (router, attribute, what its instance __dict__ held or _ABSENT, our wrapper); empty once removed
-    _wrapped: list[tuple[nn.Module, str, Any, Any]] = field(repr=False, default_factory=list)
-    # called once by the remove() that restores the routers (Megatron's dispatcher count)
-    _on_remove: Callable[[], None] | None = field(repr=False, default=None)
-
-    @property
-    def attached(self) -> bool:
-        """True until :meth:`remove`."""
-        return bool(self._wrapped)
-
-    def remove(self) -> None:
-        """Restores every router's attribute; a second call does nothing.
-
-        RuntimeError, before anything is restored, when some router's attribute was replaced
-        after this handle was attached (another wrapper or handle on top: remove that one first).
-        """
-        for path, (module, attr, _, wrapper) in zip(self.paths, self._wrapped):
-            if module.__dict__.get(attr) is not wrapper:
-                raise RuntimeError(
-                    f"the {attr} of the router at {path!r} was replaced after attach_{self.what} (a wrapper "
-                    "or handle attached on top of this one): remove that handle first"
-                )
-        if not self._wrapped:
-            return
-        for module, attr, previous, _ in self._wrapped:
-            if previous is _ABSENT:
-                delattr(module, attr)
-            else:
-                setattr(module, attr, previous)
-        self._wrapped = []
-        if self._on_remove is not None:
-            self._on_remove()
-
-    def __enter__(self) -> AttachHandle:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
+    return mark_wrapper(forward, REPLAY_MARK, original)
 
 
 class ReplayHandle(AttachHandle):
     """What ``attach_replay`` attached (transformers, the reference model); see :class:`AttachHandle`."""
-
-
-H = TypeVar("H", bound=AttachHandle)
-
-
-def attach_wrappers(
-    handle_type: type[H],
-    what: str,
-    arch: str,
-    sites: Sequence[RouterSite],
-    wrappers: Sequence[Any],
-    rules: Sequence[ReplayRule] = (),
-    on_remove: Callable[[], None] | None = None,
-) -> H:
-    """Sets ``site.attr`` of each router to its wrapper (the same order) and returns the handle
-    that restores them. Call it after every check: it changes the model and raises nothing."""
-    wrapped = []
-    for site, wrapper in zip(sites, wrappers, strict=True):
-        previous = site.module.__dict__.get(site.attr, _ABSENT)
-        setattr(site.module, site.attr, wrapper)
-        wrapped.append((site.module, site.attr, previous, wrapper))
-    return handle_type(
-        what=what,
-        arch=arch,
-        layers=tuple(site.layer for site in sites),
-        paths=tuple(site.path for site in sites),
-        rules=tuple(rules),
-        _wrapped=wrapped,
-        _on_remove=on_remove,
-    )
-
-
-def check_against_shape(target: Any, sites: Sequence[RouterSite], name: str) -> None:
-    """Checks the routers found against ``target.shape`` (a RoutingShape) when it has one: its
-    ``moe_layers`` must be exactly the routers' layers, its ``top_k`` each router's ``top_k``.
-    ``name`` ("capturer", "replayer") is the argument the messages name."""
-    shape = getattr(target, "shape", None)
-    moe_layers = getattr(shape, "moe_layers", None)
-    if moe_layers is None:
-        return
-    found = tuple(site.layer for site in sites)
-    if tuple(moe_layers) != found:
-        raise ValueError(
-            f"{name}.shape.moe_layers={tuple(moe_layers)} but the model's routers are in decoder "
-            f"layers {found}: build the {name}'s shape from this model's config "
-            "(moe_ops.resolve_routing_shape(model.config))"
-        )
-    top_k = getattr(shape, "top_k", None)
-    for site in sites:
-        router_k = getattr(site.module, "top_k", None)
-        if isinstance(router_k, int) and top_k is not None and router_k != top_k:
-            raise ValueError(
-                f"{name}.shape.top_k={top_k} but the router at {site.path!r} picks top_k={router_k}"
-            )
-
-
-def check_device(target: Any, sites: Sequence[RouterSite], name: str) -> None:
-    """ValueError when ``target.buffer`` (if it has one) is not on the device of a router's own
-    parameters (meta parameters excepted)."""
-    buffer = getattr(target, "buffer", None)
-    if not isinstance(buffer, torch.Tensor):
-        return
-    for site in sites:
-        for p in site.module.parameters(recurse=False):
-            if p.device.type != "meta" and p.device != buffer.device:
-                raise ValueError(
-                    f"{name}.buffer is on {buffer.device} but the router at {site.path!r} has its weights "
-                    f"on {p.device}: create the {name} on the model's device"
-                )
-            break
 
 
 def check_replayer(
@@ -501,8 +322,8 @@ def check_rule(rule: ReplayRule, module: nn.Module, path: str, top_k: int | None
 def check_replay_sites(replayer: Any, sites: Sequence[RouterSite], rules: Sequence[ReplayRule]) -> None:
     """The per-router checks of a replay, before any router is touched: ``num_experts`` against
     ``replayer.shape``, the rule (:func:`check_rule`), and ValueError for a router that already
-    replays or that has a capture attached (the capture would record the live ids, not the
-    replayed ones the experts get)."""
+    replays (its replay outermost, or under a capture attached on top of it). A capture attached
+    before is no error: it stays under the replay and records the router's own ids."""
     shape = getattr(replayer, "shape", None)
     top_k, num_experts = getattr(shape, "top_k", None), getattr(shape, "num_experts", None)
     for site, rule in zip(sites, rules, strict=True):
@@ -513,16 +334,4 @@ def check_replay_sites(replayer: Any, sites: Sequence[RouterSite], rules: Sequen
                 f"{router_experts} experts"
             )
         check_rule(rule, site.module, site.path, getattr(site.module, "top_k", top_k))
-        if site.wrapped_by(REPLAY_MARK):
-            raise ValueError(
-                f"the router at {site.path!r} already has a routing replay attached: "
-                "remove() that handle first"
-            )
-        if site.wrapped_by(CAPTURE_MARK):
-            # the capture would wrap the router below the replay and record its live choice
-            raise ValueError(
-                f"the router at {site.path!r} has a routing capture attached (attach_capture, then "
-                "attach_replay): the capture would record the router's live ids, not the replayed ids "
-                "the experts get. Attach in the other order: remove() the capture handle, attach_replay, "
-                "then attach_capture on top"
-            )
+        check_unwrapped([site], REPLAY_MARK, "replay")
