@@ -14,10 +14,11 @@ One module per concern, every public name re-exported here (import them from
 
 - :mod:`.routers`: Megatron's names (imported on first use), :func:`find_routers` and the layer
   each router reads, :func:`routing_shape`, Megatron's ``[s, b]`` token order
-  (:func:`to_megatron_order`, :func:`from_megatron_order`) and :func:`routing_ids`.
+  (:func:`to_megatron_order`, :func:`from_megatron_order`).
 - :mod:`.rules`: Megatron's score functions as moe-ops routing methods (:func:`replay_rule`).
-- :mod:`.attach`: the dispatcher in Megatron's ``router.py``, the per-router hooks,
-  :func:`attach_replay`, :func:`attach_capture` and :class:`MegatronHandle`.
+- :mod:`.attach`: the dispatcher in Megatron's ``router.py``, the per-router hooks and the ids
+  of a routing map they read (:func:`routing_ids`), :func:`attach_replay`, :func:`attach_capture`
+  and :class:`MegatronHandle`.
 - :mod:`.schedule`: one replay slot per micro-batch of a pipeline schedule
   (:func:`replaying_forward_step`).
 
@@ -25,13 +26,12 @@ One module per concern, every public name re-exported here (import them from
 does not need it); ``import moe_ops`` never imports this package.
 """
 
-from .attach import MegatronHandle, attach_capture, attach_replay
+from .attach import MegatronHandle, attach_capture, attach_replay, routing_ids
 from .routers import (
     TESTED_MEGATRON_VERSIONS,
     MegatronRouter,
     find_routers,
     from_megatron_order,
-    routing_ids,
     routing_shape,
     to_megatron_order,
 )

@@ -43,12 +43,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...attach.replaying import check_replayer, replay_router_output
+from ...attach.replaying import ReplayRule, check_replayer, replay_router_output
 from ...attach.sites import AttachHandle, RouterSite, attach_wrappers
 from ...capture.protocol import Capturer, check_capturer
 from ...layout import BatchLayout, layout_from_value
 from ...router.methods import BIAS_METHODS
-from .routers import MegatronRouter, _megatron, find_routers, routing_ids
+from .routers import MegatronRouter, _megatron, find_routers
 from .rules import call_rule, check_router_rule, replay_rule
 
 __all__ = ["MegatronHandle", "attach_capture", "attach_replay"]
@@ -56,6 +56,20 @@ __all__ = ["MegatronHandle", "attach_capture", "attach_replay"]
 _lock = threading.Lock()
 # moe-ops handles attached: the dispatcher is in router.py while > 0
 _attached = 0
+
+
+def routing_ids(routing_map: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(n, top_k) int64 - the experts of each row of a Megatron ``routing_map``, ascending.
+
+    ``routing_map``: (n, num_experts) bool with ``top_k`` True per row (what
+    ``topk_routing_with_score_function`` returns, fused or not). A map has no column order, so the
+    ids come out in ascending expert order (deterministic on every device). On the device, no sync.
+    """
+    num_experts = routing_map.shape[-1]
+    # expert e gets key num_experts - e where chosen, 0 elsewhere: the top_k keys are the chosen
+    # experts, distinct, the lowest id first
+    key = torch.arange(num_experts, 0, -1, dtype=torch.int32, device=routing_map.device)
+    return torch.where(routing_map, key, 0).topk(top_k, dim=-1).indices
 
 
 class _Hook:
@@ -99,6 +113,9 @@ class _ReplayHook(_Hook):
         super().__init__(inner, kind, index)
         self.replayer = replayer
         self.backend = backend
+        # the rule of each set of arguments call_rule reads (the router's config at call time),
+        # built once: a router call looks it up instead of building it again
+        self.rules: dict[tuple, ReplayRule] = {}
 
     def __call__(self, arguments: dict) -> tuple[torch.Tensor, torch.Tensor]:
         probs, routing_map = self.routed(arguments)
@@ -111,7 +128,14 @@ class _ReplayHook(_Hook):
             recorded, row_count = self.replayer.rows(self.index, n, **kind)
         else:
             recorded, row_count = self.replayer.layer_ids(self.index, n, **kind), None
-        rule = call_rule(arguments, logits.dtype)
+        key = (
+            arguments["score_function"], arguments["use_pre_softmax"], arguments["topk"],
+            arguments["scaling_factor"], arguments["expert_bias"] is not None, arguments["num_groups"],
+            arguments["group_topk"], logits.dtype,
+        )  # fmt: skip
+        rule = self.rules.get(key)
+        if rule is None:
+            rule = self.rules[key] = call_rule(arguments, logits.dtype)
         bias = arguments["expert_bias"] if rule.method in BIAS_METHODS else None
         live_ids = routing_ids(routing_map, top_k)
         if getattr(self.replayer, "record_live", False):

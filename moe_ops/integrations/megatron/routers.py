@@ -41,7 +41,6 @@ __all__ = [
     "MegatronRouter",
     "find_routers",
     "from_megatron_order",
-    "routing_ids",
     "routing_shape",
     "to_megatron_order",
 ]
@@ -169,20 +168,6 @@ def from_megatron_order(rows: np.ndarray | torch.Tensor, batch_size: int) -> np.
     """The inverse of :func:`to_megatron_order`: Megatron's ``[s, b]`` rows (e.g. captured ones)
     back to batch-major order."""
     return _reorder(rows, batch_size, to_megatron=False)
-
-
-def routing_ids(routing_map: torch.Tensor, top_k: int) -> torch.Tensor:
-    """(n, top_k) int64 - the experts of each row of a Megatron ``routing_map``, ascending.
-
-    ``routing_map``: (n, num_experts) bool with ``top_k`` True per row (what
-    ``topk_routing_with_score_function`` returns, fused or not). A map has no column order, so the
-    ids come out in ascending expert order (deterministic on every device). On the device, no sync.
-    """
-    num_experts = routing_map.shape[-1]
-    # expert e gets key num_experts - e where chosen, 0 elsewhere: the top_k keys are the chosen
-    # experts, distinct, the lowest id first
-    key = torch.arange(num_experts, 0, -1, dtype=torch.int32, device=routing_map.device)
-    return torch.where(routing_map, key, 0).topk(top_k, dim=-1).indices
 
 
 # ---------------------------------------------------------------------------------------------------
