@@ -26,7 +26,7 @@ from threads import run_threads
 
 from moe_ops import TransferPipeline
 from moe_ops.transfer import pipeline as pipeline_module
-from moe_ops.transfer.pipeline import (
+from moe_ops.transfer.paths import (
     COPY_PATHS,
     NARROW_PATHS,
     choose_narrow_path,
@@ -218,7 +218,7 @@ def _expected(pipe: TransferPipeline, n: int) -> np.ndarray:
 
 
 def _poison(pipe: TransferPipeline) -> None:
-    for slot in pipe._slots:
+    for slot in pipe._ring.slots:
         slot.staging.fill_(POISON)
         slot.host.fill_(POISON)
     torch.cuda.synchronize()
@@ -240,7 +240,7 @@ def test_a_cuda_pipeline_launches_its_graphs_where_torch_hands_out_the_exec(cuda
     assert _pipeline(cuda_device, graphs=False, cudart=False).narrow_path == "kernel"
     buckets = graph_buckets(MAX_ROWS)
     execs = []
-    for slot in pipe._slots:
+    for slot in pipe._ring.slots:
         assert slot.graph_table == [slot.graphs[b] for b in buckets]
         assert slot.graph_execs == [g.raw_cuda_graph_exec() for g in slot.graph_table]
         execs += slot.graph_execs
@@ -295,7 +295,7 @@ def test_graph_launch_at_every_row_count_of_small_and_power_of_two_sources(cuda_
     _skip_without_raw_exec()
     pipe = _pipeline(cuda_device, max_rows=max_rows, stamped=True)
     assert pipe.narrow_path == "graph_launch"
-    assert len(pipe._slots[0].graph_execs) == len(graph_buckets(max_rows))
+    assert len(pipe._ring.slots[0].graph_execs) == len(graph_buckets(max_rows))
     rows = range(max_rows + 1) if max_rows <= 2 else _edge_rows(max_rows)
     for n in rows:
         _poison(pipe)
