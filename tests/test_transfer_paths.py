@@ -1,6 +1,7 @@
 """How a snapshot narrows (``TransferPipeline.narrow_path``) and the per-call fast path.
 
-CPU tests: the path decision (``choose_narrow_path``), the bucket lookup by bit length the fast path
+CPU tests: the path decision (``choose_narrow_path``) and the enqueue function each pair of paths
+runs, the bucket lookup by bit length the fast path
 uses instead of :func:`graph_bucket`, that the argument checks are exactly those of before (every
 accepted and refused ``num_rows`` / ``timeout`` kind, and a refused call takes no slot and no
 sequence number), and that concurrent snapshots number themselves once each. GPU tests: the
@@ -38,23 +39,28 @@ POISON = 0x5A  # neither a source id below 200 nor the stale fill
 
 
 @pytest.mark.parametrize(
-    "cuda, graphed, triton_narrow, copy_path, raw_exec, want",
+    "cuda, graphed, triton_narrow, copy_path, raw_exec, want, enqueue",
     [
-        (True, True, True, "cudaMemcpyAsync", True, "graph_launch"),
-        (True, True, True, "cudaMemcpyAsync", False, "graph_replay"),  # torch without raw_cuda_graph_exec
-        (True, True, True, "copy_", True, "graph_replay"),  # cudart=False: no runtime to launch with
-        (True, True, True, "copy_", False, "graph_replay"),
-        (True, False, True, "cudaMemcpyAsync", True, "kernel"),  # graphs=False
-        (True, False, True, "copy_", True, "kernel"),
-        (True, False, False, "cudaMemcpyAsync", True, "torch"),  # Triton does not run on the device
-        (True, False, False, "copy_", False, "torch"),
-        (False, False, False, "cpu", True, "cpu"),
-        (False, False, True, "cpu", False, "cpu"),
+        (True, True, True, "cudaMemcpyAsync", True, "graph_launch", "_enqueue_graph_launch"),
+        # torch without raw_cuda_graph_exec
+        (True, True, True, "cudaMemcpyAsync", False, "graph_replay", "_enqueue_cudart"),
+        # cudart=False: no runtime to launch with
+        (True, True, True, "copy_", True, "graph_replay", "_enqueue_torch"),
+        (True, True, True, "copy_", False, "graph_replay", "_enqueue_torch"),
+        (True, False, True, "cudaMemcpyAsync", True, "kernel", "_enqueue_cudart"),  # graphs=False
+        (True, False, True, "copy_", True, "kernel", "_enqueue_torch"),
+        # Triton does not run on the device
+        (True, False, False, "cudaMemcpyAsync", True, "torch", "_enqueue_cudart"),
+        (True, False, False, "copy_", False, "torch", "_enqueue_torch"),
+        (False, False, False, "cpu", True, "cpu", "_enqueue_cpu"),
+        (False, False, True, "cpu", False, "cpu", "_enqueue_cpu"),
     ],
 )
-def test_narrow_path_decision(cuda, graphed, triton_narrow, copy_path, raw_exec, want):
+def test_narrow_path_decision(cuda, graphed, triton_narrow, copy_path, raw_exec, want, enqueue):
+    """The narrowing path of each case, and the one enqueue function that pair of paths runs."""
     assert choose_narrow_path(cuda, graphed, triton_narrow, copy_path, raw_exec) == want
     assert want in NARROW_PATHS and copy_path in COPY_PATHS
+    assert pipeline_module._enqueue_for(copy_path, want) is getattr(pipeline_module, enqueue)
 
 
 def test_narrow_path_decision_rejects_what_cannot_run():
@@ -73,6 +79,7 @@ def test_a_cpu_pipeline_narrows_on_the_host_whatever_it_is_asked():
         for cudart in (None, False):
             pipe = TransferPipeline(source, np.uint8, graphs=graphs, cudart=cudart)
             assert (pipe.narrow_path, pipe.copy_path, pipe.graphed) == ("cpu", "cpu", False)
+            assert pipe._enqueue is pipeline_module._enqueue_cpu
             with pipe.snapshot(3) as h:
                 assert np.array_equal(h.result(), source[:3].numpy().astype(np.uint8))
 
