@@ -397,7 +397,12 @@ def snapshot_host_time(device: torch.device, sizes: list[int], reps: int) -> lis
                 torch.cuda.synchronize()
             ms = (time.perf_counter() - start) * 1e3
             build.add(
-                stamped, name, pipe.narrow_path, pipe.copy_path, sum(len(s.graphs) for s in pipe._slots), ms
+                stamped,
+                name,
+                pipe.narrow_path,
+                pipe.copy_path,
+                sum(len(s.graphs) for s in pipe._ring.slots),
+                ms,
             )
             pipes[stamped, name] = pipe
 

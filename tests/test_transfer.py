@@ -45,6 +45,36 @@ def test_snapshot_narrows_exactly_and_copies_only_the_leading_rows(shape, max_ro
     handle.release()
 
 
+def test_every_public_name_stays_where_it_was_imported_from():
+    """The transfer room is split by concern (paths, ring, handle, pipeline); ``moe_ops``,
+    ``moe_ops.transfer`` and ``moe_ops.transfer.pipeline`` still hand out each name, as the object
+    its own module defines."""
+    import moe_ops
+    from moe_ops import transfer
+    from moe_ops.transfer import handle, paths, pipeline, ring
+
+    homes = {
+        "DroppedSnapshotWarning": ring,
+        "RingFullError": ring,
+        "SnapshotHandle": handle,
+        "TransferPipeline": pipeline,
+        "COPY_PATHS": paths,
+        "NARROW_PATHS": paths,
+        "choose_copy_path": paths,
+        "choose_narrow_path": paths,
+        "graph_bucket": paths,
+        "graph_buckets": paths,
+        "staging_dtype": paths,
+    }
+    assert set(pipeline.__all__) == set(homes)
+    for name, home in homes.items():
+        assert getattr(pipeline, name) is getattr(home, name), name
+    for name in transfer.__all__:
+        assert getattr(transfer, name) is getattr(pipeline, name), name
+    for name in ("RingFullError", "SnapshotHandle", "TransferPipeline"):
+        assert getattr(moe_ops, name) is getattr(pipeline, name), name
+
+
 def test_uint16_travels_as_int16_bits_and_reads_back_unsigned():
     source = torch.tensor([0, 1, 32767, 32768, 40000, 65535], dtype=torch.int32).view(6, 1, 1)
     pipe = TransferPipeline(source, np.uint16)

@@ -29,7 +29,7 @@ from threads import run_threads
 
 from moe_ops import TransferPipeline
 from moe_ops._runtime.cudart import CudaRuntime, find_loaded_libraries, find_loaded_library, load_cudart
-from moe_ops.transfer.pipeline import COPY_PATHS, choose_copy_path
+from moe_ops.transfer.paths import COPY_PATHS, choose_copy_path
 
 POISON = 0x5A  # neither a source id below 200 nor the stale fill
 
@@ -170,7 +170,7 @@ def _expected(pipe: TransferPipeline, n: int) -> np.ndarray:
 
 
 def _poison(pipe: TransferPipeline) -> None:
-    for slot in pipe._slots:
+    for slot in pipe._ring.slots:
         slot.staging.fill_(POISON)
         slot.host.fill_(POISON)
     torch.cuda.synchronize()
@@ -266,7 +266,7 @@ def test_snapshot_checks_its_stream_argument(cuda_device):
 @pytest.mark.gpu
 def test_a_dropped_pipeline_waits_for_its_copies_before_freeing_pinned_memory(cuda_device):
     pipe = _pipeline(cuda_device, cudart=True)
-    done = pipe._slots[0].copy_done
+    done = pipe._ring.slots[0].copy_done
     with torch.cuda.stream(pipe.copy_stream):
         sleep_ms(200)  # the snapshot's copy runs after it
     pipe.snapshot(MAX_ROWS).release()

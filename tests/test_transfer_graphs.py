@@ -22,7 +22,7 @@ from threads import run_threads
 
 from moe_ops import TransferPipeline
 from moe_ops.transfer import pipeline as pipeline_module
-from moe_ops.transfer.pipeline import graph_bucket, graph_buckets
+from moe_ops.transfer.paths import graph_bucket, graph_buckets
 
 POISON = 0x5A  # neither a source id below 200 nor the stale fill (255)
 
@@ -117,7 +117,7 @@ def _expected(pipe: TransferPipeline, n: int) -> np.ndarray:
 
 
 def _poison(pipe: TransferPipeline) -> None:
-    for slot in pipe._slots:
+    for slot in pipe._ring.slots:
         slot.staging.fill_(POISON)
         slot.host.fill_(POISON)
     torch.cuda.synchronize()
@@ -130,7 +130,7 @@ def test_graphed_snapshot_delivers_every_byte_at_every_bucket_edge(cuda_device, 
     pipe = _path_pipeline(cuda_device, path, monkeypatch, stamped=stamped)
     direct = _pipeline(cuda_device, stamped=stamped, graphs=False)
     assert pipe.graphed and not direct.graphed and direct.narrow_path == "kernel"
-    assert all(sorted(s.graphs) == graph_buckets(MAX_ROWS) for s in pipe._slots)
+    assert all(sorted(s.graphs) == graph_buckets(MAX_ROWS) for s in pipe._ring.slots)
     for n in _edge_rows(MAX_ROWS):
         _poison(pipe)
         want = _expected(pipe, n)

@@ -1,6 +1,7 @@
 """How a snapshot narrows (``TransferPipeline.narrow_path``) and the per-call fast path.
 
-CPU tests: the path decision (``choose_narrow_path``), the bucket lookup by bit length the fast path
+CPU tests: the path decision (``choose_narrow_path``) and the enqueue function each pair of paths
+runs, the bucket lookup by bit length the fast path
 uses instead of :func:`graph_bucket`, that the argument checks are exactly those of before (every
 accepted and refused ``num_rows`` / ``timeout`` kind, and a refused call takes no slot and no
 sequence number), and that concurrent snapshots number themselves once each. GPU tests: the
@@ -26,7 +27,7 @@ from threads import run_threads
 
 from moe_ops import TransferPipeline
 from moe_ops.transfer import pipeline as pipeline_module
-from moe_ops.transfer.pipeline import (
+from moe_ops.transfer.paths import (
     COPY_PATHS,
     NARROW_PATHS,
     choose_narrow_path,
@@ -38,23 +39,28 @@ POISON = 0x5A  # neither a source id below 200 nor the stale fill
 
 
 @pytest.mark.parametrize(
-    "cuda, graphed, triton_narrow, copy_path, raw_exec, want",
+    "cuda, graphed, triton_narrow, copy_path, raw_exec, want, enqueue",
     [
-        (True, True, True, "cudaMemcpyAsync", True, "graph_launch"),
-        (True, True, True, "cudaMemcpyAsync", False, "graph_replay"),  # torch without raw_cuda_graph_exec
-        (True, True, True, "copy_", True, "graph_replay"),  # cudart=False: no runtime to launch with
-        (True, True, True, "copy_", False, "graph_replay"),
-        (True, False, True, "cudaMemcpyAsync", True, "kernel"),  # graphs=False
-        (True, False, True, "copy_", True, "kernel"),
-        (True, False, False, "cudaMemcpyAsync", True, "torch"),  # Triton does not run on the device
-        (True, False, False, "copy_", False, "torch"),
-        (False, False, False, "cpu", True, "cpu"),
-        (False, False, True, "cpu", False, "cpu"),
+        (True, True, True, "cudaMemcpyAsync", True, "graph_launch", "_enqueue_graph_launch"),
+        # torch without raw_cuda_graph_exec
+        (True, True, True, "cudaMemcpyAsync", False, "graph_replay", "_enqueue_cudart"),
+        # cudart=False: no runtime to launch with
+        (True, True, True, "copy_", True, "graph_replay", "_enqueue_torch"),
+        (True, True, True, "copy_", False, "graph_replay", "_enqueue_torch"),
+        (True, False, True, "cudaMemcpyAsync", True, "kernel", "_enqueue_cudart"),  # graphs=False
+        (True, False, True, "copy_", True, "kernel", "_enqueue_torch"),
+        # Triton does not run on the device
+        (True, False, False, "cudaMemcpyAsync", True, "torch", "_enqueue_cudart"),
+        (True, False, False, "copy_", False, "torch", "_enqueue_torch"),
+        (False, False, False, "cpu", True, "cpu", "_enqueue_cpu"),
+        (False, False, True, "cpu", False, "cpu", "_enqueue_cpu"),
     ],
 )
-def test_narrow_path_decision(cuda, graphed, triton_narrow, copy_path, raw_exec, want):
+def test_narrow_path_decision(cuda, graphed, triton_narrow, copy_path, raw_exec, want, enqueue):
+    """The narrowing path of each case, and the one enqueue function that pair of paths runs."""
     assert choose_narrow_path(cuda, graphed, triton_narrow, copy_path, raw_exec) == want
     assert want in NARROW_PATHS and copy_path in COPY_PATHS
+    assert pipeline_module._enqueue_for(copy_path, want) is getattr(pipeline_module, enqueue)
 
 
 def test_narrow_path_decision_rejects_what_cannot_run():
@@ -73,6 +79,7 @@ def test_a_cpu_pipeline_narrows_on_the_host_whatever_it_is_asked():
         for cudart in (None, False):
             pipe = TransferPipeline(source, np.uint8, graphs=graphs, cudart=cudart)
             assert (pipe.narrow_path, pipe.copy_path, pipe.graphed) == ("cpu", "cpu", False)
+            assert pipe._enqueue is pipeline_module._enqueue_cpu
             with pipe.snapshot(3) as h:
                 assert np.array_equal(h.result(), source[:3].numpy().astype(np.uint8))
 
@@ -218,7 +225,7 @@ def _expected(pipe: TransferPipeline, n: int) -> np.ndarray:
 
 
 def _poison(pipe: TransferPipeline) -> None:
-    for slot in pipe._slots:
+    for slot in pipe._ring.slots:
         slot.staging.fill_(POISON)
         slot.host.fill_(POISON)
     torch.cuda.synchronize()
@@ -240,7 +247,7 @@ def test_a_cuda_pipeline_launches_its_graphs_where_torch_hands_out_the_exec(cuda
     assert _pipeline(cuda_device, graphs=False, cudart=False).narrow_path == "kernel"
     buckets = graph_buckets(MAX_ROWS)
     execs = []
-    for slot in pipe._slots:
+    for slot in pipe._ring.slots:
         assert slot.graph_table == [slot.graphs[b] for b in buckets]
         assert slot.graph_execs == [g.raw_cuda_graph_exec() for g in slot.graph_table]
         execs += slot.graph_execs
@@ -295,7 +302,7 @@ def test_graph_launch_at_every_row_count_of_small_and_power_of_two_sources(cuda_
     _skip_without_raw_exec()
     pipe = _pipeline(cuda_device, max_rows=max_rows, stamped=True)
     assert pipe.narrow_path == "graph_launch"
-    assert len(pipe._slots[0].graph_execs) == len(graph_buckets(max_rows))
+    assert len(pipe._ring.slots[0].graph_execs) == len(graph_buckets(max_rows))
     rows = range(max_rows + 1) if max_rows <= 2 else _edge_rows(max_rows)
     for n in rows:
         _poison(pipe)
