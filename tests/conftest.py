@@ -22,6 +22,26 @@ from pathlib import Path
 # caller set is kept.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
+
+def _compile_cache_dir() -> str:
+    """A torch.compile cache of this source tree's own. inductor's FX-graph cache keys a graph by its
+    post-functionalization form, where a custom op's arguments are named, not ordered: code
+    generated for an op's earlier schema (another checkout, an earlier commit) would be handed back
+    with its arguments in the old order (seen: route_reference_'s `nonfinite` given the ids after
+    the routing arguments were reordered). Keyed by the package's source; a value the caller set is
+    kept."""
+    import hashlib
+    import tempfile
+
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted((*root.glob("moe_ops/**/*.py"), *root.glob("graphs/*.py"))):
+        digest.update(path.read_bytes())
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_moe_ops_{digest.hexdigest()[:16]}")
+
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _compile_cache_dir())
+
 import pytest
 
 pytest_plugins = ["suite_report"]
