@@ -66,7 +66,7 @@ class BenchGrid:
     tp_size: int
     use_ep: bool
     # the test that runs this grid at the benchmark's experts, top-k and process grid
-    test: str = "tests/test_distributed.py::test_benchmark_shapes_gloo"
+    test: str = "tests/distributed/test_distributed.py::test_benchmark_shapes_gloo"
 
     def parallel(self, world: int) -> ParallelLayout | None:
         """The grid on ``world`` ranks; None when ``tp_size`` does not divide ``world``."""
@@ -114,7 +114,7 @@ class BenchShape:
 
 _CAPTURE_TEST = "tests/test_benchmarks.py::test_bench_capture_cases_capture_exactly"
 _ROUTER_TEST = "tests/test_benchmarks.py::test_bench_routers_route_like_the_reference"
-_REPLAY_TEST = "tests/test_replay.py::test_benchmark_shapes_gpu"
+_REPLAY_TEST = "tests/replay/test_replay.py::test_benchmark_shapes_gpu"
 # DeepSeek-V3 (the router tests' MODEL_ROUTERS[0]): 256 experts, top-8, 8 groups keep 4, routed
 # scaling 2.5, bias
 BENCH_DEEPSEEK_V3 = BenchRouter(

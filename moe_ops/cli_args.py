@@ -24,7 +24,7 @@ __all__ = [
 
 # The runner modes (moe_ops.graphs.RunnerMode's values) and the reference model's presets
 # (moe_ops.models.reference.PRESETS), written here so that parsing imports no torch;
-# tests/test_cli.py checks that they are those.
+# tests/demo/test_cli.py checks that they are those.
 _MODES = ("eager", "compiled", "cuda-graph", "compiled+cuda-graph", "reduce-overhead")
 _CUDA_MODES = ("cuda-graph", "compiled+cuda-graph", "reduce-overhead")
 _PRESETS = ("deepseek_small", "tiny")

@@ -470,7 +470,7 @@ def test_one_csv_holds_tables_of_different_columns(tmp_path):
 def test_benchmarks_import_nothing_of_tests():
     """The dependency runs from the tests to the benchmarks' cases, never back: no benchmark module
     imports a module of tests/ or names the tests/ directory (to put it on sys.path)."""
-    test_modules = {p.stem for p in (ROOT / "tests").glob("*.py")} | {"strategies", "tests"}
+    test_modules = {p.stem for p in (ROOT / "tests").rglob("*.py")} | {"strategies", "tests"}
     files = sorted((ROOT / "benchmarks").glob("*.py"))
     assert len(files) >= 8, "benchmarks/ not found"
     for path in files:
@@ -503,7 +503,7 @@ def test_registered_cases_are_the_cases_of_benchmarks_cases(benches):
 def test_missing_tests_finds_a_case_naming_no_test(scratch_registry, benches):
     grid = BENCH_CASES["distributed"][0]
     bad = (
-        replace(grid, test="tests/test_distributed.py::test_does_not_exist"),
+        replace(grid, test="tests/distributed/test_distributed.py::test_does_not_exist"),
         replace(grid, test="nofile.py::f"),
     )
     registry.benchmark("x", cases=bad, needs="cpu")(lambda cases, run: [])

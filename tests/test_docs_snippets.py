@@ -88,7 +88,7 @@ def _run(code: str) -> tuple[int | None, str]:
 def results():
     """Every runnable block starts in a pool of 2 workers (the CI machine's cores): one
     interpreter per block, ~3 s of import each; serial runs took ~105 s here, the pool ~73 s
-    (together with tests/test_wire_docs.py)."""
+    (together with tests/wire/test_wire_docs.py)."""
     pool = ThreadPoolExecutor(max_workers=2)
     futures = {(f, n): pool.submit(_run, code) for f, n, code, skip in BLOCKS if skip is None}
     yield futures

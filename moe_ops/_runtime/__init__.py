@@ -11,7 +11,7 @@
   ``interpreting``, ``triton_runs_on``);
 - ``cudart`` - a few CUDA runtime calls through ctypes on the libcudart torch loaded;
 - ``private_names`` - every private torch / Triton name the package uses, what for and the versions
-  it was checked on (``tests/test_private_names.py`` fails on one that is not listed).
+  it was checked on (``tests/runtime/test_private_names.py`` fails on one that is not listed).
 
 Private to the package: nothing here is public API, and this ``__init__`` imports none of them
 (importing one module loads only what it needs).

@@ -33,7 +33,7 @@ what ``torch.library.triton_op`` does, on a ``Library`` op. On the H200 (torch 2
 the host cost of a compiled call without CUDA graphs (``capture_into`` 50 -> 26 us per layer call
 on one run's host, ``route`` 145 -> 29 us, ``benchmarks/bench_capture.py --host``), and under
 ``mode="reduce-overhead"`` the graph keeps its CUDA graphs: torch's mutation analysis of the
-kernels reports exactly the tensors they write (``tests/test_triton_constants.py``).
+kernels reports exactly the tensors they write (``tests/runtime/test_triton_constants.py``).
 :func:`trace_triton_kernels` switches it (off, or on for CPU tensors where Triton is interpreted);
 on an older torch, and under ``torch.export`` with the decomposition disabled, the op stays opaque.
 

@@ -4,7 +4,7 @@ versions it was checked on.
 Private: reached through a name that starts with one underscore (``torch._dynamo.*``, ``torch._C.*``,
 ``torch._subclasses.*``, ``op._schema``), or inside Triton's runtime, compiler and configuration
 (``INTERNAL_NAMESPACES``), which Triton does not document as API. Such a name can change in any
-release, so each is listed here with the use that would break. ``tests/test_private_names.py`` scans
+release, so each is listed here with the use that would break. ``tests/runtime/test_private_names.py`` scans
 every module with ``ast`` and fails on a name used and not listed here, or listed and no longer used,
 naming the file and line; it also resolves every listed name in the installed torch and Triton, so
 running it on a machine checks its versions.
@@ -38,7 +38,7 @@ INTERNAL_NAMESPACES = ("triton.runtime", "triton.compiler", "triton.knobs", "tri
 # the group timeouts: read by the gloo tests (CPU processes), which the GPU suite does not run; their
 # NCCL twin needs two GPUs
 GLOO_TIMEOUT = (
-    "torch 2.13 here (tests/test_distributed.py, gloo); torch 2.11 by the same gloo tests in a CPU "
+    "torch 2.13 here (tests/distributed/test_distributed.py, gloo); torch 2.11 by the same gloo tests in a CPU "
     "venv at commit c3c23c2; the NCCL groups' options not run (two GPUs)"
 )
 BOTH = "torch 2.13 + Triton 3.9 here; torch 2.11 + Triton 3.6 on the H200 by the GPU suite of c28b133"
@@ -51,7 +51,7 @@ CUDA_BUILD = (
     "absent from torch 2.13+cpu here"
 )
 RECOMPUTE = (
-    "torch 2.13 here (tests/test_replay_schedules.py, tests/test_megatron.py: recomputes under "
+    "torch 2.13 here (tests/replay/test_replay_schedules.py, tests/integrations/test_megatron.py: recomputes under "
     "torch's and transformers' checkpoints); torch 2.11 on the H200: this table's test and the GPU "
     "suite (Megatron's tensor_parallel.checkpoint)"
 )
@@ -309,28 +309,28 @@ PRIVATE_ATTRIBUTES: dict[str, Private] = {
 INTERNAL_ATTRIBUTES: dict[str, Private] = {
     "triton.runtime.jit.JITFunction.params": Private(
         "KernelLauncher reads the kernel's parameters (constexprs last) to build its key",
-        "Triton 3.9 here (tests/test_launcher.py, kernels compiled, not interpreted); Triton 3.6 on "
+        "Triton 3.9 here (tests/runtime/test_launcher.py, kernels compiled, not interpreted); Triton 3.6 on "
         "the H200 by the GPU suite of c28b133",
         files=(_LAUNCHER,),
     ),
     "triton.runtime.jit.KernelParam.is_constexpr": Private(
         "which parameters are constexprs (passed after the runtime arguments)",
-        "Triton 3.9 here (tests/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
+        "Triton 3.9 here (tests/runtime/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
         files=(_LAUNCHER,),
     ),
     "triton.runtime.jit.KernelParam.name": Private(
         "the constexpr parameters' names, the keys of the launcher's constexprs",
-        "Triton 3.9 here (tests/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
+        "Triton 3.9 here (tests/runtime/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
         files=(_LAUNCHER,),
     ),
     "triton.runtime.jit.KernelParam.do_not_specialize": Private(
         "whether Triton specialises an int argument on == 1 and % 16 (the launcher's key does the same)",
-        "Triton 3.9 here (tests/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
+        "Triton 3.9 here (tests/runtime/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
         files=(_LAUNCHER,),
     ),
     "triton.runtime.jit.KernelParam.do_not_specialize_on_alignment": Private(
         "whether Triton specialises a pointer on 16-byte alignment (the launcher's key does the same)",
-        "Triton 3.9 here (tests/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
+        "Triton 3.9 here (tests/runtime/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
         files=(_LAUNCHER,),
     ),
     "triton.runtime.jit.JITFunction.pre_run_hooks": Private(

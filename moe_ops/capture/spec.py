@@ -19,7 +19,7 @@ generates FlashInfer's schemas from one table):
 
 A new capture argument is one field here (with its name in :data:`KERNEL_POINTERS` or
 :data:`KERNEL_SCALARS` and its place in :func:`kernel_args`) and its use in the kernels;
-``tests/test_capture_spec.py`` checks that the ops' schemas, the launchers and the kernels'
+``tests/capture/test_capture_spec.py`` checks that the ops' schemas, the launchers and the kernels'
 parameter lists agree with this module.
 
 :class:`~moe_ops.capture.target.CaptureTarget` (the validated, user-facing contract) resolves to a

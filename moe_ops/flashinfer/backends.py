@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 # the one routing method FlashInfer's fused_topk_deepseek implements; its RoutingMethodType.DeepSeekV3
-# has the same value (checked in tests/test_flashinfer_ops.py)
+# has the same value (checked in tests/flashinfer/test_flashinfer_ops.py)
 DEEPSEEK_V3 = int(RoutingMethod.DEEPSEEK_V3)
 
 _INSTALL_HINT = "flashinfer not installed (pip install 'moe-ops[flashinfer]')"
@@ -152,7 +152,7 @@ def kernel_support(name: str, device: torch.device | str | int | None = None) ->
     """Support of the wrapped FlashInfer function ``name`` (a name of :data:`moe_ops.flashinfer.ops.SPECS`).
 
     ``fused_topk_deepseek`` has its own device list; every ``trtllm_*_moe`` function shares the
-    trtllm-gen MoE one (tests/test_flashinfer_backends.py checks that this covers every wrapped
+    trtllm-gen MoE one (tests/flashinfer/test_flashinfer_backends.py checks that this covers every wrapped
     name). ValueError for any other name.
     """
     if name == "fused_topk_deepseek":

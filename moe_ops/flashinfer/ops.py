@@ -11,7 +11,7 @@ a CUDA graph.
 Everything is generated from one table, :data:`SPECS` (one :class:`OpSpec` per FlashInfer function),
 which says, per function: its import path, the parameters the op exposes (FlashInfer's own names and
 defaults), which of them are written in place, how the fake derives the output buffers' shapes and
-dtypes, and how FlashInfer returns its result. ``tests/test_flashinfer_ops.py`` checks the table
+dtypes, and how FlashInfer returns its result. ``tests/flashinfer/test_flashinfer_ops.py`` checks the table
 against the installed FlashInfer's signatures, so a renamed or dropped ``routing_replay_out`` fails CI.
 
 What a custom-op schema cannot express, and how it is handled:

@@ -12,7 +12,7 @@ field order): every routing op's schema is its own arguments followed by those i
 (:class:`OpSignature`), its Python kernels name each argument, and the callers pass them by name
 (:meth:`OpSignature.values`). A routing argument added to the ops is a field here (marked, with its
 check in :func:`resolve_routing`), a name in the ops' ``routing=`` lists, and its use in the
-kernels; ``tests/test_route_args.py`` checks that the schemas and the kernels agree with this module.
+kernels; ``tests/router/test_route_args.py`` checks that the schemas and the kernels agree with this module.
 """
 
 from __future__ import annotations

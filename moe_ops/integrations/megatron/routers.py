@@ -45,7 +45,7 @@ __all__ = [
     "to_megatron_order",
 ]
 
-# megatron-core releases this module was tested against (tests/test_megatron.py). The hook needs
+# megatron-core releases this module was tested against (tests/integrations/test_megatron.py). The hook needs
 # only that TopKRouter.routing passes fused= and router_replay= to router.py's
 # topk_routing_with_score_function, which attach_* checks on the installed version.
 TESTED_MEGATRON_VERSIONS = ("0.16.1",)

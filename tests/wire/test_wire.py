@@ -566,7 +566,7 @@ def test_both_base64_backends_give_the_same_text_and_arrays(monkeypatch):
 
 def test_pybase64_is_a_default_dependency():
     tomllib = pytest.importorskip("tomllib")  # the standard library from Python 3.11
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     assert any(dep.split(">")[0].split("=")[0].strip() == "pybase64" for dep in project["dependencies"])
 
 

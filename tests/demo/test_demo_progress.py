@@ -16,7 +16,7 @@ from moe_ops.models import ReferenceMoEModel, reference_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# the e2e tests' model and serving shape (tests/test_e2e.py): their compiled graph is in inductor's
+# the e2e tests' model and serving shape (tests/demo/test_e2e.py): their compiled graph is in inductor's
 # on-disk cache when they ran first
 CONFIG = reference_config("tiny", num_layers=3, max_seq_len=32, max_requests=4)
 SERVE = dict(capture_sizes=(2, 4, 8, 16), max_batch_tokens=24, max_running=3, block_size=4, ring_depth=2)

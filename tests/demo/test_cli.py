@@ -22,7 +22,7 @@ from moe_ops.cli import MAX_DEMO_REQUESTS, MAX_STEP_ROWS, _build_parser, main
 from moe_ops.wire import FORMATS
 
 NO_CUDA = not torch.cuda.is_available()
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_version(capsys):

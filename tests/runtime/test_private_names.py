@@ -40,7 +40,7 @@ from moe_ops._runtime.private_names import (
     PRIVATE_ATTRIBUTES,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ROOTS = ("torch", "triton")
 TABLE = "moe_ops/_runtime/private_names.py"
 

@@ -32,7 +32,7 @@ from moe_ops.router.methods import (
 )
 from moe_ops.router.reference import rule_gradient, rule_weights
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_every_method_has_one_row():

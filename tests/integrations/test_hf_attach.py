@@ -485,7 +485,7 @@ def test_transformers_older_than_the_minimum_is_refused_naming_both_versions(mon
     with pytest.raises(ValueError, match="installed must be a PEP 440 version string, got 'five'"):
         hf.check_transformers_version("five")
     # the hf extra declares the bound the code checks, and the installed transformers meets it
-    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert f'hf = ["transformers>={hf.MIN_TRANSFORMERS_VERSION}"]' in pyproject
     hf.check_transformers_version(transformers.__version__)
     # the real path on the installed transformers, with the minimum raised above it: attaching

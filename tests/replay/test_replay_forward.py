@@ -8,7 +8,7 @@ written and nothing in its gaps; a read of a gap of the logits would carry NaN i
 
 Ids and the fault counter are compared exactly. Weights: against the twin (float32 too, another
 operation order) 1e-5 relative + 1e-7 absolute on rows of finite logits; recorded rows of finite
-logits against the float64 rule to 1e-5 relative (the tolerance of tests/test_replay.py). float64
+logits against the float64 rule to 1e-5 relative (the tolerance of tests/replay/test_replay.py). float64
 logits: float64 weights, to 1e-12 relative of the twin and of the rule.
 """
 
@@ -111,7 +111,7 @@ def test_forward_kernel_matches_twin_and_reference(case):
     live = rc.routed_live()
     recorded_rows = ~live
     # live rows of the biased methods may round sigmoid + bias differently near a tie
-    # (tests/test_replay.py::test_triton_equals_twin_on_edge_values)
+    # (tests/replay/test_replay.py::test_triton_equals_twin_on_edge_values)
     compare = recorded_rows if cfg.method in BIAS_METHODS else torch.ones_like(live)
     assert torch.equal(tri_ids[compare], ref_ids[compare]), "ids differ from the twin"
     finite = torch.isfinite(logits.double()).all(1) & compare

@@ -238,7 +238,7 @@ def test_auto_imports_nothing_of_flashinfer(device):
         [sys.executable, "-c", _AUTO_IMPORTS, device],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         timeout=300,
     )
     assert out.returncode == 0, out.stderr

@@ -79,7 +79,7 @@ def assert_weights(got: torch.Tensor, want: np.ndarray, rtol: float = 1e-5) -> N
 
 @st.composite
 def knob_cases(draw, renormalize=(None, True, False), max_tokens: int = 24):
-    # the sigmoid methods' knob (SOFTMAX_BIAS's renormalize=False: tests/test_route_groups.py)
+    # the sigmoid methods' knob (SOFTMAX_BIAS's renormalize=False: tests/router/test_route_groups.py)
     configs = knob_configs(renormalize, max_experts=96, max_top_k=8, methods=SIGMOID_KNOB_METHODS)
     case = draw(router_cases(configs=configs, max_tokens=max_tokens))
     return case, draw(st.sampled_from(LOGIT_LAYOUTS))

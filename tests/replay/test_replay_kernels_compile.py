@@ -22,7 +22,7 @@ from moe_ops.router.methods import METHODS, RENORMALIZED_METHODS, UNNORMALIZED_M
 
 pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _SCRIPT = r"""
 import json, re

@@ -152,7 +152,7 @@ def test_the_narrowing_kernel_compiles_for_every_channel_kind():
     from pathlib import Path
 
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="0")
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
     run = subprocess.run(
