@@ -42,7 +42,7 @@ def _compile_cache_dir() -> str:
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _compile_cache_dir())
 
-import pytest
+import pytest  # noqa: E402 - after the environment inductor reads at import
 
 pytest_plugins = ["suite_report"]
 

@@ -317,8 +317,12 @@ def test_check_faults_without_raising_and_on_a_device_nothing_ran_on():
     _record_one_fault_of_each_kind(capturer)
     summary = check_faults("cpu", capturers=[capturer], raise_error=False)
     assert summary.total == 7
-    empty = check_faults("meta")
-    assert empty.total == 0 and empty.device == torch.device("meta")
+    # a device nothing ran on (no counter allocated), and meta, whose counters hold no values
+    empty = check_faults("cuda:7")
+    assert empty.total == 0 and empty.device == torch.device("cuda", 7)
+    meta = faults.DeviceCounter(2, "meta")
+    assert meta.read() == [0, 0]
+    assert check_faults("meta").total == 0
     with pytest.raises(TypeError, match="capturers must hold capturers with a fault_counter"):
         check_faults("cpu", capturers=[object()])
 

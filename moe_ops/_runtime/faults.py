@@ -114,6 +114,8 @@ class DeviceCounter:
         another stream must not see the counts again). Call it where the host already
         synchronises, never inside a captured or compiled step.
         """
+        if self.device.type == "meta":  # a counter of shapes only (fake tracing on meta): no count
+            return [0] * self.tensor.numel()
         cpu = self.device.type == "cpu"
         with cpu_counter_lock(self.device) if cpu else self._read_lock:
             values = self.tensor.tolist()

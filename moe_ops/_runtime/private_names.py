@@ -38,8 +38,8 @@ INTERNAL_NAMESPACES = ("triton.runtime", "triton.compiler", "triton.knobs", "tri
 # the group timeouts: read by the gloo tests (CPU processes), which the GPU suite does not run; their
 # NCCL twin needs two GPUs
 GLOO_TIMEOUT = (
-    "torch 2.13 here (tests/distributed/test_distributed.py, gloo); torch 2.11 by the same gloo tests in a CPU "
-    "venv at commit c3c23c2; the NCCL groups' options not run (two GPUs)"
+    "torch 2.13 here (tests/distributed/test_distributed.py, gloo); torch 2.11 by the same gloo tests in "
+    "a CPU venv at commit c3c23c2; the NCCL groups' options not run (two GPUs)"
 )
 BOTH = "torch 2.13 + Triton 3.9 here; torch 2.11 + Triton 3.6 on the H200 by the GPU suite of c28b133"
 CUDA_PATH = (
@@ -51,9 +51,9 @@ CUDA_BUILD = (
     "absent from torch 2.13+cpu here"
 )
 RECOMPUTE = (
-    "torch 2.13 here (tests/replay/test_replay_schedules.py, tests/integrations/test_megatron.py: recomputes under "
-    "torch's and transformers' checkpoints); torch 2.11 on the H200: this table's test and the GPU "
-    "suite (Megatron's tensor_parallel.checkpoint)"
+    "torch 2.13 here (tests/replay/test_replay_schedules.py, tests/integrations/test_megatron.py: "
+    "recomputes under torch's and transformers' checkpoints); torch 2.11 on the H200: this table's "
+    "test and the GPU suite (Megatron's tensor_parallel.checkpoint)"
 )
 INTERPRETED = (
     "torch 2.13 + Triton 3.9 here, with TRITON_INTERPRET=1 only: the H200 compiles its kernels, so "
@@ -79,6 +79,9 @@ class Private(NamedTuple):
 
 _LIBRARY = "moe_ops/_runtime/library.py"
 _LAUNCHER = "moe_ops/_runtime/launcher.py"
+LAUNCHER_CHECKED = (
+    "Triton 3.9 here (tests/runtime/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133"
+)
 
 PRIVATE: dict[str, Private] = {
     # --- torch.compile: dynamo and inductor -------------------------------------------------------
@@ -315,22 +318,22 @@ INTERNAL_ATTRIBUTES: dict[str, Private] = {
     ),
     "triton.runtime.jit.KernelParam.is_constexpr": Private(
         "which parameters are constexprs (passed after the runtime arguments)",
-        "Triton 3.9 here (tests/runtime/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
+        LAUNCHER_CHECKED,
         files=(_LAUNCHER,),
     ),
     "triton.runtime.jit.KernelParam.name": Private(
         "the constexpr parameters' names, the keys of the launcher's constexprs",
-        "Triton 3.9 here (tests/runtime/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
+        LAUNCHER_CHECKED,
         files=(_LAUNCHER,),
     ),
     "triton.runtime.jit.KernelParam.do_not_specialize": Private(
         "whether Triton specialises an int argument on == 1 and % 16 (the launcher's key does the same)",
-        "Triton 3.9 here (tests/runtime/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
+        LAUNCHER_CHECKED,
         files=(_LAUNCHER,),
     ),
     "triton.runtime.jit.KernelParam.do_not_specialize_on_alignment": Private(
         "whether Triton specialises a pointer on 16-byte alignment (the launcher's key does the same)",
-        "Triton 3.9 here (tests/runtime/test_launcher.py); Triton 3.6 on the H200 by the GPU suite of c28b133",
+        LAUNCHER_CHECKED,
         files=(_LAUNCHER,),
     ),
     "triton.runtime.jit.JITFunction.pre_run_hooks": Private(

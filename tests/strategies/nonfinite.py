@@ -1,4 +1,5 @@
-"""Non-finite logits (tests/router/test_nonfinite.py): every kernel path against its twin on NaN, +-inf, -0.0."""
+"""Non-finite logits (tests/router/test_nonfinite.py): every kernel path against its twin on NaN,
++-inf, -0.0."""
 
 from __future__ import annotations
 

@@ -40,9 +40,9 @@ __all__ = [
 
 # The oldest transformers on which every supported architecture has the router module this
 # integration wraps (bisected over 4.57.1-5.24 with tests/integrations/test_hf_attach.py and
-# tests/integrations/test_replay_attach.py): in 5.0-5.12 DeepSeek-V2 and GraniteMoE have no router module (the MoE
-# block routes inline) and the routers of DeepSeek-V3, GLM-4-MoE and dots1 return only the logits
-# (4.57: 8 of the 12 have none). The GPU machine runs 5.17.
+# tests/integrations/test_replay_attach.py): in 5.0-5.12 DeepSeek-V2 and GraniteMoE have no router
+# module (the MoE block routes inline) and the routers of DeepSeek-V3, GLM-4-MoE and dots1 return only
+# the logits (4.57: 8 of the 12 have none). The GPU machine runs 5.17.
 MIN_TRANSFORMERS_VERSION = "5.13"
 
 # Replay needs more on some architectures: GraniteMoE's perturbed-router replay test fails on
