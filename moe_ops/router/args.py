@@ -201,6 +201,29 @@ def validate_route_args(
     TypeError for non-tensors and ValueError naming the argument and the expected value otherwise.
     Reads shapes, dtypes and devices only (no host sync).
     """
+    return RoutingArgs(
+        *_checked_config(
+            router_logits,
+            top_k,
+            method,
+            bias,
+            n_group,
+            topk_group,
+            routed_scaling_factor,
+            renormalize,
+            logit_dtypes,
+            group_score,
+        )
+    )
+
+
+def _checked_config(
+    router_logits, top_k, method, bias, n_group, topk_group, routed_scaling_factor, renormalize,
+    logit_dtypes, group_score,
+) -> tuple:  # fmt: skip
+    """:func:`validate_route_args`' checks; the leading fields of :class:`RoutingArgs` in order (a
+    tuple: :func:`resolve_routing` builds its RoutingArgs once, with the rest; each construction of
+    the frozen dataclass costs ~3 us of host time, a ``dataclasses.replace`` ~5)."""
     method = method_from_value(method)
     if not isinstance(router_logits, torch.Tensor):
         raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
@@ -280,7 +303,7 @@ def validate_route_args(
     score = _group_score(method, group_score, top_k, groups, kept)
     unnormalized = _unnormalized(method, renormalize)
     group_top = score.keys_summed(top_k, kept) if groups > 1 else 2
-    return RoutingArgs(method, top_k, num_experts, groups, kept, scale, unnormalized, score, group_top)
+    return method, top_k, num_experts, groups, kept, scale, unnormalized, score, group_top
 
 
 def group_score_from_value(group_score: GroupScore | str | int) -> GroupScore:
@@ -520,7 +543,7 @@ def resolve_routing(
     """
     if backend not in backends:
         raise ValueError(f"backend must be one of {', '.join(map(repr, backends))}, got {backend!r}")
-    cfg = validate_route_args(
+    config = _checked_config(
         router_logits,
         top_k,
         method,
@@ -528,34 +551,37 @@ def resolve_routing(
         n_group,
         topk_group,
         routed_scaling_factor,
-        renormalize=renormalize,
-        logit_dtypes=logit_dtypes,
-        group_score=group_score,
+        renormalize,
+        logit_dtypes,
+        group_score,
     )
+    method, _, num_experts, groups, _, _, unnormalized, score, _ = config
     hashed = check_hash_args(router_logits, top_k, hash_table, token_ids, bias, n_group, topk_group)
-    n_shared = check_num_fused_shared_experts(num_fused_shared_experts, cfg.num_experts)
+    n_shared = check_num_fused_shared_experts(num_fused_shared_experts, num_experts)
     if hashed and n_shared:
         raise ValueError(
             "num_fused_shared_experts > 0 with hash_table: hash routing takes the table's top_k "
             "columns only; append the shared experts after the call"
         )
     if backend == "flashinfer":
-        _check_flashinfer(cfg, hashed, n_shared)
+        _check_flashinfer(method, groups > 1, unnormalized, score, hashed, n_shared)
         use_triton = False
     else:
-        use_triton = choose_triton(backend, router_logits.device, cfg.num_experts, cfg.n_group)
-    return dataclasses.replace(
-        cfg,
-        num_fused_shared_experts=n_shared,
-        bias=bias,
-        hash_table=hash_table if hashed else None,
-        token_ids=token_ids if hashed else None,
-        compute_dtype=torch.float64 if router_logits.dtype == torch.float64 else torch.float32,
-        use_triton=use_triton,
+        use_triton = choose_triton(backend, router_logits.device, num_experts, groups)
+    return RoutingArgs(
+        *config,
+        n_shared,
+        bias,
+        hash_table if hashed else None,
+        token_ids if hashed else None,
+        torch.float64 if router_logits.dtype == torch.float64 else torch.float32,
+        use_triton,
     )
 
 
-def _check_flashinfer(cfg: RoutingArgs, hashed: bool, n_shared: int) -> None:
+def _check_flashinfer(
+    method: RoutingMethod, grouped: bool, unnormalized: bool, score: GroupScore, hashed: bool, n_shared: int
+) -> None:
     """What FlashInfer's routing kernel does not compute, refused with the backends that do."""
     others = "runs on backend 'auto', 'triton' or 'torch'"
     name = "backend='flashinfer'"
@@ -565,12 +591,10 @@ def _check_flashinfer(cfg: RoutingArgs, hashed: bool, n_shared: int) -> None:
         raise ValueError(
             f"{name} routes the top_k routed experts only; num_fused_shared_experts > 0 {others}"
         )
-    if cfg.unnormalized:
-        raise ValueError(f"{name} always renormalises {cfg.method.name}; renormalize=False {others}")
-    if cfg.grouped and cfg.group_score != GroupScore.TOP2_SUM:
-        raise ValueError(
-            f"{name} scores groups by TOP2_SUM only; group_score={cfg.group_score.name} {others}"
-        )
+    if unnormalized:
+        raise ValueError(f"{name} always renormalises {method.name}; renormalize=False {others}")
+    if grouped and score != GroupScore.TOP2_SUM:
+        raise ValueError(f"{name} scores groups by TOP2_SUM only; group_score={score.name} {others}")
 
 
 # ---------------------------------------------------------------------------------------------------
