@@ -28,6 +28,7 @@ __all__ = [
     "BenchModel",
     "BenchRouter",
     "BenchShape",
+    "BenchTrainer",
 ]
 
 
@@ -102,6 +103,27 @@ class BenchCapture:
 
 
 @dataclass(frozen=True)
+class BenchTrainer:
+    """A trainer's MoE routing the train benchmark replays in (Megatron-Core or transformers)."""
+
+    # row label
+    name: str
+    # "megatron" (TopKRouter, sigmoid score function) or "transformers" (Qwen3-MoE)
+    framework: str
+    num_experts: int
+    top_k: int
+    # Megatron's moe_router_num_groups / moe_router_group_topk (None: no grouping)
+    num_groups: int | None
+    group_topk: int | None
+    # moe_router_topk_scaling_factor (None: none)
+    scale: float | None
+    # moe_router_enable_expert_bias
+    expert_bias: bool
+    # the test that replays this configuration against the trainer's own routing
+    test: str
+
+
+@dataclass(frozen=True)
 class BenchShape:
     """A routing shape the transfer benchmark moves (snapshot, store, wire)."""
 
@@ -164,6 +186,30 @@ BENCH_CASES: dict[str, tuple] = {
     "e2e": (
         BenchModel("deepseek_small", "tests/test_benchmarks.py::test_e2e_preset_is_the_benchmarked_shape"),
     ),
+    "train": (
+        BenchTrainer(
+            "megatron-dsv3-64",
+            "megatron",
+            64,
+            8,
+            8,
+            4,
+            2.5,
+            True,
+            "tests/integrations/test_megatron.py::test_bench_train_router_replays_like_megatron",
+        ),
+        BenchTrainer(
+            "qwen3-moe-64",
+            "transformers",
+            64,
+            8,
+            None,
+            None,
+            None,
+            False,
+            "tests/integrations/test_replay_attach.py::test_gradients_reach_the_router_weights",
+        ),
+    ),
     "distributed": (
         BenchGrid("dp", BatchLayout.LOCAL, 1, False),
         BenchGrid("dp+ep gathered", BatchLayout.GATHERED, 1, True),
@@ -179,5 +225,6 @@ BENCH_SIZES: dict[str, tuple[int, ...]] = {
     "replay": (1, 128, 4096, 16384),
     "e2e": (1, 16, 128),
     "distributed": (8192,),
+    "train": (4096, 16384),
     "transfer": (1024, 8192, 32768),
 }

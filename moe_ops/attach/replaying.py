@@ -40,6 +40,7 @@ __all__ = [
     "check_replayer",
     "check_rule",
     "replay_router_output",
+    "replay_routing_rule",
     "replaying_forward",
 ]
 
@@ -90,6 +91,47 @@ class ReplayRule:
             check_routed_scaling_factor(scale)  # raises, naming what is wrong (an int passes)
 
 
+def replay_routing_rule(
+    router_logits: torch.Tensor,
+    recorded_ids: torch.Tensor,
+    rule: ReplayRule,
+    *,
+    bias: torch.Tensor | None = None,
+    backend: str = "auto",
+    row_count: torch.Tensor | None = None,
+    hash_table: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``replay_routing`` of ``recorded_ids`` under ``rule``: ``(weights, ids)``, ids int64.
+
+    ``router_logits`` of a dtype ``replay_routing`` does not take are replayed in float32;
+    ``rule.weights_fn`` (where it has one) forms the weights from the logits at the returned ids.
+    A row of -1 and a faulty row are routed live by ``rule.method`` (faulty ones counted), as
+    ``replay_routing`` does. Weights have ``replay_routing``'s dtype (float32, float64 for
+    float64 logits) or ``weights_fn``'s.
+    """
+    x = router_logits if router_logits.dtype in REPLAY_LOGIT_DTYPES else router_logits.to(torch.float32)
+    weights, ids = replay_routing(
+        x,
+        recorded_ids,
+        rule.method,
+        bias=bias,
+        n_group=rule.n_group,
+        topk_group=rule.topk_group,
+        routed_scaling_factor=rule.routed_scaling_factor,
+        renormalize=rule.renormalize,
+        backend=backend,
+        row_count=row_count,
+        hash_table=hash_table,
+        token_ids=token_ids,
+        group_score=rule.group_score,
+    )
+    ids = ids.to(torch.int64)
+    if rule.weights_fn is not None:
+        weights = rule.weights_fn(router_logits, ids)
+    return weights, ids
+
+
 def replay_router_output(
     router_logits: torch.Tensor,
     live_weights: torch.Tensor,
@@ -138,26 +180,18 @@ def replay_router_output(
             f"recorded_ids must have live_ids' shape {tuple(live_ids.shape)} (n, top_k), got "
             f"{tuple(recorded_ids.shape)}"
         )
-    x = router_logits if router_logits.dtype in REPLAY_LOGIT_DTYPES else router_logits.to(torch.float32)
     live_row = (recorded_ids == -1).all(dim=-1, keepdim=True)
     ids_in = torch.where(live_row, live_ids.to(torch.int32), recorded_ids.to(torch.int32))
-    weights, ids = replay_routing(
-        x,
+    weights, ids = replay_routing_rule(
+        router_logits,
         ids_in,
-        rule.method,
+        rule,
         bias=bias,
-        n_group=rule.n_group,
-        topk_group=rule.topk_group,
-        routed_scaling_factor=rule.routed_scaling_factor,
-        renormalize=rule.renormalize,
         backend=backend,
         row_count=row_count,
         hash_table=hash_table,
         token_ids=token_ids,
-        group_score=rule.group_score,
     )
-    if rule.weights_fn is not None:
-        weights = rule.weights_fn(router_logits, ids.to(torch.int64))
     weights = torch.where(live_row, live_weights, weights.to(live_weights.dtype))
     return weights, ids.to(live_ids.dtype)
 

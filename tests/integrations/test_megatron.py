@@ -47,9 +47,12 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from megatron.core.transformer.transformer_config import TransformerConfig
 from strategies import MegatronRouterCase, distinct_rows, megatron_router_cases
 
+from benchmarks.cases import BENCH_CASES
 from moe_ops import GroupScore, RoutingCapturer, RoutingMethod, RoutingReplayer, RoutingShape
+from moe_ops.attach.replaying import replay_routing_rule
 from moe_ops.integrations import megatron as mg
 from moe_ops.replay import check_replay_errors
+from moe_ops.router.methods import BIAS_METHODS
 
 HIDDEN = 16
 HAVE_TE_ROUTER_FUSION = (
@@ -257,9 +260,29 @@ def megatron_replay(router: TopKRouter, target: torch.Tensor) -> RouterReplay:
     return replay
 
 
-def compare_with_megatron_replay(case: MegatronRouterCase, device: str = "cpu", forward: bool = False):
+def rule_live_ids(router: TopKRouter, logits: torch.Tensor) -> torch.Tensor:
+    """(n, top_k) int64 - what the hook's rule routes a row of -1 to (``live_rows="rule"``):
+    ``replay_routing`` of rows of -1 under the router's rule, ascending (a map has no order)."""
+    rule = mg.replay_rule(router.config, logits.dtype)
+    bias = router.expert_bias if rule.method in BIAS_METHODS else None
+    no_record = torch.full((logits.shape[0], router.topk), -1, dtype=torch.int32, device=logits.device)
+    return replay_routing_rule(logits.detach(), no_record, rule, bias=bias)[1].sort(1).values
+
+
+def router_logits(router: TopKRouter, x: torch.Tensor) -> torch.Tensor:
+    """The gate's logits of ``x``, (n, num_experts), as ``run_router`` computes them."""
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(router.config.moe_router_dtype, x.dtype)
+    return router_gating_linear(x, router.weight, None, dtype).reshape(-1, router.config.num_moe_experts)
+
+
+def compare_with_megatron_replay(
+    case: MegatronRouterCase, device: str = "cpu", forward: bool = False, live_rows: str = "router"
+):
     """The check of the issue: on the rows moe-ops replays, its ids, weights and router gradients
-    equal Megatron's RouterReplay's; the other rows are the router's own output, bit for bit."""
+    equal Megatron's RouterReplay's. The other rows (-1, faulty): with ``live_rows="router"`` the
+    router's own output, bit for bit; with "rule" the rule's live routing (``rule_live_ids``),
+    weights and gradients equal to Megatron's RouterReplay of the ids the hook returned - except
+    softmax with groups, which routes them as "router" does."""
     router = case_router(case, device)
     x, grad_out = case_inputs(case, device)
     k = case.top_k
@@ -274,16 +297,29 @@ def compare_with_megatron_replay(case: MegatronRouterCase, device: str = "cpu", 
     assert torch.equal(map_ids(ref.map, k)[replayed], target[replayed].sort(1).values)  # Megatron replayed
     replay.clear_router_replay_action()  # the router's own routing again, under moe-ops' hook
     replayer = replayer_for(router, recorded[:, None, :], device=device)
-    with mg.attach_replay(router, replayer):
+    with mg.attach_replay(router, replayer, live_rows=live_rows):
         ours = run_router(router, x, grad_out, forward=forward)
     assert check_replay_errors(device, raise_error=False) == case.faulty_rows
     assert router.router_replay is replay
     dtype = ROUTER_DTYPES[case.router_dtype]
     assert ours.probs.dtype == ref.probs.dtype == dtype
     assert torch.equal(ours.map[replayed], ref.map[replayed])
-    assert torch.equal(ours.map[~replayed], live.map[~replayed])
-    assert torch.equal(ours.probs[~replayed], live.probs[~replayed])  # bit for bit
     torch.testing.assert_close(ours.probs[replayed], ref.probs[replayed], **PROB_TOL[dtype])
+    as_router = live_rows == "router" or (case.score_function == "softmax" and case.group_topk)
+    if not as_router:
+        # the -1 and faulty rows: the rule's live routing; every row's weights and the gradients
+        # are Megatron's RouterReplay's of the ids the hook returned
+        expected = rule_live_ids(router, router_logits(router, x))
+        assert torch.equal(map_ids(ours.map, k)[~replayed], expected[~replayed])
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        replay.set_target_indices(map_ids(ours.map, k))
+        ref = run_router(router, x, grad_out, forward=forward)
+        replay.clear_router_replay_action()
+        assert torch.equal(ours.map, ref.map)
+        torch.testing.assert_close(ours.probs, ref.probs, **PROB_TOL[dtype])
+    else:
+        assert torch.equal(ours.map[~replayed], live.map[~replayed])
+        assert torch.equal(ours.probs[~replayed], live.probs[~replayed])  # bit for bit
     torch.testing.assert_close(ours.logits_grad, ref.logits_grad, **GRAD_TOL[dtype])
     torch.testing.assert_close(ours.weight_grad, ref.weight_grad, **GRAD_TOL[dtype])
     if case.expert_bias:  # Megatron counts the tokens each expert got, replayed ones included
@@ -297,9 +333,9 @@ def compare_with_megatron_replay(case: MegatronRouterCase, device: str = "cpu", 
 
 
 @settings(max_examples=60)
-@given(case=megatron_router_cases())
-def test_replay_matches_megatron_router_replay(case):
-    compare_with_megatron_replay(case)
+@given(case=megatron_router_cases(), live_rows=st.sampled_from(mg.attach.LIVE_ROWS))
+def test_replay_matches_megatron_router_replay(case, live_rows):
+    compare_with_megatron_replay(case, live_rows=live_rows)
 
 
 @pytest.mark.parametrize("router_dtype", ["fp32", "fp64", None])
@@ -332,7 +368,60 @@ def test_every_score_function_replays_each_configuration(router_dtype):
             seed=i,
             **fields,
         )
-        compare_with_megatron_replay(case)
+        for live_rows in mg.attach.LIVE_ROWS:
+            compare_with_megatron_replay(case, live_rows=live_rows)
+
+
+def test_rule_routes_rows_without_a_record_as_megatron_does():
+    """``live_rows="rule"``: a row of -1 gets Megatron's own experts (float32 routers, every branch
+    the rule routes), compared on the rows where Megatron's selection keys (and group scores) are
+    pairwise distinct - a tie is broken by index in moe-ops and by ``torch.topk`` in Megatron."""
+    branches = [
+        dict(moe_router_score_function="softmax", moe_router_topk=2),
+        dict(moe_router_score_function="softmax", moe_router_pre_softmax=True, moe_router_topk=3),
+        dict(moe_router_score_function="sigmoid", moe_router_topk=1),
+        dict(moe_router_score_function="sigmoid", moe_router_topk=4, moe_router_topk_scaling_factor=2.5),
+        dict(
+            moe_router_score_function="sigmoid", moe_router_topk=4, moe_router_enable_expert_bias=True,
+            moe_router_num_groups=4, moe_router_group_topk=2,
+        ),
+        dict(moe_router_score_function="sigmoid", moe_router_topk=1, moe_router_enable_expert_bias=True),
+    ]  # fmt: skip
+    for seed, fields in enumerate(branches):
+        router = build_router({**fields, "num_moe_experts": 16, "moe_router_dtype": "fp32"}, seed=seed)
+        k = router.topk
+        gen = torch.Generator().manual_seed(seed)
+        logits = torch.randn(64, 16, generator=gen) * 3
+        live_probs, live_map = router.routing(logits)
+        replayer = replayer_for(router, np.full((64, 1, k), -1, dtype=np.int32))
+        with mg.attach_replay(router, replayer):
+            probs, routing_map = router.routing(logits)
+        keys = logits if fields["moe_router_score_function"] == "softmax" else torch.sigmoid(logits)
+        if router.expert_bias is not None:
+            keys = keys + router.expert_bias
+        distinct = keys.sort(1).values.diff(dim=1).ne(0).all(1)
+        if router.config.moe_router_group_topk:
+            share = k // router.config.moe_router_group_topk
+            groups = keys.view(64, 4, -1).topk(share, dim=-1).values.sum(-1)
+            distinct &= groups.sort(1).values.diff(dim=1).ne(0).all(1)
+        assert distinct.sum() >= 60, fields  # the comparison covers most rows
+        assert torch.equal(routing_map[distinct], live_map[distinct]), fields
+        torch.testing.assert_close(probs[distinct], live_probs[distinct], **PROB_TOL[torch.float32])
+        assert check_replay_errors("cpu", raise_error=False) == 0
+
+
+@pytest.mark.parametrize("live_rows", ["rule", "router"])
+def test_bench_train_router_replays_like_megatron(live_rows):
+    """The train benchmark's Megatron router (DeepSeek-V3-like: sigmoid, expert bias, 8 groups keep
+    4, scale 2.5, 64 experts, top-8, fp32 router) replays as Megatron's RouterReplay does."""
+    (case,) = [c for c in BENCH_CASES["train"] if c.framework == "megatron"]
+    kinds = ["recorded"] * 9 + ["live", "repeated", "partial"]
+    bench = MegatronRouterCase(
+        score_function="sigmoid", pre_softmax=False, top_k=case.top_k, num_experts=case.num_experts,
+        scaling=case.scale, expert_bias=case.expert_bias, num_groups=case.num_groups,
+        group_topk=case.group_topk, router_dtype="fp32", seq_len=6, batch=2, kinds=kinds, seed=3,
+    )  # fmt: skip
+    compare_with_megatron_replay(bench, live_rows=live_rows)
 
 
 def test_rule_table():
@@ -435,7 +524,9 @@ def test_fused_routing_reaches_the_hook_where_megatrons_router_replay_is_bypasse
     """Without Transformer Engine the fused kernel cannot run (it is CUDA-only; there is no CPU
     fused path at all), so this shows the placement: Megatron's router passes fused= and its
     RouterReplay to the one function moe-ops hooks, whose fused branch returns before RouterReplay
-    acts; a fused call of an attached router runs through the moe-ops hook before that branch."""
+    acts; a fused call of an attached router runs through the moe-ops hook before that branch. With
+    ``live_rows="rule"`` the hook never calls the router's own routing, so a fused router replays
+    here too (no Transformer Engine needed)."""
     routing_source = inspect.getsource(TopKRouter.routing)
     assert "topk_routing_with_score_function(" in routing_source
     assert "fused=self.config.moe_router_fusion" in routing_source
@@ -453,7 +544,10 @@ def test_fused_routing_reaches_the_hook_where_megatrons_router_replay_is_bypasse
 
     router.router_replay.clear_router_replay_action()
     replayer = replayer_for(router, np.tile(np.array([[[0, 1]]], dtype=np.int32), (6, 1, 1)))
-    with mg.attach_replay(router, replayer), pytest.raises(ValueError, match="not available") as attached:
+    with (
+        mg.attach_replay(router, replayer, live_rows="router"),
+        pytest.raises(ValueError, match="not available") as attached,
+    ):
         router.routing(logits)
     ours = [(f.name, f.filename) for f in traceback.extract_tb(attached.tb)]
     names = [name for name, _ in ours]
@@ -462,6 +556,9 @@ def test_fused_routing_reaches_the_hook_where_megatrons_router_replay_is_bypasse
     )
     hooks = mg.attach.__file__  # the dispatcher and the hooks' module
     assert all(file == hooks for name, file in ours if name in ("_dispatch", "__call__", "routed"))
+    with mg.attach_replay(router, replayer):  # live_rows="rule": the fused branch is never reached
+        _, routing_map = router.routing(logits)
+    assert torch.equal(map_ids(routing_map, 2), torch.tensor([[0, 1]] * 6))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -906,12 +1003,12 @@ def test_replaying_forward_step_needs_a_schedules_microbatch():
 @pytest.mark.gpu
 @pytest.mark.parametrize("forward", [False, True], ids=["routing", "forward"])
 @settings(max_examples=20)
-@given(case=megatron_router_cases())
-def test_gpu_router_matches_megatron_router_replay(forward, case):
+@given(case=megatron_router_cases(), live_rows=st.sampled_from(mg.attach.LIVE_ROWS))
+def test_gpu_router_matches_megatron_router_replay(forward, case, live_rows):
     """On CUDA, moe-ops' Triton replay against Megatron's RouterReplay: TopKRouter.routing after
     Megatron's gate, and the whole TopKRouter.forward (gate, routing; expert bias built by Megatron
-    on the device)."""
-    compare_with_megatron_replay(case, device="cuda", forward=forward)
+    on the device), both ``live_rows``."""
+    compare_with_megatron_replay(case, device="cuda", forward=forward, live_rows=live_rows)
 
 
 def moe_layer(fields: dict, seed: int = 0) -> MoELayer:

@@ -20,13 +20,16 @@ original unchanged. So, in Megatron's order::
         expert-bias token counts            (of the replayed map, as with Megatron's RouterReplay)
     MoELayer: dispatcher (expert-parallel remapping) -> experts
 
-The hook first runs the router's own routing (fused or not, through whatever ``router_replay`` the
-router had: Megatron's ``RouterReplay`` or None), then returns, per row, either that output
-unchanged (a row of -1, and a faulty row: routed live and counted for ``check_replay_errors``) or
-the recorded ids with weights from the live logits by Megatron's own rule (:func:`replay_rule`),
-scattered into Megatron's dense ``(probs, routing_map)`` exactly as ``topk_routing_with_score_function``
-does (``index_put_`` under deterministic algorithms, ``scatter`` otherwise). Gradients reach the
-router through those weights.
+The hook returns the recorded ids with weights from the live logits by Megatron's own rule
+(:func:`replay_rule`), scattered into Megatron's dense ``(probs, routing_map)`` exactly as
+``topk_routing_with_score_function`` does (``index_put_`` under deterministic algorithms,
+``scatter`` otherwise); gradients reach the router through those weights. A row of -1 and a faulty
+row (counted for ``check_replay_errors``) are routed live: by default (``live_rows="rule"``) by
+``replay_routing`` under that rule, in the replay kernel, so the router's own routing never runs;
+with ``live_rows="router"`` (and wherever something reads the live routing: a capture under the
+hook, Megatron's ``RouterReplay`` with an action, ``record_live``) the hook first runs the router's
+own routing (fused or not, through whatever ``router_replay`` the router had) and those rows return
+its output unchanged.
 
 Order: each hook wraps what the router's ``router_replay`` held. A capture attached before the
 replay sits under it and records the router's own (live) ids; attached after it, on top, it
@@ -43,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...attach.replaying import ReplayRule, check_replayer, replay_router_output
+from ...attach.replaying import ReplayRule, check_replayer, replay_router_output, replay_routing_rule
 from ...attach.sites import AttachHandle, RouterSite, attach_wrappers
 from ...capture.protocol import Capturer, check_capturer
 from ...layout import BatchLayout, layout_from_value
@@ -108,17 +111,41 @@ def _dense(
     return probs, routing_map
 
 
+LIVE_ROWS = ("rule", "router")
+
+
+def _selects_as_megatron(arguments: dict) -> bool:
+    """True where replay_routing's live routing under the call's rule chooses Megatron's experts
+    (up to scores that tie after rounding): every branch but softmax with groups, which no moe-ops
+    method routes (its rule weighs without groups)."""
+    return arguments["score_function"] == "sigmoid" or not arguments["group_topk"]
+
+
 class _ReplayHook(_Hook):
-    def __init__(self, inner: Any, kind: str, index: int, replayer: Any, backend: str):
+    def __init__(self, inner: Any, kind: str, index: int, replayer: Any, backend: str, live_rows: str):
         super().__init__(inner, kind, index)
         self.replayer = replayer
         self.backend = backend
+        self.live_rows = live_rows
         # the rule of each set of arguments call_rule reads (the router's config at call time),
         # built once: a router call looks it up instead of building it again
         self.rules: dict[tuple, ReplayRule] = {}
 
+    def _needs_router_output(self, arguments: dict) -> bool:
+        """Whether this call runs the router's own routing: asked for (``live_rows="router"``), or
+        needed by what sits under the hook or reads the live ids - a capture under it, Megatron's
+        RouterReplay with an action (it records or replays), a replayer keeping the live ids - or
+        a selection no moe-ops rule routes."""
+        inner = self.inner
+        return (
+            self.live_rows == "router"
+            or isinstance(inner, _Hook)
+            or getattr(inner, "router_replay_action", None) is not None
+            or getattr(self.replayer, "record_live", False)
+            or not _selects_as_megatron(arguments)
+        )
+
     def __call__(self, arguments: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        probs, routing_map = self.routed(arguments)
         logits, top_k = arguments["logits"], arguments["topk"]
         n = logits.shape[0]
         # a RoutingReplayer's rows come with the row count its device check needs (None where the
@@ -137,6 +164,13 @@ class _ReplayHook(_Hook):
         if rule is None:
             rule = self.rules[key] = call_rule(arguments, logits.dtype)
         bias = arguments["expert_bias"] if rule.method in BIAS_METHODS else None
+        if not self._needs_router_output(arguments):
+            # the router's own routing never runs: replay_routing routes the -1 and faulty rows by
+            # the rule (Megatron's selection), one kernel; then Megatron's dense form
+            weights, ids = replay_routing_rule(logits, recorded, rule, bias=bias, backend=self.backend,
+                                               row_count=row_count)  # fmt: skip
+            return _dense(logits, ids, weights.to(logits.dtype))
+        probs, routing_map = self.routed(arguments)
         live_ids = routing_ids(routing_map, top_k)
         if getattr(self.replayer, "record_live", False):
             self.replayer.write_live(self.index, live_ids, kind=self.kind)
@@ -180,6 +214,11 @@ def _dispatch(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         hook = args[mt.replay_position]
     if not isinstance(hook, _Hook):
         return mt.original(*args, **kwargs)
+    names = mt.parameter_names
+    if len(args) <= 2 and len(args) + len(kwargs) == len(names) and kwargs.keys() == mt.keywords[len(args)]:
+        # TopKRouter.routing's call: (logits, topk, every other argument by name); a dict without
+        # inspect's bind (~25 us of host time a call on a 2-core host)
+        return hook(dict(zip(names, args), **kwargs))
     call = mt.signature.bind(*args, **kwargs)
     call.apply_defaults()
     return hook(dict(call.arguments))
@@ -286,7 +325,7 @@ def _attach(
 
 
 def attach_replay(
-    model: nn.Module | Sequence[nn.Module], replayer: Any, *, backend: str = "auto"
+    model: nn.Module | Sequence[nn.Module], replayer: Any, *, backend: str = "auto", live_rows: str = "rule"
 ) -> MegatronHandle:
     """Makes every ``TopKRouter`` of ``model`` route the ids in ``replayer``, fused or not.
 
@@ -298,12 +337,21 @@ def attach_replay(
             object with ``layer_ids(layer, num_tokens)`` (and ``kind="mtp"``) returning
             ``(num_tokens, top_k)`` ids, rows in Megatron's ``[s, b]`` token order.
         backend: ``replay_routing``'s backend ("auto", "triton", "torch").
+        live_rows: what a row of -1 (and a faulty row) returns. "rule" (default): the live routing
+            of ``replay_routing`` under the router's rule, Megatron's selection (the same experts
+            except where two scores tie after rounding; weights to float rounding), computed in
+            the replay kernel: the router's own routing never runs, so a replayed router call
+            costs about what Megatron's ``RouterReplay`` does. "router": the router's own output
+            bit for bit (fused or not), which runs the router's own routing as well on every call.
+            A call runs the router's own routing whatever this says where something needs it: a
+            capture under the replay, Megatron's ``RouterReplay`` with an action set, a replayer
+            with ``record_live``, softmax routing with groups (no moe-ops rule selects like it).
 
     Returns a :class:`MegatronHandle`; ``handle.remove()`` or ``with attach_replay(...):`` restores
     the routers. Each router then returns Megatron's ``(probs, routing_map)`` of the recorded ids,
     weighted by its config's rule (:func:`replay_rule`) from its live logits, so gradients reach the
     gate; a row of -1 (and a faulty row, counted for ``check_replay_errors``) keeps the router's
-    own output bit for bit. Works with ``moe_router_fusion=True``, where Megatron's own
+    own output (``live_rows``). Works with ``moe_router_fusion=True``, where Megatron's own
     ``RouterReplay`` never runs. A router that has Megatron's ``RouterReplay`` keeps it for its
     live routing; while attached, that RouterReplay's recorded/target ids see the live routing.
 
@@ -313,6 +361,8 @@ def attach_replay(
     ``layer_ids``; ImportError without megatron-core.
     """
     check_replayer(replayer, backend, call="layer_ids(layer, num_tokens, kind=...)")
+    if live_rows not in LIVE_ROWS:
+        raise ValueError(f"live_rows must be one of {LIVE_ROWS}, got {live_rows!r}")
     routers = find_routers(model)
     _check_target(replayer, "replayer", routers)
     rules = []
@@ -325,7 +375,7 @@ def attach_replay(
     return _attach(
         "replay",
         routers,
-        lambda inner, r: _ReplayHook(inner, r.kind, r.index, replayer, backend),
+        lambda inner, r: _ReplayHook(inner, r.kind, r.index, replayer, backend, live_rows),
         rules,
     )
 

@@ -84,6 +84,9 @@ def _megatron() -> SimpleNamespace:
         original=original,
         signature=inspect.signature(original),
         replay_position=list(parameters).index("router_replay"),
+        parameter_names=tuple(parameters),
+        # per count of positional arguments: the names the rest must be passed by
+        keywords=tuple(frozenset(list(parameters)[i:]) for i in range(3)),
         Router=router_module.Router,
         TopKRouter=router_module.TopKRouter,
         MultiTokenPredictionLayer=MultiTokenPredictionLayer,
