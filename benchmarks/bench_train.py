@@ -17,6 +17,8 @@ clock drift hits every peer alike; CUDA events around each step; medians):
   the router's own routing never runs) / ``moe_ops.integrations.hf.attach_replay``.
 * ``moe-ops router-rows`` - ``attach_replay(live_rows="router")``: rows of -1 keep the router's own
   output bit for bit, which runs the router's own routing on every call as well.
+* ``moe-ops recorded`` - ``attach_replay(weights="recorded")`` (router table): the rollout's weights
+  as the probs, the rule's gradient.
 
 Tables:
 
@@ -182,9 +184,8 @@ def _router_peers(case, n: int, device: str, rows: np.ndarray):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(n, case.num_experts, generator=gen).to(device)
     g = torch.randn(n, case.num_experts, generator=gen).to(device)
-    routers = {
-        name: megatron_router(case, device) for name in ("live", "megatron", "moe-ops", "moe-ops router-rows")
-    }
+    names = ("live", "megatron", "moe-ops", "moe-ops router-rows", "moe-ops recorded")
+    routers = {name: megatron_router(case, device) for name in names}
     target = torch.from_numpy(rows[:, 0]).long()
     # Megatron's RouterReplay has no "route live" row: the -1 rows take the live router's ids
     with torch.no_grad():
@@ -194,11 +195,16 @@ def _router_peers(case, n: int, device: str, rows: np.ndarray):
     replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     replay.set_target_indices(target)
     routers["megatron"].router_replay = replay
-    replayer = RoutingReplayer(mg.routing_shape(routers["live"].config), n, device)
-    replayer.set_batch(rows)
+    replayer = RoutingReplayer(
+        mg.routing_shape(routers["live"].config), n, device, weights_dtype=torch.float32
+    )
+    # the rollout's weights: k/128 (exact in every weights dtype), NaN where no record
+    weights = np.random.default_rng(2).integers(1, 128, size=rows.shape).astype(np.float32) / 128
+    replayer.set_batch(rows, weights=np.where(rows >= 0, weights, np.nan))
     handles = [
         mg.attach_replay(routers["moe-ops"], replayer),
         mg.attach_replay(routers["moe-ops router-rows"], replayer, live_rows="router"),
+        mg.attach_replay(routers["moe-ops recorded"], replayer, weights="recorded"),
     ]
 
     def make(router):
@@ -220,8 +226,8 @@ def router_table(cases, sizes, quick: bool) -> Table:
     megatron_setup("cuda")
     t = Table(
         "train: Megatron TopKRouter.routing forward+backward (ms, CUDA events, median)",
-        ["case", "n", "live", "megatron", "moe-ops", "moe-ops router-rows", "moe-ops/live",
-         "moe-ops/megatron", "target", "met"],
+        ["case", "n", "live", "megatron", "moe-ops", "moe-ops router-rows", "moe-ops recorded",
+         "moe-ops/live", "moe-ops/megatron", "target", "met"],
     )  # fmt: skip
     for case in (c for c in cases if c.framework == "megatron"):
         for n in sizes:
@@ -239,7 +245,8 @@ def router_table(cases, sizes, quick: bool) -> Table:
                     h.remove()
             ratio = ms["moe-ops"] / ms["live"]
             t.add(
-                case.name, n, ms["live"], ms["megatron"], ms["moe-ops"], ms["moe-ops router-rows"], ratio,
+                case.name, n, ms["live"], ms["megatron"], ms["moe-ops"], ms["moe-ops router-rows"],
+                ms["moe-ops recorded"], ratio,
                 ms["moe-ops"] / ms["megatron"], f"<= {TARGET_ROUTER} live, < megatron",
                 "met" if ratio <= TARGET_ROUTER and ms["moe-ops"] < ms["megatron"] else "missed",
             )  # fmt: skip
@@ -340,7 +347,7 @@ def hf_model(case, device: str, dtype: torch.dtype, *, tiny: bool = False):
     sizes = {} if tiny else dict(
         hidden_size=HIDDEN, intermediate_size=2 * FFN, moe_intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_experts=case.num_experts, num_experts_per_tok=case.top_k, num_attention_heads=8,
-        num_key_value_heads=8, head_dim=128, vocab_size=4096,
+        num_key_value_heads=8, norm_topk_prob=True, head_dim=128, vocab_size=4096,
     )  # fmt: skip
     model = build_tiny_model("qwen3_moe", dtype=dtype, device=device, **sizes)
     return model.train()

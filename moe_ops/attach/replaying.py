@@ -34,6 +34,7 @@ from ..router.methods import GroupScore, RoutingMethod
 from .sites import REPLAY_MARK, AttachHandle, RouterSite, check_unwrapped, describe_output, mark_wrapper
 
 __all__ = [
+    "WEIGHT_MODES",
     "ReplayHandle",
     "ReplayRule",
     "check_replay_sites",
@@ -101,6 +102,7 @@ def replay_routing_rule(
     row_count: torch.Tensor | None = None,
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    recorded_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``replay_routing`` of ``recorded_ids`` under ``rule``: ``(weights, ids)``, ids int64.
 
@@ -109,6 +111,11 @@ def replay_routing_rule(
     A row of -1 and a faulty row are routed live by ``rule.method`` (faulty ones counted), as
     ``replay_routing`` does. Weights have ``replay_routing``'s dtype (float32, float64 for
     float64 logits) or ``weights_fn``'s.
+
+    ``recorded_weights``: (n, top_k) - the rollout's weights of ``recorded_ids`` (NaN: none):
+    ``replay_routing``'s ``weights="recorded"`` - on every replayed row whose recorded weights are
+    all finite the value is the record and the gradient the rule's (straight-through, also for a
+    ``weights_fn`` rule); other rows keep the computed weights.
     """
     x = router_logits if router_logits.dtype in REPLAY_LOGIT_DTYPES else router_logits.to(torch.float32)
     weights, ids = replay_routing(
@@ -125,10 +132,17 @@ def replay_routing_rule(
         hash_table=hash_table,
         token_ids=token_ids,
         group_score=rule.group_score,
-    )
+        **({} if recorded_weights is None or rule.weights_fn is not None else {
+            "weights": "recorded", "recorded_weights": recorded_weights,
+        }),
+    )  # fmt: skip
     ids = ids.to(torch.int64)
     if rule.weights_fn is not None:
         weights = rule.weights_fn(router_logits, ids)
+        if recorded_weights is not None:  # replay_routing's straight-through rule, on these weights
+            recorded = recorded_weights.to(weights.dtype)
+            use = (ids == recorded_ids).all(-1, keepdim=True) & recorded.isfinite().all(-1, keepdim=True)
+            weights = torch.where(use, recorded + (weights - weights.detach()), weights)
     return weights, ids
 
 
@@ -144,6 +158,7 @@ def replay_router_output(
     row_count: torch.Tensor | None = None,
     hash_table: torch.Tensor | None = None,
     token_ids: torch.Tensor | None = None,
+    recorded_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The replayed ``(weights, ids)`` of one router call.
 
@@ -161,9 +176,12 @@ def replay_router_output(
             forward kernel), or None.
         hash_table, token_ids: a hash layer's table and token ids (``replay_routing``'s): a faulty
             row takes the table's ids instead of the method's live routing.
+        recorded_weights: (n, k) or None - the rollout's weights of ``recorded_ids`` (NaN: none),
+            for ``weights="recorded"`` (:func:`replay_routing_rule`).
 
     Returns:
-        weights: (n, k) ``live_weights.dtype`` - the rule's weights at the recorded ids; on a row of
+        weights: (n, k) ``live_weights.dtype`` - the rule's weights at the recorded ids (the
+            recorded weights' values where given and finite, the rule's gradient); on a row of
             -1 the router's own ``live_weights`` row, unchanged.
         ids: (n, k) ``live_ids.dtype`` - the recorded ids, column order kept; on a row of -1 the
             router's own ids; on a faulty row (an id out of range, an expert twice) the live
@@ -191,6 +209,7 @@ def replay_router_output(
         row_count=row_count,
         hash_table=hash_table,
         token_ids=token_ids,
+        recorded_weights=recorded_weights,
     )
     weights = torch.where(live_row, live_weights, weights.to(live_weights.dtype))
     return weights, ids.to(live_ids.dtype)
@@ -224,6 +243,7 @@ def replaying_forward(
     *,
     backend: str = "auto",
     path: str | None = None,
+    weights: str = "computed",
 ) -> Callable:
     """``original`` (a router returning ``(router_logits, weights, ids)``) with its weights and ids
     replaced by the replayed ones of ``replayer.layer_ids(layer, n)``; same tuple, dtypes, shapes.
@@ -239,6 +259,10 @@ def replaying_forward(
         module: the router module (its bias, and the argument of a ``rule`` function).
         backend: ``replay_routing``'s backend.
         path: the router's module path, for error messages.
+        weights: "computed" (the rule's weights from the live logits) or "recorded" (the
+            replayer's recorded weights where it has them, :func:`replay_routing_rule`; the
+            replayer needs ``rows(..., weights=True)``, a ``RoutingReplayer`` with
+            ``weights_dtype``: :func:`check_replayer`).
 
     Per call, ValueError when the router's ids per token differ from the replayer's (a ``top_k``
     changed after attaching): shapes are host values, so the check reads nothing from the device.
@@ -255,6 +279,7 @@ def replaying_forward(
     # the router's signature: fixed when wrapping, whatever its fields do later
     capture_kwarg = (rule if isinstance(rule, ReplayRule) else rule(module)).capture_kwarg
     rows = getattr(replayer, "rows", None) if callable(getattr(replayer, "rows", None)) else None
+    with_weights = weights == "recorded"
 
     def forward(*args, **kwargs):
         capture = kwargs.pop(capture_kwarg, None) if capture_kwarg is not None else None
@@ -265,8 +290,9 @@ def replaying_forward(
         # a RoutingReplayer's rows come with the row count its device check needs (in a compiled or
         # graphed step; None where the host checked): the check rides in replay_routing's forward
         # kernel, no op of its own. Another replayer checks what it checks
+        recorded_weights = None
         if rows is not None:
-            recorded, row_count = rows(layer, n)
+            recorded, row_count, recorded_weights = rows(layer, n, weights=with_weights)
         else:
             recorded, row_count = replayer.layer_ids(layer, n), None
         if recorded.shape[-1] != live_ids.shape[-1]:
@@ -299,6 +325,7 @@ def replaying_forward(
             bias=bias,
             backend=backend,
             row_count=row_count,
+            recorded_weights=recorded_weights,
             **hashed,
         )
         if capture is not None:
@@ -316,11 +343,18 @@ class ReplayHandle(AttachHandle):
     """What ``attach_replay`` attached (transformers, the reference model); see :class:`AttachHandle`."""
 
 
+WEIGHT_MODES = ("computed", "recorded")
+
+
 def check_replayer(
-    replayer: Any, backend: str, call: str = "layer_ids(model_layer_index, num_tokens)"
+    replayer: Any,
+    backend: str,
+    call: str = "layer_ids(model_layer_index, num_tokens)",
+    weights: str = "computed",
 ) -> None:
     """TypeError for a ``replayer`` without ``layer_ids`` (``call`` is the signature the message
-    shows), ValueError for an unknown ``backend``."""
+    shows), ValueError for an unknown ``backend`` or ``weights`` mode, and for ``weights="recorded"``
+    with a replayer that keeps no weights (a ``RoutingReplayer`` without ``weights_dtype``)."""
     if not callable(getattr(replayer, "layer_ids", None)):
         raise TypeError(
             f"replayer must have a {call} method (e.g. moe_ops.RoutingReplayer), "
@@ -328,6 +362,15 @@ def check_replayer(
         )
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {', '.join(map(repr, WEIGHT_MODES))}, got {weights!r}")
+    if weights == "recorded" and (
+        not callable(getattr(replayer, "rows", None)) or getattr(replayer, "weights_dtype", None) is None
+    ):
+        raise ValueError(
+            'weights="recorded" needs a replayer that keeps the recorded weights: '
+            "RoutingReplayer(..., weights_dtype=torch.float32) and set_batch(routing, weights=...)"
+        )
 
 
 def check_rule(rule: ReplayRule, module: nn.Module, path: str, top_k: int | None) -> None:

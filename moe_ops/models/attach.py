@@ -30,7 +30,9 @@ def lists_its_routers(model: object) -> bool:
     return callable(getattr(base, "replay_routers", None))
 
 
-def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> ReplayHandle:
+def attach_replay(
+    model: nn.Module, replayer: Any, *, backend: str = "auto", weights: str = "computed"
+) -> ReplayHandle:
     """Makes every MoE router of ``model`` return the ids in ``replayer``, weighted by its own rule.
 
     Args:
@@ -41,6 +43,7 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
             a ``shape`` its ``moe_layers`` must be exactly the model's MoE layers, its ``top_k`` and
             ``num_experts`` the routers'.
         backend: ``replay_routing``'s backend ("auto", "triton", "torch").
+        weights: "computed" or "recorded", as in :func:`moe_ops.integrations.hf.attach_replay`.
 
     Returns a :class:`~moe_ops.attach.replaying.ReplayHandle` (``arch`` "reference"); ``remove()`` or
     a ``with`` block restores the routers. Each MoE block's ``router`` method is replaced on its
@@ -54,7 +57,7 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
     shape or device that does not fit the model, a rule ``replay_routing`` would refuse, or a
     router that already replays.
     """
-    check_replayer(replayer, backend)
+    check_replayer(replayer, backend, weights=weights)
     if not lists_its_routers(model):
         raise TypeError(
             "model must list its routers (replay_routers(), e.g. moe_ops.models.ReferenceMoEModel), "
@@ -77,6 +80,7 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
             site.module,
             backend=backend,
             path=site.path,
+            weights=weights,
         )
         for site, rule in zip(sites, rules, strict=True)
     ]

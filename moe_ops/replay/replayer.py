@@ -50,7 +50,7 @@ import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -62,7 +62,14 @@ from ..wire import check_layer_axis
 from .kernels import REPLAY_FAULT_ROW_COUNT, add_count
 from .op import replay_fault_counter
 
-__all__ = ["LAYER_KINDS", "NO_RECORD_MARKERS", "RoutingReplayer", "replay_batch"]
+__all__ = [
+    "LAYER_KINDS",
+    "NO_RECORD_MARKERS",
+    "WEIGHT_DTYPES",
+    "ReplayRows",
+    "RoutingReplayer",
+    "replay_batch",
+]
 
 # "decoder": a layer of the model's decoder stack (model-layer index, mapped to the MoE-only axis);
 # "mtp": a multi-token-prediction layer (its own index from 0, its own columns)
@@ -149,6 +156,37 @@ def _as_host_array(name: str, value: Any) -> np.ndarray:
     if value.dtype == np.bool_:
         raise ValueError(f"{name} must hold integer expert ids, got dtype bool")
     return value
+
+
+# the dtypes a replayer's recorded weights are kept in (replay_routing's recorded_weights takes them)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _host_weights(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` (a float numpy array or CPU tensor) as a CPU tensor of ``dtype``; ValueError where a
+    value would change in the cast (NaN stays NaN: a row without recorded weights)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind != "f":
+            raise ValueError(f"{name} must hold floating-point weights, got dtype {value.dtype}")
+        value = torch.from_numpy(value)
+    elif not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a numpy array or a torch.Tensor, got {type(value).__name__}")
+    elif value.device.type != "cpu":
+        raise ValueError(f"{name} must be on the replayer's device or the host, got {value.device}")
+    if not value.dtype.is_floating_point:
+        raise ValueError(f"{name} must hold floating-point weights, got dtype {value.dtype}")
+    out = value.to(dtype)
+    if value.dtype != dtype and value.numel():
+        wide, back = value.to(torch.float64), out.to(torch.float64)
+        changed = (wide != back) & ~(wide.isnan() & back.isnan())
+        if changed.any():
+            where = [int(i) for i in changed.nonzero()[0]]
+            raise ValueError(
+                f"{name} holds {int(changed.sum())} weight(s) that {dtype} cannot hold exactly, the first "
+                f"at [row, layer, k] = {where}: {float(wide[tuple(where)])!r}; build the replayer with "
+                f"weights_dtype={value.dtype} (or round the weights first)"
+            )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -357,6 +395,17 @@ class _Selection:
 # ---------------------------------------------------------------------------------------------------
 
 
+class ReplayRows(NamedTuple):
+    """One router call's rows from :meth:`RoutingReplayer.rows`."""
+
+    # (n, top_k) int32 view: the recorded ids (-1: no record)
+    ids: torch.Tensor
+    # (1,) int32 for replay_routing's device check, or None where the host checked
+    row_count: torch.Tensor | None
+    # (n, top_k) weights_dtype view: the recorded weights (NaN: none), or None when not asked for
+    weights: torch.Tensor | None
+
+
 class RoutingReplayer:
     """The recorded ids of a training batch (or of ``num_slots`` micro-batches), on the device, for
     every MoE layer of one model.
@@ -378,6 +427,11 @@ class RoutingReplayer:
             ``live_buffer`` (the routers wrapped by ``attach_replay`` write it), for
             ``routing_mismatch`` without a second forward. Costs one small device copy per router
             call.
+        weights_dtype: keep the rollout's routing weights beside the ids (float32, bfloat16 or
+            float16; None: ids only), for ``attach_replay(..., weights="recorded")``: each batch's
+            weights come with :meth:`set_batch` (``weights=``), and a router reads its layer's
+            with :meth:`rows`. A row without recorded weights holds NaN (the computed weights are
+            used there).
 
     Attributes:
         buffer: (max_num_tokens, shape.num_layers, shape.top_k) int32 on ``device`` - the rows
@@ -392,6 +446,10 @@ class RoutingReplayer:
             with ``record_live`` (else None) - rows ``[0, n)`` of each layer: the ids that layer's
             router chose itself in the last replayed forward (n = its rows), -1 before the first.
         mtp_live_buffer: the same for the MTP layers (None without ``record_live``).
+        weights_buffer: (max_num_tokens, shape.num_layers, shape.top_k) ``weights_dtype`` on
+            ``device``, only with ``weights_dtype`` (else None) - the selected slot's recorded
+            weights, column for column with ``buffer``; NaN where none were given.
+        mtp_weights_buffer: the same for the MTP layers (None without ``weights_dtype``).
         num_tokens: host int, the rows of the selected slot's batch (0 before its first
             :meth:`set_batch`).
         slot: host int, the selected slot (0 until :meth:`select`).
@@ -419,6 +477,7 @@ class RoutingReplayer:
         num_mtp_layers: int = 0,
         no_record: int = -1,
         record_live: bool = False,
+        weights_dtype: torch.dtype | None = None,
     ):
         if not isinstance(shape, RoutingShape):
             raise TypeError(f"shape must be a RoutingShape, got {type(shape).__name__}")
@@ -436,6 +495,9 @@ class RoutingReplayer:
         if not isinstance(record_live, bool):
             raise TypeError(f"record_live must be True or False, got {record_live!r}")
         self.record_live = record_live
+        if weights_dtype is not None and weights_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weights_dtype must be None or one of {WEIGHT_DTYPES}, got {weights_dtype!r}")
+        self.weights_dtype = weights_dtype
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -470,20 +532,40 @@ class RoutingReplayer:
             if record_live:
                 self.live_buffer = torch.full(rows, -1, dtype=torch.int32, device=device)
                 self.mtp_live_buffer = torch.full(mtp_rows, -1, dtype=torch.int32, device=device)
-            # each slot's storage (num_slots > 1): select() copies one into buffer / mtp_buffer
-            self._slots = self._mtp_slots = None
+            self.weights_buffer = self.mtp_weights_buffer = None
+            if weights_dtype is not None:
+                self.weights_buffer = torch.full(rows, float("nan"), dtype=weights_dtype, device=device)
+                self.mtp_weights_buffer = torch.full(
+                    mtp_rows, float("nan"), dtype=weights_dtype, device=device
+                )
+            # each slot's storage (num_slots > 1): select() copies one into buffer / mtp_buffer (and
+            # the weights buffers)
+            self._slots = self._mtp_slots = self._weight_slots = self._mtp_weight_slots = None
             if num_slots > 1:
                 self._slots = torch.full((num_slots, *rows), -1, dtype=torch.int32, device=device)
                 self._mtp_slots = torch.full((num_slots, *mtp_rows), -1, dtype=torch.int32, device=device)
+                if weights_dtype is not None:
+                    nan = float("nan")
+                    self._weight_slots = torch.full(
+                        (num_slots, *rows), nan, dtype=weights_dtype, device=device
+                    )
+                    self._mtp_weight_slots = torch.full(
+                        (num_slots, *mtp_rows), nan, dtype=weights_dtype, device=device
+                    )
         except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             per_batch = max_num_tokens * (shape.num_layers + num_mtp_layers) * shape.top_k * 4
+            if weights_dtype is not None:
+                per_batch += per_batch // 4 * weights_dtype.itemsize
             buffers = (num_slots + 1 if num_slots > 1 else 1) + (1 if record_live else 0)
             raise ValueError(
                 f"RoutingReplayer(max_num_tokens={max_num_tokens}, num_slots={num_slots}) needs "
                 f"{buffers} buffers of {per_batch} bytes on {device} ({buffers * per_batch} bytes), which "
                 f"could not be allocated ({type(exc).__name__}: {exc}); lower num_slots or max_num_tokens"
             ) from exc
-        for t in (self.buffer, self.mtp_buffer, self.row_count, self.live_buffer, self.mtp_live_buffer):
+        for t in (
+            self.buffer, self.mtp_buffer, self.row_count, self.live_buffer, self.mtp_live_buffer,
+            self.weights_buffer, self.mtp_weights_buffer,
+        ):  # fmt: skip
             if t is not None:
                 torch._dynamo.mark_static_address(t)
 
@@ -503,9 +585,12 @@ class RoutingReplayer:
         *,
         slot: int = 0,
         mtp_routing: np.ndarray | torch.Tensor | None = None,
+        weights: np.ndarray | torch.Tensor | None = None,
+        mtp_weights: np.ndarray | torch.Tensor | None = None,
         stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """Copies one batch's ids into slot ``slot`` in place; rows past them read as -1.
+        """Copies one batch's ids (and weights) into slot ``slot`` in place; rows past them read as -1
+        (weights NaN).
 
         Args:
             routing: (num_tokens, shape.num_layers, top_k) integer - the ids of every router row
@@ -519,6 +604,13 @@ class RoutingReplayer:
                 routers read the new batch from the next forward on.
             mtp_routing: (num_tokens, num_mtp_layers, top_k) integer - the MTP layers' ids for
                 the same tokens, as ``routing``; None: the MTP layers route live.
+            weights: routing's shape, floating point - the rollout's weights of ``routing``, column
+                for column (its weights channel), for ``attach_replay(..., weights="recorded")``;
+                only for a replayer built with ``weights_dtype``. A host array is cast to
+                ``weights_dtype`` and refused (ValueError) where a value would change; a device
+                tensor must have ``weights_dtype`` already (it is not read on the host). NaN marks a
+                row without recorded weights (the computed ones are used). None: every row NaN.
+            mtp_weights: the same for ``mtp_routing``.
             stream: the stream the step runs on (default: the current stream).
 
         Host arrays are checked here: every id must be in ``[0, num_experts)`` or -1, else
@@ -543,6 +635,10 @@ class RoutingReplayer:
             mtp = self._rows("mtp_routing", mtp_routing, self.num_mtp_layers, stream)
             if mtp.shape[0] != n:
                 raise ValueError(f"mtp_routing must have routing's {n} rows, got {mtp.shape[0]}")
+        if mtp_weights is not None and mtp_routing is None:
+            raise ValueError("mtp_weights given without mtp_routing: the weights of which MTP ids?")
+        w = self._weights("weights", weights, tuple(src.shape), stream)
+        mtp_w = None if mtp is None else self._weights("mtp_weights", mtp_weights, tuple(mtp.shape), stream)
         with self._lock:
             stale = self._slot_tokens[slot]
             self._generation[slot] += 1
@@ -552,6 +648,13 @@ class RoutingReplayer:
             else:
                 self._write(self._slots[slot], src, stale, stream)
                 self._write(self._mtp_slots[slot], mtp, stale, stream)
+            if self.weights_dtype is not None:
+                one = self._weight_slots is None
+                self._write_weights(
+                    self.weights_buffer if one else self._weight_slots[slot], w, n, stale, stream
+                )
+                mtp_dst = self.mtp_weights_buffer if one else self._mtp_weight_slots[slot]
+                self._write_weights(mtp_dst, mtp_w, n, stale, stream)
             self._slot_tokens[slot] = n
             self._slot_set[slot] = True
             if slot == self.slot:
@@ -608,6 +711,48 @@ class RoutingReplayer:
             wide = torch.where((wide == self.no_record).all(-1, keepdim=True), -1, wide)
         return wide.to(torch.int32)
 
+    def _weights(self, name: str, value: Any, shape: tuple[int, ...], stream) -> torch.Tensor | None:
+        """``value`` checked: a host tensor or a device tensor of ``weights_dtype`` with the ids'
+        ``shape``; None for None."""
+        if value is None:
+            return None
+        if self.weights_dtype is None:
+            raise ValueError(
+                f"{name} given, but this replayer keeps no weights: build it with "
+                "RoutingReplayer(..., weights_dtype=torch.float32) (or the rollout's weights dtype)"
+            )
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            if value.device != self.device:
+                raise ValueError(
+                    f"{name} must be on the replayer's device {self.device} or the host, got {value.device}"
+                )
+            if value.dtype != self.weights_dtype:
+                raise ValueError(
+                    f"{name} on the device must have weights_dtype={self.weights_dtype} (a device tensor is "
+                    f"not cast: its values cannot be checked without a host read), got {value.dtype}"
+                )
+        else:
+            value = _host_weights(name, value, self.weights_dtype)
+        if tuple(value.shape) != shape:
+            raise ValueError(f"{name} must have the ids' shape {shape}, got {tuple(value.shape)}")
+        return value
+
+    def _write_weights(self, dst: torch.Tensor, src: torch.Tensor | None, n: int, stale: int, stream) -> None:
+        """``dst[:n] = src`` (NaN for None), ``dst[n:stale] = NaN``."""
+        rows = max(n, stale)
+        if dst.shape[1] == 0 or rows == 0:
+            return
+        if src is None or src.device.type == "cpu":
+            host = torch.full((rows, *dst.shape[1:]), float("nan"), dtype=dst.dtype)
+            if src is not None:
+                host[:n] = src
+            self._copy(dst[:rows], host, stream)
+        else:
+            with self._on(stream):
+                dst[:n].copy_(src)
+                if stale > n:
+                    dst[n:stale].fill_(float("nan"))
+
     def _write(self, dst: torch.Tensor, src: Any, stale: int, stream) -> None:
         """``dst[:n] = src``, ``dst[n:stale] = -1`` (``src`` None: ``n = 0``)."""
         if dst.shape[1] == 0:
@@ -652,6 +797,10 @@ class RoutingReplayer:
                 self.buffer[:rows].copy_(self._slots[slot, :rows])
                 if self.num_mtp_layers:
                     self.mtp_buffer[:rows].copy_(self._mtp_slots[slot, :rows])
+                if self._weight_slots is not None:
+                    self.weights_buffer[:rows].copy_(self._weight_slots[slot, :rows])
+                    if self.num_mtp_layers:
+                        self.mtp_weights_buffer[:rows].copy_(self._mtp_weight_slots[slot, :rows])
         with self._on(stream):
             # a fill kernel with n as its argument: no pinned staging copy (about 20 us of host time
             # per select on the H200 host against a few for the launch)
@@ -747,6 +896,13 @@ class RoutingReplayer:
         forward kernel when the caller passes ``row_count`` there (``device_check=False``). No
         copies: safe inside torch.compile and CUDA graphs.
         """
+        return self._read(model_layer_index, num_tokens, kind, device_check, False)[0]
+
+    def _read(
+        self, model_layer_index: int, num_tokens: int, kind: str, device_check: bool, weights: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(ids, weights or None) views of one layer's rows of the batch this call reads (see
+        :meth:`layer_ids`); ``weights``: also the recorded weights' view."""
         column, source, what = self._column(model_layer_index, kind)
         if num_tokens < 0:
             raise ValueError(f"{what} asks for {num_tokens} rows: num_tokens must be >= 0")
@@ -754,35 +910,47 @@ class RoutingReplayer:
             raise ValueError(
                 f"{what} has {num_tokens} rows, more than the replayer's max_num_tokens={self.max_num_tokens}"
             )
+        wsource = None
+        if weights:
+            if self.weights_dtype is None:
+                raise ValueError(
+                    f"{what} asks for recorded weights, but this replayer keeps none: build it with "
+                    "RoutingReplayer(..., weights_dtype=...) and pass set_batch(..., weights=...)"
+                )
+            wsource = self.weights_buffer if kind == "decoder" else self.mtp_weights_buffer
         if torch.compiler.is_compiling():
             if device_check:
                 self._check_rows_on_device(num_tokens)
-            return source[:num_tokens, column]
+            return source[:num_tokens, column], None if wsource is None else wsource[:num_tokens, column]
         slot = self._eager_slot()
         if slot is not None:  # a recompute whose forward read another slot: that slot's storage
             if num_tokens != self._slot_tokens[slot]:
                 raise ValueError(self._row_message(what, num_tokens, slot))
             storage = self._slots if kind == "decoder" else self._mtp_slots
-            return storage[slot, :num_tokens, column]
+            wstorage = self._weight_slots if kind == "decoder" else self._mtp_weight_slots
+            recorded = None if wsource is None else wstorage[slot, :num_tokens, column]
+            return storage[slot, :num_tokens, column], recorded
         if num_tokens != self.num_tokens:
             raise ValueError(self._row_message(what, num_tokens, self.slot))
         if device_check and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             self._check_rows_on_device(num_tokens)
-        return source[:num_tokens, column]
+        return source[:num_tokens, column], None if wsource is None else wsource[:num_tokens, column]
 
     def rows(
-        self, model_layer_index: int, num_tokens: int, *, kind: str = "decoder"
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(ids, row_count)``: :meth:`layer_ids`' rows, and what ``replay_routing``'s
-        ``row_count`` should check them against on the device - the (1,) ``row_count`` where only
-        the device can check (inside a compiled function or a CUDA-graph capture), None where the
-        host checked exactly (an eager call: a mismatch raised already). What the wrappers of
-        ``attach_replay`` call."""
-        ids = self.layer_ids(model_layer_index, num_tokens, kind=kind, device_check=False)
+        self, model_layer_index: int, num_tokens: int, *, kind: str = "decoder", weights: bool = False
+    ) -> ReplayRows:
+        """:class:`ReplayRows` ``(ids, row_count, weights)``: :meth:`layer_ids`' rows; what
+        ``replay_routing``'s ``row_count`` should check them against on the device - the (1,)
+        ``row_count`` where only the device can check (inside a compiled function or a CUDA-graph
+        capture), None where the host checked exactly (an eager call: a mismatch raised already);
+        and with ``weights=True`` the same rows of the recorded weights (``(num_tokens, top_k)``
+        ``weights_dtype``, NaN where none were recorded; ValueError for a replayer without
+        ``weights_dtype``), else None. What the wrappers of ``attach_replay`` call."""
+        ids, recorded = self._read(model_layer_index, num_tokens, kind, False, weights)
         on_device = torch.compiler.is_compiling() or (
             self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         )
-        return ids, self.row_count if on_device else None
+        return ReplayRows(ids, self.row_count if on_device else None, recorded)
 
     def _column(self, model_layer_index: int, kind: str) -> tuple[int, torch.Tensor, str]:
         """(column, the selected buffer it is in, the router in words) of a router's layer."""

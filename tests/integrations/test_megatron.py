@@ -424,6 +424,60 @@ def test_bench_train_router_replays_like_megatron(live_rows):
     compare_with_megatron_replay(bench, live_rows=live_rows)
 
 
+@pytest.mark.parametrize("live_rows", ["rule", "router"])
+@pytest.mark.parametrize("router_dtype", ["fp32", None])
+def test_recorded_weights_are_the_probs_and_the_rules_gradient(live_rows, router_dtype):
+    """weights="recorded": each recorded row's probs are the rollout's weights (in the router's
+    dtype), a row without recorded weights (NaN) or without a record (-1) keeps the computed probs,
+    and the logits' gradient is the computed mode's (straight-through), for a method rule (fp32)
+    and Megatron's own ops (bf16)."""
+    (case,) = [c for c in BENCH_CASES["train"] if c.framework == "megatron"]
+    fields = dict(
+        moe_router_score_function="sigmoid", moe_router_topk=case.top_k, num_moe_experts=case.num_experts,
+        moe_router_topk_scaling_factor=case.scale, moe_router_enable_expert_bias=case.expert_bias,
+        moe_router_num_groups=case.num_groups, moe_router_group_topk=case.group_topk,
+        moe_router_dtype=router_dtype,
+    )  # fmt: skip
+    router = build_router(fields, seed=5)
+    rng = np.random.default_rng(5)
+    n = 8
+    ids = distinct_rows(rng, n, mg.routing_shape(router.config))
+    weights = rng.integers(1, 128, size=ids.shape).astype(np.float32) / 128  # exact in bf16
+    ids[7], weights[7] = -1, np.nan
+    weights[3] = np.nan
+    dtype = ROUTER_DTYPES[router_dtype]
+    x = torch.randn(4, 2, HIDDEN, generator=torch.Generator().manual_seed(6)).to(
+        torch.float32 if router_dtype else torch.bfloat16
+    )
+    grad_out = torch.randn(n, case.num_experts, generator=torch.Generator().manual_seed(7))
+    replayer = RoutingReplayer(mg.routing_shape(router.config), n, "cpu", weights_dtype=torch.float32)
+    replayer.set_batch(ids, weights=weights)
+    with mg.attach_replay(router, replayer, live_rows=live_rows):
+        computed = run_router(router, x, grad_out)
+    with mg.attach_replay(router, replayer, live_rows=live_rows, weights="recorded"):
+        ours = run_router(router, x, grad_out)
+    assert torch.equal(ours.map, computed.map)
+    k_ids = torch.from_numpy(ids[:, 0]).long()
+    recorded = torch.from_numpy(weights[:, 0]).to(dtype)
+    rows = [0, 1, 2, 4, 5, 6]
+    assert torch.equal(ours.probs[rows].gather(1, k_ids[rows]), recorded[rows])
+    assert torch.equal(ours.probs[[3, 7]], computed.probs[[3, 7]])
+    torch.testing.assert_close(ours.logits_grad, computed.logits_grad, rtol=0, atol=1e-6)
+    assert check_replay_errors("cpu", raise_error=False) == 0
+
+
+def test_recorded_weights_need_a_replayer_that_keeps_them_megatron():
+    router = build_router({})
+    replayer = RoutingReplayer(mg.routing_shape(router.config), 4, "cpu")
+    with pytest.raises(
+        ValueError, match='weights="recorded" needs a replayer that keeps the recorded weights'
+    ):
+        mg.attach_replay(router, replayer, weights="recorded")
+    with pytest.raises(ValueError, match="live_rows must be one of"):
+        mg.attach_replay(router, replayer, live_rows="live")
+    assert router.router_replay is None
+
+
 def test_rule_table():
     """Each Megatron configuration maps to the moe-ops method of docs/megatron.md's table, with
     Megatron's own operations (weights_fn) exactly where no method computes its rule."""

@@ -1086,3 +1086,51 @@ def test_gpu_cuda_graph_replays_each_batch_set_in_place(arch):
             outputs.append(static_logits.clone())
     assert not torch.allclose(outputs[0], outputs[1]), "the graph replayed the first batch again"
     assert check_replay_errors(raise_error=False) == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Recorded weights: attach_replay(..., weights="recorded")
+# ---------------------------------------------------------------------------------------------------
+
+
+@needs_hf
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_recorded_weights_reach_the_experts(arch):
+    """The experts receive the rollout's weights on every recorded row, the router's own on a row
+    of -1 and the computed ones where the record has no weights (NaN); the ids are the record's."""
+    model = build_tiny_model(arch)
+    shape = resolve_routing_shape(model.config)
+    x = tokens(1, 6, seed=4)
+    rng = np.random.default_rng(3)
+    ids = distinct_rows(rng, 6, shape)
+    weights = rng.integers(1, 128, size=ids.shape).astype(np.float32) / 128
+    ids[5] = -1  # the last token: no record
+    weights[5] = np.nan
+    weights[2, 0] = np.nan  # a layer's record without weights
+    replayer = RoutingReplayer(shape, 8, "cpu", weights_dtype=torch.float32)
+    replayer.set_batch(ids, weights=weights)
+    with attach_replay(model, replayer), ExpertsSpy(model) as computed_spy:
+        model(x)
+    with attach_replay(model, replayer, weights="recorded"), ExpertsSpy(model) as spy:
+        model(x)
+    for column, layer in enumerate(shape.moe_layers):
+        got, expected_ids = spy.weights[layer][-1], spy.calls[layer][-1]
+        assert torch.equal(expected_ids[:5], torch.from_numpy(ids[:5, column]).to(expected_ids.dtype))
+        recorded = torch.from_numpy(weights[:5, column]).to(got.dtype)
+        rows = [r for r in range(5) if not (r == 2 and column == 0)]
+        assert torch.equal(got[rows], recorded[rows]), f"layer {layer}: not the recorded weights"
+        if column == 0:  # the first MoE layer sees the same input in both runs (later ones do not)
+            assert torch.equal(got[5:], computed_spy.weights[layer][-1][5:])  # -1 row: the router's own
+            assert torch.equal(got[2], computed_spy.weights[layer][-1][2])  # NaN record: computed
+
+
+def test_recorded_weights_need_a_replayer_that_keeps_them():
+    model = ReferenceMoEModel(reference_config("tiny", num_layers=2))
+    replayer = RoutingReplayer(model.config.routing_shape(), 8, "cpu")
+    with pytest.raises(
+        ValueError, match='weights="recorded" needs a replayer that keeps the recorded weights'
+    ):
+        attach_replay(model, replayer, weights="recorded")
+    with pytest.raises(ValueError, match="weights must be one of 'computed', 'recorded'"):
+        attach_replay(model, replayer, weights="rollout")
+    assert not any("router" in vars(m) for m in model.modules()), "a refused attach left a wrapper"

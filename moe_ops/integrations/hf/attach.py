@@ -95,7 +95,9 @@ def attach_capture(
     return attach_wrappers(CaptureHandle, "capture", arch, sites, wrappers)
 
 
-def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> ReplayHandle:
+def attach_replay(
+    model: nn.Module, replayer: Any, *, backend: str = "auto", weights: str = "computed"
+) -> ReplayHandle:
     """Makes every MoE router of ``model`` return the ids in ``replayer``, weighted by its own rule.
 
     Args:
@@ -109,6 +111,10 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
             a ``shape`` its ``moe_layers`` must be exactly the decoder layers that have a router,
             and its ``top_k`` the routers' top_k.
         backend: ``replay_routing``'s backend ("auto", "triton", "torch").
+        weights: "computed" (the rule's weights from the live logits) or "recorded" (the rollout's
+            weights the replayer holds - ``RoutingReplayer(weights_dtype=...)``,
+            ``set_batch(..., weights=...)`` - as values, with the rule's gradient: docs/replay.md
+            "Recorded weights"; rows without recorded weights keep the computed ones).
 
     Returns a :class:`~moe_ops.attach.replaying.ReplayHandle`; ``handle.remove()`` or ``with
     attach_replay(...):`` restores the routers. Each wrapped router runs as before, then returns
@@ -133,8 +139,8 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
     router's own (live) ids; one attached after it goes on top and records the replayed ids.
     """
     if lists_its_routers(model):
-        return attach_own_replay(model, replayer, backend=backend)
-    check_replayer(replayer, backend)
+        return attach_own_replay(model, replayer, backend=backend, weights=weights)
+    check_replayer(replayer, backend, weights=weights)
     arch, routers = find_routers(model, caller="attach_replay")
     check_replay_version(arch)
     builder = rule_builder(arch)
@@ -147,7 +153,14 @@ def attach_replay(model: nn.Module, replayer: Any, *, backend: str = "auto") -> 
     # each wrapper calls the builder on the router's fields at every call
     wrappers = [
         replaying_forward(
-            site.module.forward, replayer, site.layer, builder, site.module, backend=backend, path=site.path
+            site.module.forward,
+            replayer,
+            site.layer,
+            builder,
+            site.module,
+            backend=backend,
+            path=site.path,
+            weights=weights,
         )
         for site in sites
     ]

@@ -122,11 +122,14 @@ def _selects_as_megatron(arguments: dict) -> bool:
 
 
 class _ReplayHook(_Hook):
-    def __init__(self, inner: Any, kind: str, index: int, replayer: Any, backend: str, live_rows: str):
+    def __init__(
+        self, inner: Any, kind: str, index: int, replayer: Any, backend: str, live_rows: str, weights: str
+    ):
         super().__init__(inner, kind, index)
         self.replayer = replayer
         self.backend = backend
         self.live_rows = live_rows
+        self.with_weights = weights == "recorded"
         # the rule of each set of arguments call_rule reads (the router's config at call time),
         # built once: a router call looks it up instead of building it again
         self.rules: dict[tuple, ReplayRule] = {}
@@ -151,8 +154,11 @@ class _ReplayHook(_Hook):
         # a RoutingReplayer's rows come with the row count its device check needs (None where the
         # host checked): the check rides in replay_routing's forward kernel
         kind = {"kind": "mtp"} if self.kind == "mtp" else {}
+        recorded_weights = None
         if callable(getattr(self.replayer, "rows", None)):
-            recorded, row_count = self.replayer.rows(self.index, n, **kind)
+            recorded, row_count, recorded_weights = self.replayer.rows(
+                self.index, n, **kind, weights=self.with_weights
+            )
         else:
             recorded, row_count = self.replayer.layer_ids(self.index, n, **kind), None
         key = (
@@ -167,8 +173,10 @@ class _ReplayHook(_Hook):
         if not self._needs_router_output(arguments):
             # the router's own routing never runs: replay_routing routes the -1 and faulty rows by
             # the rule (Megatron's selection), one kernel; then Megatron's dense form
-            weights, ids = replay_routing_rule(logits, recorded, rule, bias=bias, backend=self.backend,
-                                               row_count=row_count)  # fmt: skip
+            weights, ids = replay_routing_rule(
+                logits, recorded, rule, bias=bias, backend=self.backend, row_count=row_count,
+                recorded_weights=recorded_weights,
+            )  # fmt: skip
             return _dense(logits, ids, weights.to(logits.dtype))
         probs, routing_map = self.routed(arguments)
         live_ids = routing_ids(routing_map, top_k)
@@ -183,6 +191,7 @@ class _ReplayHook(_Hook):
             bias=bias,
             backend=self.backend,
             row_count=row_count,
+            recorded_weights=recorded_weights,
         )
         # rows whose ids are not the record: -1 rows and faulty ones (routed live by the method,
         # counted); both take the router's own output, so its selection (groups, fusion) decides
@@ -325,7 +334,12 @@ def _attach(
 
 
 def attach_replay(
-    model: nn.Module | Sequence[nn.Module], replayer: Any, *, backend: str = "auto", live_rows: str = "rule"
+    model: nn.Module | Sequence[nn.Module],
+    replayer: Any,
+    *,
+    backend: str = "auto",
+    live_rows: str = "rule",
+    weights: str = "computed",
 ) -> MegatronHandle:
     """Makes every ``TopKRouter`` of ``model`` route the ids in ``replayer``, fused or not.
 
@@ -346,6 +360,9 @@ def attach_replay(
             A call runs the router's own routing whatever this says where something needs it: a
             capture under the replay, Megatron's ``RouterReplay`` with an action set, a replayer
             with ``record_live``, softmax routing with groups (no moe-ops rule selects like it).
+        weights: "computed" (Megatron's rule from the live logits) or "recorded" (the rollout's
+            weights the replayer holds, ``RoutingReplayer(weights_dtype=...)``, as values with the
+            rule's gradient; rows without recorded weights keep the computed ones).
 
     Returns a :class:`MegatronHandle`; ``handle.remove()`` or ``with attach_replay(...):`` restores
     the routers. Each router then returns Megatron's ``(probs, routing_map)`` of the recorded ids,
@@ -360,7 +377,7 @@ def attach_replay(
     ``replay_routing`` refuses, or a router that already replays; TypeError for a replayer without
     ``layer_ids``; ImportError without megatron-core.
     """
-    check_replayer(replayer, backend, call="layer_ids(layer, num_tokens, kind=...)")
+    check_replayer(replayer, backend, call="layer_ids(layer, num_tokens, kind=...)", weights=weights)
     if live_rows not in LIVE_ROWS:
         raise ValueError(f"live_rows must be one of {LIVE_ROWS}, got {live_rows!r}")
     routers = find_routers(model)
@@ -375,7 +392,7 @@ def attach_replay(
     return _attach(
         "replay",
         routers,
-        lambda inner, r: _ReplayHook(inner, r.kind, r.index, replayer, backend, live_rows),
+        lambda inner, r: _ReplayHook(inner, r.kind, r.index, replayer, backend, live_rows, weights),
         rules,
     )
 
