@@ -107,7 +107,8 @@ def _dense(
         routing_map.index_put_((rows, ids), torch.ones_like(weights, dtype=template.dtype), accumulate=False)
         return probs, routing_map.bool()
     probs = torch.zeros_like(template).scatter(1, ids, weights)
-    routing_map = torch.zeros_like(template, dtype=torch.int32).scatter(1, ids, 1).bool()
+    # Megatron's zeros(int32).scatter(1).bool() in two kernels: the same map, written as bools
+    routing_map = torch.zeros_like(template, dtype=torch.bool).scatter_(1, ids, True)
     return probs, routing_map
 
 
