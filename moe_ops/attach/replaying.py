@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..replay.op import BACKENDS, replay_routing
+from ..replay.op import BACKENDS, _check_weights_mode, _straight_through, replay_routing
 from ..router.args import (
     FLOAT32_ROUNDS_TO_INF,
     REPLAY_LOGIT_DTYPES,
@@ -117,6 +117,8 @@ def replay_routing_rule(
     all finite the value is the record and the gradient the rule's (straight-through, also for a
     ``weights_fn`` rule); other rows keep the computed weights.
     """
+    if recorded_weights is not None:  # checked before anything runs, for both kinds of rule
+        _check_weights_mode("recorded", recorded_weights, recorded_ids, router_logits)
     x = router_logits if router_logits.dtype in REPLAY_LOGIT_DTYPES else router_logits.to(torch.float32)
     weights, ids = replay_routing(
         x,
@@ -140,9 +142,7 @@ def replay_routing_rule(
     if rule.weights_fn is not None:
         weights = rule.weights_fn(router_logits, ids)
         if recorded_weights is not None:  # replay_routing's straight-through rule, on these weights
-            recorded = recorded_weights.to(weights.dtype)
-            use = (ids == recorded_ids).all(-1, keepdim=True) & recorded.isfinite().all(-1, keepdim=True)
-            weights = torch.where(use, recorded + (weights - weights.detach()), weights)
+            weights = _straight_through(weights, ids, recorded_ids, recorded_weights)
     return weights, ids
 
 
@@ -292,7 +292,10 @@ def replaying_forward(
         # kernel, no op of its own. Another replayer checks what it checks
         recorded_weights = None
         if rows is not None:
-            recorded, row_count, recorded_weights = rows(layer, n, weights=with_weights)
+            if with_weights:
+                recorded, row_count, recorded_weights = rows(layer, n, weights=True)
+            else:  # a replayer's rows() without weights: (ids, row_count) first
+                recorded, row_count = rows(layer, n)[:2]
         else:
             recorded, row_count = replayer.layer_ids(layer, n), None
         if recorded.shape[-1] != live_ids.shape[-1]:

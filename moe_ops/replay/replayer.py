@@ -735,7 +735,9 @@ class RoutingReplayer:
             value = _host_weights(name, value, self.weights_dtype)
         if tuple(value.shape) != shape:
             raise ValueError(f"{name} must have the ids' shape {shape}, got {tuple(value.shape)}")
-        return value
+        # a record, not part of any graph: copying a tensor that requires grad would make the
+        # persistent buffer a node of its graph
+        return value.detach()
 
     def _write_weights(self, dst: torch.Tensor, src: torch.Tensor | None, n: int, stale: int, stream) -> None:
         """``dst[:n] = src`` (NaN for None), ``dst[n:stale] = NaN``."""

@@ -1134,3 +1134,30 @@ def test_recorded_weights_need_a_replayer_that_keeps_them():
     with pytest.raises(ValueError, match="weights must be one of 'computed', 'recorded'"):
         attach_replay(model, replayer, weights="rollout")
     assert not any("router" in vars(m) for m in model.modules()), "a refused attach left a wrapper"
+
+
+@needs_hf
+def test_a_replayer_whose_rows_return_a_pair_still_replays():
+    """A replayer of one's own with ``rows(layer, n) -> (ids, row_count)`` (the pair RoutingReplayer
+    returned before ``ReplayRows``) is read as before; only weights="recorded" asks for a third."""
+    model = build_tiny_model("qwen3_moe")
+    shape = resolve_routing_shape(model.config)
+    inner = RoutingReplayer(shape, 8, "cpu")
+    ids = distinct_rows(np.random.default_rng(1), 5, shape)
+    inner.set_batch(ids)
+
+    class PairReplayer:
+        def __init__(self):
+            self.shape, self.device = inner.shape, inner.device
+
+        def layer_ids(self, layer, n, **kwargs):
+            return inner.layer_ids(layer, n, **kwargs)
+
+        def rows(self, layer, n, **kwargs):
+            assert not kwargs, "asked for more than the pair"
+            got, row_count, _ = inner.rows(layer, n)
+            return got, row_count
+
+    with attach_replay(model, PairReplayer()):
+        _, routing = forward(model, tokens(1, 5, seed=1))
+    assert torch.equal(routing, torch.from_numpy(ids).to(routing.dtype))

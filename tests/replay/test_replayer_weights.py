@@ -173,3 +173,36 @@ def test_replay_routing_rule_takes_the_recorded_values_and_the_rules_gradient():
         assert torch.equal(out[~use], computed[~use].detach())
         (out * grad_out).sum().backward()
         torch.testing.assert_close(x.grad, expected_grad, rtol=0, atol=1e-7)
+
+
+def test_weights_that_require_grad_are_stored_as_a_record():
+    """A weights tensor that requires grad is copied as values: the buffer joins no graph, and the
+    rows read back carry no gradient to the caller's tensor."""
+    r = RoutingReplayer(SHAPE, 4, "cpu", weights_dtype=torch.float32)
+    ids, weights = batch(3)
+    w = torch.from_numpy(weights).requires_grad_()
+    r.set_batch(ids, weights=w)
+    r.set_batch(ids, weights=weights)
+    assert r.weights_buffer.grad_fn is None and not r.weights_buffer.requires_grad
+    assert not r.rows(1, 3, weights=True).weights.requires_grad
+
+
+def test_replay_routing_rule_checks_recorded_weights_for_every_kind_of_rule():
+    """Bad recorded weights raise before anything runs, for a method's rule (replay_routing checks
+    them) and for a ``weights_fn`` rule alike: never broadcast, never an integer record."""
+    logits = torch.randn(3, 8)
+    recorded = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+
+    def softmax_at(x, ids):
+        return torch.softmax(x, -1).gather(1, ids)
+
+    for rule in (
+        ReplayRule(RoutingMethod.RENORMALIZE),
+        ReplayRule(RoutingMethod.DEFAULT, weights_fn=softmax_at),
+    ):
+        with pytest.raises(ValueError, match="recorded_weights must have recorded_ids' shape"):
+            replay_routing_rule(logits, recorded, rule, recorded_weights=torch.ones(1, 2))
+        with pytest.raises(
+            ValueError, match="recorded_weights must be float16, bfloat16, float32 or float64"
+        ):
+            replay_routing_rule(logits, recorded, rule, recorded_weights=torch.ones(3, 2, dtype=torch.int64))

@@ -115,11 +115,12 @@ def _dense(
 LIVE_ROWS = ("rule", "router")
 
 
-def _selects_as_megatron(arguments: dict) -> bool:
+def _selects_as_megatron(arguments: dict, rule: ReplayRule) -> bool:
     """True where replay_routing's live routing under the call's rule chooses Megatron's experts
-    (up to scores that tie after rounding): every branch but softmax with groups, which no moe-ops
-    method routes (its rule weighs without groups)."""
-    return arguments["score_function"] == "sigmoid" or not arguments["group_topk"]
+    (up to scores that tie after rounding): every call whose groups the rule routes too - not
+    softmax with groups, nor sigmoid top-1 without a bias with groups (their rules weigh without
+    groups: no moe-ops method routes them)."""
+    return not arguments["group_topk"] or rule.n_group is not None
 
 
 class _ReplayHook(_Hook):
@@ -135,7 +136,7 @@ class _ReplayHook(_Hook):
         # built once: a router call looks it up instead of building it again
         self.rules: dict[tuple, ReplayRule] = {}
 
-    def _needs_router_output(self, arguments: dict) -> bool:
+    def _needs_router_output(self, arguments: dict, rule: ReplayRule) -> bool:
         """Whether this call runs the router's own routing: asked for (``live_rows="router"``), or
         needed by what sits under the hook or reads the live ids - a capture under it, Megatron's
         RouterReplay with an action (it records or replays), a replayer keeping the live ids - or
@@ -146,7 +147,7 @@ class _ReplayHook(_Hook):
             or isinstance(inner, _Hook)
             or getattr(inner, "router_replay_action", None) is not None
             or getattr(self.replayer, "record_live", False)
-            or not _selects_as_megatron(arguments)
+            or not _selects_as_megatron(arguments, rule)
         )
 
     def __call__(self, arguments: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,9 +158,12 @@ class _ReplayHook(_Hook):
         kind = {"kind": "mtp"} if self.kind == "mtp" else {}
         recorded_weights = None
         if callable(getattr(self.replayer, "rows", None)):
-            recorded, row_count, recorded_weights = self.replayer.rows(
-                self.index, n, **kind, weights=self.with_weights
-            )
+            if self.with_weights:
+                recorded, row_count, recorded_weights = self.replayer.rows(
+                    self.index, n, **kind, weights=True
+                )
+            else:  # a replayer's rows() without weights: (ids, row_count) first
+                recorded, row_count = self.replayer.rows(self.index, n, **kind)[:2]
         else:
             recorded, row_count = self.replayer.layer_ids(self.index, n, **kind), None
         key = (
@@ -171,7 +175,7 @@ class _ReplayHook(_Hook):
         if rule is None:
             rule = self.rules[key] = call_rule(arguments, logits.dtype)
         bias = arguments["expert_bias"] if rule.method in BIAS_METHODS else None
-        if not self._needs_router_output(arguments):
+        if not self._needs_router_output(arguments, rule):
             # the router's own routing never runs: replay_routing routes the -1 and faulty rows by
             # the rule (Megatron's selection), one kernel; then Megatron's dense form
             weights, ids = replay_routing_rule(
