@@ -56,8 +56,12 @@ _WEIGHTS_HOST = {
 def weights_channel(num_layers: int, top_k: int, weights_dtype: torch.dtype) -> Channel:
     """The ``"weights"`` :class:`~moe_ops.channels.Channel` of a capturer whose weights buffer is
     ``weights_dtype``: ``(num_layers, top_k)`` rows of float32, float16, or bfloat16's bits as
-    uint16 (read them back with ``torch.from_numpy(rows).view(torch.bfloat16)``)."""
-    return Channel(WEIGHTS_CHANNEL, _WEIGHTS_HOST[weights_dtype], (num_layers, top_k))
+    uint16 (read them back with ``torch.from_numpy(rows).view(torch.bfloat16)``). ValueError for
+    another ``weights_dtype``."""
+    host = _WEIGHTS_HOST.get(weights_dtype) if isinstance(weights_dtype, torch.dtype) else None
+    if host is None:
+        raise ValueError(f"weights_dtype must be one of {tuple(_WEIGHTS_HOST)}, got {weights_dtype!r}")
+    return Channel(WEIGHTS_CHANNEL, host, (num_layers, top_k))
 
 
 class MissingSetStepWarning(UserWarning):

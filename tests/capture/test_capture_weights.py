@@ -691,3 +691,9 @@ def test_monolithic_experts_refuse_a_weights_capturer():
     routed = RoutingReplayExperts(MoEDispatchConfig(max_num_tokens=4, top_k=2))
     routed.set_capture_fn(LayerCapture(capturer, 0))
     assert routed.capture_fn.target(BatchLayout.LOCAL).weights_buffer is capturer.weights_buffer
+
+
+@pytest.mark.parametrize("bad", [torch.float64, torch.int32, "float32", None])
+def test_weights_channel_refuses_a_dtype_no_weights_buffer_has(bad):
+    with pytest.raises(ValueError, match="weights_dtype must be one of"):
+        weights_channel(2, 2, bad)
