@@ -138,6 +138,7 @@ def megatron_config(case, *, layers: int = 1, hidden: int = HIDDEN, device: str 
         moe_router_enable_expert_bias=case.expert_bias and device == "cuda",
         moe_router_dtype="fp32",
         moe_ffn_hidden_size=FFN,
+        moe_token_dispatcher_type="allgather",
         moe_aux_loss_coeff=0.0,
         add_bias_linear=False,
         use_cpu_initialization=True,
@@ -260,7 +261,8 @@ def _stack(case, n: int, seq_len: int):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     config = megatron_config(case, layers=LAYERS)
-    submodules = get_gpt_layer_local_spec(num_experts=case.num_experts).submodules.mlp.submodules
+    spec = get_gpt_layer_local_spec(num_experts=case.num_experts, moe_grouped_gemm=False)
+    submodules = spec.submodules.mlp.submodules
     torch.manual_seed(0)
     layers = []
     for i in range(LAYERS):
