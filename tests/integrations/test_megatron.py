@@ -485,6 +485,20 @@ def test_recorded_weights_need_a_replayer_that_keeps_them_megatron():
     assert router.router_replay is None
 
 
+@pytest.mark.parametrize("live_rows", ["rule", "router"])
+def test_bench_train_router_replays_like_megatron(live_rows):
+    """The train benchmark's Megatron router (DeepSeek-V3-like: sigmoid, expert bias, 8 groups keep
+    4, scale 2.5, 64 experts, top-8, fp32 router) replays as Megatron's RouterReplay does."""
+    (case,) = [c for c in BENCH_CASES["train"] if c.framework == "megatron"]
+    kinds = ["recorded"] * 9 + ["live", "repeated", "partial"]
+    bench = MegatronRouterCase(
+        score_function="sigmoid", pre_softmax=False, top_k=case.top_k, num_experts=case.num_experts,
+        scaling=case.scale, expert_bias=case.expert_bias, num_groups=case.num_groups,
+        group_topk=case.group_topk, router_dtype="fp32", seq_len=6, batch=2, kinds=kinds, seed=3,
+    )  # fmt: skip
+    compare_with_megatron_replay(bench, live_rows=live_rows)
+
+
 def test_rule_table():
     """Each Megatron configuration maps to the moe-ops method of docs/megatron.md's table, with
     Megatron's own operations (weights_fn) exactly where no method computes its rule."""
