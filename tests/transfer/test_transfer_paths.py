@@ -254,7 +254,7 @@ def test_a_cuda_pipeline_launches_its_graphs_where_torch_hands_out_the_exec(cuda
     assert all(isinstance(e, int) and e != 0 for e in execs)
     assert len(set(execs)) == len(buckets) * pipe.depth, "every (slot, bucket) owns its own exec"
     replay = _pipeline(cuda_device, cudart=False)
-    assert all(slot.graph_execs == [] for slot in replay._slots)
+    assert all(slot.graph_execs == [] for slot in replay._ring.slots)
 
 
 @pytest.mark.gpu
