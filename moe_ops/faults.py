@@ -80,7 +80,12 @@ class FaultSummary:
             if report.total:
                 found.append(
                     CaptureFaultError(
-                        self.device, report.calls, report.flags, report.bad_ids, report.bad_mapped
+                        self.device,
+                        report.calls,
+                        report.flags,
+                        report.bad_ids,
+                        report.bad_mapped,
+                        report.duplicates,
                     )
                 )
         if self.replay_rows:

@@ -16,8 +16,9 @@ Layout of a counter, (FAULT_SLOTS,) int32 on the device, only ever incremented b
     slot 0              calls that had to clamp their row window (counted once per call)
     slot 1 + log2(bit)  per fault bit: calls with that window fault, or, for FAULT_BAD_ID, ids
                         that were negative or did not fit the buffer (or, with an expert map, the
-                        map's physical range), and for FAULT_BAD_MAP, ids the expert map sent
-                        outside the logical range (each stored as -1)
+                        map's physical range; for indexer positions, their key range), for
+                        FAULT_BAD_MAP, ids the expert map sent outside the logical range, and for
+                        FAULT_DUPLICATE, indexer positions repeated within a row (each stored as -1)
 
 Reading is lossless under concurrency: :meth:`FaultCounter.read_and_reset` copies the slots to the
 host and then SUBTRACTS what it read (an atomic ``index_add_`` on CUDA; under the CPU counters' lock
@@ -49,6 +50,7 @@ __all__ = [
     "FAULT_BAD_MAP",
     "FAULT_BAD_OFFSET",
     "FAULT_DEST_SHORT",
+    "FAULT_DUPLICATE",
     "FAULT_NEGATIVE_COUNT",
     "FAULT_SLOTS",
     "FAULT_SOURCE_SHORT",
@@ -71,9 +73,13 @@ FAULT_BAD_ID = 16  # an id < 0 or beyond the buffer dtype's range: -1 stored in 
 # expert_map[p] outside [0, num_logical_experts) is this one (the map, not the id, is wrong: a
 # balancer that wrote a stale or torn map), -1 stored in its place
 FAULT_BAD_MAP = 32
+# indexer positions (moe_ops.indexer): a position already recorded earlier in the same row - the
+# later copy is stored as -1 (a top-k set holds each key position once; a repeat is an indexer
+# bug or a torn row, never a choice)
+FAULT_DUPLICATE = 64
 # bits that describe the row window (uniform over a call, recorded once per call)
 WINDOW_FAULTS = FAULT_NEGATIVE_COUNT | FAULT_SOURCE_SHORT | FAULT_DEST_SHORT | FAULT_BAD_OFFSET
-# slot 0 + one slot per fault bit, rounded up to a power of two (6 of 8 used; slot 7 is free)
+# slot 0 + one slot per fault bit (all 8 used: a new bit needs a wider counter)
 FAULT_SLOTS = 8
 _BITS = (
     FAULT_NEGATIVE_COUNT,
@@ -82,6 +88,7 @@ _BITS = (
     FAULT_BAD_OFFSET,
     FAULT_BAD_ID,
     FAULT_BAD_MAP,
+    FAULT_DUPLICATE,
 )
 # slot of a fault bit: 1 + log2(bit)
 FAULT_SLOT = {bit: 1 + bit.bit_length() - 1 for bit in _BITS}
@@ -93,6 +100,7 @@ _FAULT_NAMES = {
     FAULT_BAD_OFFSET: "negative shard size or rank offset past the end of topk_ids",
     FAULT_BAD_ID: "expert id negative or too large for the buffer dtype or the expert map (stored as -1)",
     FAULT_BAD_MAP: "expert map entry outside the logical expert range (stored as -1)",
+    FAULT_DUPLICATE: "indexer position repeated within a row (the repeat stored as -1)",
 }
 
 
@@ -114,6 +122,8 @@ class FaultReport:
     bad_ids: int
     # ids whose expert-map entry was outside the logical range (each stored as -1)
     bad_mapped: int = 0
+    # indexer positions repeated within their row (each repeat stored as -1)
+    duplicates: int = 0
 
     @classmethod
     def of(cls, values: list[int]) -> FaultReport:
@@ -123,15 +133,23 @@ class FaultReport:
     @property
     def total(self) -> int:
         """Faults in all: clamped calls plus ids refused."""
-        return self.calls + self.bad_ids + self.bad_mapped
+        return self.calls + self.bad_ids + self.bad_mapped + self.duplicates
 
 
 class CaptureFaultError(RuntimeError):
     """Raised by a check when a capture kernel had to clamp a window or refuse an id."""
 
-    def __init__(self, device: torch.device, calls: int, flags: int, bad_ids: int = 0, bad_mapped: int = 0):
+    def __init__(
+        self,
+        device: torch.device,
+        calls: int,
+        flags: int,
+        bad_ids: int = 0,
+        bad_mapped: int = 0,
+        duplicates: int = 0,
+    ):
         self.device, self.calls, self.flags, self.bad_ids = device, calls, flags, bad_ids
-        self.bad_mapped = bad_mapped
+        self.bad_mapped, self.duplicates = bad_mapped, duplicates
         parts = []
         if calls:
             parts.append(f"{calls} routing-capture call(s) on {device} were clamped")
@@ -139,6 +157,8 @@ class CaptureFaultError(RuntimeError):
             parts.append(f"{bad_ids} expert id(s) on {device} did not fit the buffer")
         if bad_mapped:
             parts.append(f"{bad_mapped} expert id(s) on {device} mapped outside the logical experts")
+        if duplicates:
+            parts.append(f"{duplicates} indexer position(s) on {device} repeated within their row")
         super().__init__(
             f"{' and '.join(parts)}: {describe_faults(flags)}. token_counts/shard_sizes, ids or the expert "
             "map disagree with the tensors they describe; rows outside the valid range were not written."
@@ -181,7 +201,7 @@ class FaultCounter(DeviceCounter):
         report = self.read_and_reset() if reset else self.peek()
         if raise_error and report.total:
             raise CaptureFaultError(
-                self.device, report.calls, report.flags, report.bad_ids, report.bad_mapped
+                self.device, report.calls, report.flags, report.bad_ids, report.bad_mapped, report.duplicates
             )
         return report.total
 
@@ -199,6 +219,7 @@ def _report(values: list[int]) -> FaultReport:
         flags=flags,
         bad_ids=values[FAULT_SLOT[FAULT_BAD_ID]],
         bad_mapped=values[FAULT_SLOT[FAULT_BAD_MAP]],
+        duplicates=values[FAULT_SLOT[FAULT_DUPLICATE]],
     )
 
 

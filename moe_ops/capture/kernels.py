@@ -469,11 +469,14 @@ def _capture_launcher() -> KernelLauncher:
 
 
 def fault_delta(
-    flags: torch.Tensor, n_bad: torch.Tensor | int, n_bad_map: torch.Tensor | int = 0
+    flags: torch.Tensor,
+    n_bad: torch.Tensor | int,
+    n_bad_map: torch.Tensor | int = 0,
+    n_duplicates: torch.Tensor | int = 0,
 ) -> torch.Tensor:
     """(FAULT_SLOTS,) int32 increments of one call: slot 0 and the window bits' slots from
-    ``flags`` (0-d), the bad-id slot from ``n_bad``, the bad-map slot from ``n_bad_map``. No host
-    reads."""
+    ``flags`` (0-d), the bad-id slot from ``n_bad``, the bad-map slot from ``n_bad_map``, the
+    duplicate slot from ``n_duplicates``. No host reads."""
     flags = flags.to(torch.int64)
     window = flags & WINDOW_FAULTS
     parts = [(window != 0).to(torch.int64)]
@@ -481,7 +484,8 @@ def fault_delta(
     # a count that is a Python int (0: nothing checked) becomes a device zero without a host-to-
     # device copy (torch.as_tensor of an int on CUDA is one: a sync under a CUDA graph's checks)
     zero = torch.zeros((), dtype=torch.int64, device=flags.device)
-    parts += [n.to(torch.int64) if isinstance(n, torch.Tensor) else zero + n for n in (n_bad, n_bad_map)]
+    counts = (n_bad, n_bad_map, n_duplicates)
+    parts += [n.to(torch.int64) if isinstance(n, torch.Tensor) else zero + n for n in counts]
     parts += [zero] * (FAULT_SLOTS - len(parts))
     return torch.stack(parts).to(torch.int32)
 

@@ -12,6 +12,7 @@ new strategy is added to its module (and that module's ``__all__``) only.
 - ``shapes``: routing shapes and rows; hostile model configs
 - ``transfer``: the snapshot's narrowing cast and row counts around its buckets
 - ``wire``: routing arrays, client texts (NeMo-RL) and hostile input for the decoders
+- ``indexer``: indexer top-k position rows in every layout, with faults, and what they store
 - ``replay``: recorded routings, mismatch metrics, the replay kernels' cases
 - ``replayer``: batches a trainer sets, requests a client receives
 - ``distributed``: process layouts, per-step counts and padding, rank-specific router inputs
@@ -30,6 +31,7 @@ from . import (
     capture,
     distributed,
     flashinfer,
+    indexer,
     integrations,
     layouts,
     nonfinite,
@@ -44,6 +46,7 @@ from . import (
 from .capture import *
 from .distributed import *
 from .flashinfer import *
+from .indexer import *
 from .integrations import *
 from .layouts import *
 from .nonfinite import *
@@ -64,6 +67,7 @@ __all__ = [
     *shapes.__all__,
     *transfer.__all__,
     *wire.__all__,
+    *indexer.__all__,
     *replay.__all__,
     *replayer.__all__,
     *distributed.__all__,
