@@ -25,6 +25,7 @@ __all__ = [
     "BENCH_SIZES",
     "BenchCapture",
     "BenchGrid",
+    "BenchIndexer",
     "BenchModel",
     "BenchRouter",
     "BenchShape",
@@ -124,6 +125,21 @@ class BenchTrainer:
 
 
 @dataclass(frozen=True)
+class BenchIndexer:
+    """An indexer record the indexer benchmark selects, captures and encodes (k positions per query
+    row over a context of keys)."""
+
+    # row label
+    name: str
+    # positions per query row (index_topk)
+    k: int
+    # keys per query row (the sequence's length)
+    context: int
+    # the test that checks selection, capture and the compact round trip at this k
+    test: str
+
+
+@dataclass(frozen=True)
 class BenchShape:
     """A routing shape the transfer benchmark moves (snapshot, store, wire)."""
 
@@ -210,6 +226,16 @@ BENCH_CASES: dict[str, tuple] = {
             "tests/integrations/test_replay_attach.py::test_gradients_reach_the_router_weights",
         ),
     ),
+    "indexer": tuple(
+        BenchIndexer(
+            f"k{k}-ctx{context // 1024}k",
+            k,
+            context,
+            "tests/indexer/test_select_indexer.py::test_distinct_scores_choose_torch_topk_set",
+        )
+        for k in (512, 2048)
+        for context in (8192, 32768, 131072)
+    ),
     "distributed": (
         BenchGrid("dp", BatchLayout.LOCAL, 1, False),
         BenchGrid("dp+ep gathered", BatchLayout.GATHERED, 1, True),
@@ -226,5 +252,7 @@ BENCH_SIZES: dict[str, tuple[int, ...]] = {
     "e2e": (1, 16, 128),
     "distributed": (8192,),
     "train": (4096, 16384),
+    # query rows
+    "indexer": (1, 128, 4096),
     "transfer": (1024, 8192, 32768),
 }

@@ -3,6 +3,7 @@ Attention) chose, captured beside the routing (:mod:`moe_ops.indexer.op`). See d
 
 from .op import capture_indexer, capture_indexer_into
 from .replay import IndexerMismatch, indexer_mask, indexer_mismatch, replay_indexer
+from .select import select_indexer_topk
 from .shapes import IndexerShape, indexer_shape
 from .wire import INDEXER_FORMATS, decode_positions, encode_positions
 
@@ -18,4 +19,5 @@ __all__ = [
     "indexer_mismatch",
     "indexer_shape",
     "replay_indexer",
+    "select_indexer_topk",
 ]
