@@ -12,11 +12,14 @@ row rule, the same four layouts), ``buffer[r, layer_id, :] = positions[start + r
 
 * -1 is "no position" (a query that sees fewer than k keys: DSA pads its top-k with -1) and is
   stored as -1 without a fault;
-* a position below -1, or at or beyond its row's key count (``kv_lens[start + r]`` when
-  ``kv_lens`` is given, else 2**31: the int32 buffer's range) is stored as -1 and counted
-  (FAULT_BAD_ID, one per position);
-* with ``UNIQUE``, a position that already occurs in an earlier column of the same row is stored
-  as -1 and counted (FAULT_DUPLICATE, one per repeat); the first occurrence is kept.
+* a position below -1, or at or beyond its row's key count (``min(kv_lens[start + r], 2**31)``
+  when ``kv_lens`` is given, else 2**31: the int32 buffer's range) is faulty, counted once
+  (FAULT_BAD_ID);
+* with ``UNIQUE``, a position that already occurs in an earlier column of the same row is faulty,
+  counted once per repeat (FAULT_DUPLICATE; the first occurrence is not);
+* a row with any faulty position is stored as all -1: no record (the trainer selects that row
+  live). Not a shorter set: -1 is DSA's padding too, so a row with its faulty positions blanked
+  would replay as a valid, smaller choice.
 
 Every other element of ``buffer`` keeps its value. Window faults and the layer stamp are recorded
 as the routing capture records them (:func:`moe_ops.capture.kernels.record_faults`).
@@ -171,14 +174,21 @@ if HAS_TRITON:
                 pos_ptr + src[:, None] * stride_pm + cols[None, :] * stride_pk, mask=mask, other=-1
             ).to(tl.int64)
             if HAS_LENS:
-                bound = tl.load(lens_ptr + src * stride_len, mask=row_ok, other=0).to(tl.int64)[:, None]
+                lens = tl.load(lens_ptr + src * stride_len, mask=row_ok, other=0).to(tl.int64)
+                bound = tl.minimum(lens, _POSITION_END)[:, None]
             else:
                 bound = _POSITION_END
-            bad = mask & ((pos < -1) | (pos >= bound))
+            # -1 is no position whatever the bound (a negative key count refuses every real one)
+            bad = mask & ((pos < -1) | ((pos >= bound) & (pos != -1)))
             pos = tl.where(bad, -1, pos)
+            faulty = bad
             if UNIQUE:
                 dup = repeated_positions(pos, cols, K_PAD) & mask
-                pos = tl.where(dup, -1, pos)
+                faulty = faulty | dup
+            # a row with a faulty position is stored as no record (all -1), not as a shorter set:
+            # -1 is also DSA's padding, so a truncated row would replay as a valid smaller choice
+            row_faulty = tl.max(faulty.to(tl.int32), axis=1) > 0
+            pos = tl.where(row_faulty[:, None], -1, pos)
             dst = buf_ptr + tl.cast(layer_id, tl.int64) * stride_bl + rows.to(tl.int64)[:, None] * stride_bm
             tl.store(dst + cols[None, :] * stride_bk, pos.to(buf_ptr.dtype.element_ty), mask=mask)
             record_bad_ids(errors_ptr, bad)
@@ -343,16 +353,18 @@ def capture_positions_torch(
             valid = rows < c_eff
             pos = positions[src].to(torch.int64)
             if kv_lens.dim() == 1 and kv_lens.shape[0] == n_src:
-                bound = kv_lens[src].to(torch.int64)[:, None]
+                bound = kv_lens[src].to(torch.int64).clamp(max=POSITION_LIMIT + 1)[:, None]
             else:
                 bound = POSITION_LIMIT + 1
-            bad = (pos < -1) | (pos >= bound)
+            bad = (pos < -1) | ((pos >= bound) & (pos != -1))
             pos = torch.where(bad, -1, pos)
             n_bad = (bad & valid[:, None]).sum()
+            faulty = bad
             if check_duplicates:
                 dup = duplicates_torch(pos)
-                pos = torch.where(dup, -1, pos)
+                faulty = faulty | dup
                 n_dup = (dup & valid[:, None]).sum()
+            pos = torch.where(faulty.any(1, keepdim=True), -1, pos)
             layer = buffer[:window, layer_id]
             layer.copy_(torch.where(valid[:, None], pos.to(buffer.dtype), layer))
         add_faults(errors, fault_delta(flags, n_bad, 0, n_dup))

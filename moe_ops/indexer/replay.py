@@ -104,7 +104,8 @@ def replay_indexer(
                 f"kv_lens must be {tuple(recorded.shape[:-1])} on {recorded.device} (one key count per "
                 f"row), got {tuple(kv_lens.shape)} on {kv_lens.device}"
             )
-        bad = bad | (pos >= kv_lens.to(torch.int64)[..., None])
+        bad = bad | ((pos >= kv_lens.to(torch.int64)[..., None]) & (pos != -1))
+    bad = bad | (pos > _NONE - 1)  # beyond int32: no key of any engine
     ordered = _sorted_sets(pos)
     repeated = ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != _NONE)).any(-1)
     out_of_range = bad.any(-1)

@@ -25,10 +25,10 @@ Layout (little-endian)::
     6   2  reserved, 0
     8   4  n: tokens (rows)
     12  4  L: indexer layers
-    16  4  k: positions per row (the top-k)
+    16  4  k: positions per row (the top-k), at most 65535
     20  4  context: every position is in [0, context)
     24  ...  R = L * n record headers, layer-major (layer 0's rows 0..n-1, then layer 1's):
-            uint8 mode_w1[R] (bit 7: DELTA; bits 0-5: w1), uint8 w2[R], count c1[R], count c2[R]
+            uint8 mode_w1[R] (bit 7: DELTA; bits 0-5: w1), uint8 w2[R], uint16 c1[R], uint16 c2[R]
             (FULL: c1 = m, c2 = 0; DELTA: c1 = r, c2 = a; row 0 of a layer is always FULL)
        ...  the payload: every record's gaps, in record order, packed LSB-first without alignment
             (record i starts where record i-1 ended), zero bits to a whole byte
@@ -38,7 +38,10 @@ The text form is the base64 of those bytes. Decoding is exact (the set of every 
 after it) and checks everything before it allocates the output: the CRC, the sizes against the
 bytes present and ``max_elements``, each width (at most 31 bits), that a DELTA drops only
 positions the previous row had and adds only ones it lacked, rows of at most k positions, every
-position below ``context``. Anything else is a ValueError naming the problem.
+position below ``context``. Anything else is a ValueError naming the problem. Memory: the output
+(``max_elements`` int32 at most, 2**28 by default) and temporaries of a few dozen bytes a value for
+spans of about 2**18 values (a dense row codes in 0 bits, so a short text may describe a large
+output; the output bound is what limits it).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from __future__ import annotations
 import base64
 import struct
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -72,6 +76,9 @@ _HEADER = struct.Struct("<4sBBHIIII")
 _DELTA = 0x80
 _WIDTH_MASK = 0x3F
 _MAX_WIDTH = 31  # gaps of positions below 2**31
+# positions per row the format carries (its counts are uint16): DSA's k is 512 - 2048; a bound here
+# also bounds one row's decoding work, which no text can otherwise limit (a dense row codes in 0 bits)
+MAX_K = 0xFFFF
 # decoded elements a text may describe unless the caller says otherwise: 2**28 int32 (1 GiB)
 DEFAULT_MAX_ELEMENTS = 1 << 28
 
@@ -89,6 +96,9 @@ def _positions_array(positions: Any) -> np.ndarray:
         raise ValueError(f"positions must be an integer array, got dtype {array.dtype}")
     if array.ndim != 3:
         raise ValueError(f"positions must be 3-D (n, num_indexer_layers, k), got shape {array.shape}")
+    if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+        # cast to int64 below, such a value would wrap to a negative one (2**64 - 1 to -1, "none")
+        raise ValueError(f"positions must fit int64, got {array.max()}")
     return array
 
 
@@ -149,11 +159,11 @@ def _pack(values: np.ndarray, widths: np.ndarray) -> tuple[bytes, int]:
     return data[: (total + 7) // 8], total
 
 
-def _unpack(data: np.ndarray, widths: np.ndarray) -> np.ndarray:
+def _unpack(data: np.ndarray, widths: np.ndarray, base: int = 0) -> np.ndarray:
     """Inverse of :func:`_pack`: int64 values of ``widths`` read back to back from ``data``
-    (uint8, padded by the caller to whole words plus one)."""
-    words = data.view("<u8").astype(np.uint64)
-    ends = np.cumsum(widths, dtype=np.int64)
+    (uint8, padded by the caller to whole words plus one), the first at bit ``base``."""
+    words = data.view("<u8")
+    ends = np.cumsum(widths, dtype=np.int64) + base
     offset = ends - widths
     word = offset >> 6
     shift = (offset & 63).astype(np.uint64)
@@ -222,9 +232,11 @@ def encode_positions_bytes(positions: Any, *, context: int) -> bytes:
     context = _check_context(context)
     array = _positions_array(positions)
     n, n_layers, k = array.shape
-    for name, v in (("n", n), ("num_indexer_layers", n_layers), ("k", k)):
+    for name, v in (("n", n), ("num_indexer_layers", n_layers)):
         if v >= 2**32:
             raise ValueError(f"{name}={v} does not fit the format's uint32 header field")
+    if k > MAX_K:
+        raise ValueError(f"k={k} positions per row: the compact format carries at most {MAX_K}")
     pos = array.astype(np.int64)
     if pos.size and (pos.min() < -1 or pos.max() >= context):
         bad = pos[(pos < -1) | (pos >= context)][0]
@@ -270,8 +282,7 @@ def encode_positions_bytes(positions: Any, *, context: int) -> bytes:
     first = (np.arange(n_records) % n == 0) if n else np.zeros(0, bool)
     use_delta = ~first & (delta_bits < full_bits)
     # the record headers
-    wide = k > 0xFFFF
-    count_dtype = np.dtype("<u4" if wide else "<u2")
+    count_dtype = np.dtype("<u2")
     mode_w1 = np.where(use_delta, _DELTA | w_drop, w_full).astype(np.uint8)
     w2 = np.where(use_delta, w_add, 0).astype(np.uint8)
     c1 = np.where(use_delta, r_count, m).astype(count_dtype)
@@ -300,7 +311,7 @@ def encode_positions_bytes(positions: Any, *, context: int) -> bytes:
         else np.zeros(0, np.int64)
     )
     payload, _ = _pack(gaps[keep][order].astype(np.uint64), widths.astype(np.int64))
-    head = _HEADER.pack(COMPACT_MAGIC, COMPACT_VERSION, 1 if wide else 0, 0, n, n_layers, k, context)
+    head = _HEADER.pack(COMPACT_MAGIC, COMPACT_VERSION, 0, 0, n, n_layers, k, context)
     body = b"".join((head, mode_w1.tobytes(), w2.tobytes(), c1.tobytes(), c2.tobytes(), payload))
     return body + struct.pack("<I", zlib.crc32(body))
 
@@ -345,19 +356,17 @@ def decode_positions_bytes(data: Any, *, max_elements: int | None = DEFAULT_MAX_
         raise ValueError(f"not a compact indexer record: magic {magic!r}, expected {COMPACT_MAGIC!r}")
     if version != COMPACT_VERSION:
         raise ValueError(f"compact indexer record version {version}, this decoder reads {COMPACT_VERSION}")
-    if flags & ~1 or reserved:
+    if flags or reserved:
         raise ValueError(f"compact indexer record has unknown flags {flags:#x} / reserved {reserved:#x}")
     (crc,) = struct.unpack_from("<I", data, size - 4)
     if zlib.crc32(memoryview(data)[: size - 4]) != crc:
         raise ValueError("compact indexer record corrupt or truncated: CRC-32 mismatch")
     if not 1 <= context <= 2**31:
         raise ValueError(f"compact indexer record context {context} outside [1, 2**31]")
-    if k > context and n:
-        pass  # rows may still hold at most context positions; checked per row below
+    if k > MAX_K:
+        raise ValueError(f"compact indexer record has k={k}, the format carries at most {MAX_K}")
     check_size((n, n_layers, k), 4, max_elements)
-    count_size = 4 if flags & 1 else 2
-    if not flags & 1 and k > 0xFFFF:
-        raise ValueError(f"compact indexer record has k={k} with 16-bit counts")
+    count_size = 2
     n_records = n * n_layers
     head_end = _HEADER.size + n_records * (2 + 2 * count_size)
     if head_end > size - 4:
@@ -371,7 +380,7 @@ def decode_positions_bytes(data: Any, *, max_elements: int | None = DEFAULT_MAX_
     at += n_records
     w2 = raw[at : at + n_records].astype(np.int64)
     at += n_records
-    count_dtype = np.dtype("<u4" if count_size == 4 else "<u2")
+    count_dtype = np.dtype("<u2")
     c1 = np.frombuffer(data, dtype=count_dtype, count=n_records, offset=at).astype(np.int64)
     at += n_records * count_size
     c2 = np.frombuffer(data, dtype=count_dtype, count=n_records, offset=at).astype(np.int64)
@@ -410,29 +419,93 @@ def decode_positions_bytes(data: Any, *, max_elements: int | None = DEFAULT_MAX_
         )
     padded = np.zeros((payload_bytes // 8 + 2) * 8, dtype=np.uint8)  # whole words, one spare
     padded[:payload_bytes] = raw[at:]
-    # per value: its record, its part (0 FULL, 1 dropped, 2 added), its width
-    n1 = c1
-    n2 = np.where(delta, c2, 0)
+    out = np.full((n_records, k), -1, dtype=np.int32)
+    if n_records:
+        book = _Records(delta, c1, np.where(delta, c2, 0), w1, w2, segment, seg_start, m, widths_per_record)
+        # spans of consecutive records of about _SPAN values each (at least one record): the
+        # temporaries stay within a few dozen bytes a value of one span, whatever the text claims
+        work = book.values + m
+        ends = np.cumsum(work)
+        lo = 0
+        while lo < n_records:
+            hi = max(lo + 1, int(np.searchsorted(ends, ends[lo] - work[lo] + _SPAN, side="right")))
+            lead = out[lo - 1, : m[lo - 1]].astype(np.int64) if delta[lo] else None
+            _decode_span(book, lo, hi, lead, padded, context, out)
+            lo = hi
+    return out.reshape(n_layers, n, k).transpose(1, 0, 2).copy()
+
+
+# values (gaps and positions) one decoding step handles at most, beyond one record's own
+_SPAN = 1 << 18
+
+
+@dataclass(frozen=True)
+class _Records:
+    """The record headers of one text, checked (see decode_positions_bytes), as int64 arrays."""
+
+    # (R,) bool: the record is a DELTA
+    delta: np.ndarray
+    # (R,): FULL m / DELTA dropped count; DELTA added count (0 for FULL)
+    n1: np.ndarray
+    n2: np.ndarray
+    # (R,): gap widths of the two parts
+    w1: np.ndarray
+    w2: np.ndarray
+    # (R,): each record's segment (a FULL record starts one), and each segment's first record
+    segment: np.ndarray
+    seg_start: np.ndarray
+    # (R,): positions in each record's row
+    m: np.ndarray
+    # (R,): payload bits of each record
+    bits: np.ndarray
+
+    @property
+    def values(self) -> np.ndarray:
+        return self.n1 + self.n2
+
+    @property
+    def bit_start(self) -> np.ndarray:
+        return np.cumsum(self.bits) - self.bits
+
+
+def _decode_span(
+    book: _Records,
+    lo: int,
+    hi: int,
+    lead: np.ndarray | None,
+    padded: np.ndarray,
+    context: int,
+    out: np.ndarray,
+) -> None:
+    """Decodes records ``[lo, hi)`` into ``out``'s rows; ``lead``: the decoded row ``lo - 1`` when
+    record ``lo`` is a DELTA against it (treated as a FULL row there, its output discarded)."""
+    delta, n1, n2 = book.delta, book.n1[lo:hi], book.n2[lo:hi]
     per_record = n1 + n2
-    value_record = np.repeat(np.arange(n_records), per_record)
+    value_record = np.repeat(np.arange(lo, hi), per_record)
     index_in_record = np.arange(value_record.size) - np.repeat(np.cumsum(per_record) - per_record, per_record)
-    is_second = index_in_record >= n1[value_record]
-    widths = np.where(is_second, w2[value_record], w1[value_record])
-    gaps = _unpack(padded, widths)
+    is_second = index_in_record >= book.n1[value_record]
+    widths = np.where(is_second, book.w2[value_record], book.w1[value_record])
+    gaps = _unpack(padded, widths, int(book.bit_start[lo]))
     first_part = ~is_second
     values_1 = _from_gaps(gaps[first_part], n1)
     values_2 = _from_gaps(gaps[is_second], n2)
     if (values_1 >= context).any() or (values_2 >= context).any():
         raise ValueError(f"compact indexer record holds a position at or beyond context={context}")
-    # events per (layer, segment, position): FULL values and DELTA additions open an interval at
-    # their row, DELTA drops close it; a segment's end closes what is open
+    # events per (segment, position): FULL values and DELTA additions open an interval at their
+    # row, DELTA drops close it; a segment's end (or the span's) closes what is open
     rec_1 = value_record[first_part]
-    kind_1 = np.where(delta[rec_1], -1, 1)  # -1 dropped, +1 opened by FULL
     rec_2 = value_record[is_second]
-    ev_record = np.concatenate([rec_1, rec_2])
-    ev_value = np.concatenate([values_1, values_2])
-    ev_kind = np.concatenate([kind_1, np.ones(rec_2.size, np.int64)])
-    ev_segment = segment[ev_record] if n_records else ev_record
+    parts_record = [rec_1, rec_2]
+    parts_value = [values_1, values_2]
+    parts_kind = [np.where(delta[rec_1], -1, 1), np.ones(rec_2.size, np.int64)]
+    if lead is not None:  # row lo - 1, already decoded: its positions open there
+        parts_record.append(np.full(lead.size, lo - 1, np.int64))
+        parts_value.append(lead)
+        parts_kind.append(np.ones(lead.size, np.int64))
+    ev_record = np.concatenate(parts_record)
+    ev_value = np.concatenate(parts_value)
+    ev_kind = np.concatenate(parts_kind)
+    ev_segment = book.segment[ev_record]
     order = np.lexsort((ev_record, ev_value, ev_segment))
     ev_record, ev_value, ev_kind, ev_segment = (x[order] for x in (ev_record, ev_value, ev_kind, ev_segment))
     same = np.zeros(ev_record.size, dtype=bool)
@@ -450,11 +523,12 @@ def decode_positions_bytes(data: Any, *, max_elements: int | None = DEFAULT_MAX_
         if (ev_record[same] <= np.roll(ev_record, 1)[same]).any():
             raise ValueError("compact indexer record: a position opened and closed in the same row")
     # intervals [open row, close row): the close is the next event's row, or the segment's end
-    seg_end = np.append(seg_start[1:], n_records) if n_records else seg_start
+    # within the span (a segment spans one layer only: FULL starts every layer's row 0)
+    seg_end = np.append(book.seg_start[1:], book.delta.size)
     opens = ev_kind == 1
     nxt_same = np.append(same[1:], False)
-    close = np.where(nxt_same, np.roll(ev_record, -1), seg_end[ev_segment] if ev_record.size else 0)
-    # a segment spans one layer only: FULL starts every layer (its row 0)
+    end = np.minimum(seg_end[ev_segment], hi) if ev_record.size else ev_record
+    close = np.where(nxt_same, np.roll(ev_record, -1), end)
     start_rows = ev_record[opens]
     lengths = (close[opens] - start_rows).astype(np.int64)
     if lengths.size and (lengths <= 0).any():  # pragma: no cover - excluded by the checks above
@@ -463,15 +537,15 @@ def decode_positions_bytes(data: Any, *, max_elements: int | None = DEFAULT_MAX_
         np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     )
     out_value = np.repeat(ev_value[opens], lengths)
+    keep = out_record >= lo
+    out_record, out_value = out_record[keep], out_value[keep]
     order = np.lexsort((out_value, out_record))
     out_record, out_value = out_record[order], out_value[order]
-    counts = np.bincount(out_record, minlength=n_records) if n_records else np.zeros(0, np.int64)
-    if n_records and not np.array_equal(counts, m):  # pragma: no cover - implied by the event checks
+    counts = np.bincount(out_record - lo, minlength=hi - lo)
+    if not np.array_equal(counts, book.m[lo:hi]):  # pragma: no cover - implied by the event checks
         raise ValueError("compact indexer record rows disagree with their counts")
     col = np.arange(out_record.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    out = np.full((n_layers * n, k), -1, dtype=np.int32)
     out[out_record, col] = out_value
-    return out.reshape(n_layers, n, k).transpose(1, 0, 2).copy()
 
 
 def decode_positions(

@@ -190,7 +190,7 @@ def test_crafted_bytes_with_a_valid_crc_decode_or_raise_value_error(i, value, se
 
 def test_header_sizes_are_checked_before_allocation():
     """A header claiming 2**32 - 1 tokens of 2**32 - 1 layers is refused from its sizes alone."""
-    body = struct.pack("<4sBBHIIII", b"MOEI", 1, 1, 0, 2**32 - 1, 2**32 - 1, 2**20, 100)
+    body = struct.pack("<4sBBHIIII", b"MOEI", 1, 0, 0, 2**32 - 1, 2**32 - 1, 2**15, 100)
     with pytest.raises(ValueError, match="max_elements"):
         decode_positions_bytes(_recrc(body))
     small = struct.pack("<4sBBHIIII", b"MOEI", 1, 0, 0, 1000, 4, 8, 100)
@@ -228,3 +228,46 @@ def test_torch_tensors_are_accepted():
     rows = torch.tensor([[[3, -1, 1]], [[1, 4, 3]]], dtype=torch.int32)
     back = decode_positions(encode_positions(rows, context=5))
     assert back.tolist() == [[[1, 3, -1]], [[1, 3, 4]]]
+
+
+def test_spans_decode_what_one_span_decodes(monkeypatch):
+    """The decoder works in spans of records; a DELTA at a span's start continues from the row
+    decoded before it. Tiny spans give the same rows as one span."""
+    from moe_ops.indexer import wire
+
+    rng = np.random.default_rng(3)
+    rows = trace(rng, 20, 3, 16, 400, 0.8, pad=0.2)
+    data = encode_positions_bytes(rows, context=400)
+    whole = decode_positions_bytes(data)
+    for span in (1, 2, 7, 33):
+        monkeypatch.setattr(wire, "_SPAN", span)
+        assert np.array_equal(decode_positions_bytes(data), whole)
+    assert np.array_equal(whole, canonical_positions(rows))
+
+
+def test_a_short_text_of_a_large_record_decodes_in_bounded_memory():
+    """A dense row codes in 0 bits, so 40 bytes of headers may describe 2**22 positions (64 rows of
+    65535): the decoder's peak beyond the output stays within a span's temporaries."""
+    import tracemalloc
+
+    n, k = 64, 0xFFFF
+    body = struct.pack("<4sBBHIIII", b"MOEI", 1, 0, 0, n, 1, k, k)
+    # row 0 FULL (m = k, width 0: positions 0..k-1), the rest DELTA dropping and adding nothing
+    mode = bytes([0] + [0x80] * (n - 1))
+    body += mode + bytes(n) + struct.pack("<H", k) + bytes(2 * (n - 1)) + bytes(2 * n)
+    data = _recrc(body)
+    tracemalloc.start()
+    out = decode_positions_bytes(data)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert out.shape == (n, 1, k) and (out[:, 0] == np.arange(k)).all()
+    assert peak < 3 * out.nbytes + (64 << 20), peak  # output, its transposed copy, one span's work
+    with pytest.raises(ValueError, match="at most 65535"):
+        decode_positions_bytes(_recrc(struct.pack("<4sBBHIIII", b"MOEI", 1, 0, 0, 1, 1, 1 << 25, 1 << 25)))
+
+
+def test_wide_unsigned_input_is_refused_not_wrapped():
+    with pytest.raises(ValueError, match="must fit int64"):
+        encode_positions(np.array([[[2**64 - 1]]], dtype=np.uint64), context=10)
+    with pytest.raises(ValueError, match="at most 65535"):
+        encode_positions(np.zeros((1, 1, 70_000), np.int32) - 1, context=10)

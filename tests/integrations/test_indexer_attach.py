@@ -118,6 +118,29 @@ def test_replay_forces_the_record_and_falls_back_live():
     handle.detach()
 
 
+def test_attachments_undo_in_reverse_order():
+    model = _model(0)
+    shape = indexer_shape(model.config)
+    module = find_indexers(model)[0][2]
+    buffer = torch.zeros(16, shape.num_indexer_layers, K, dtype=torch.int32)
+    capture = attach_indexer_capture(model, buffer, token_counts=torch.tensor([1], dtype=torch.int32))
+    wrapped = vars(module)["forward"]
+    replay = attach_indexer_replay(model, torch.zeros(16, shape.num_indexer_layers, K, dtype=torch.int32))
+    with pytest.raises(ValueError, match="detach it first"):
+        capture.detach()
+    replay.detach()
+    assert vars(module)["forward"] is wrapped  # the capture still attached
+    capture.detach()
+    assert "forward" not in vars(module)
+
+
+def test_replay_refuses_attention_paths_that_read_indices():
+    model = _model(0)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="eager and SDPA"):
+        attach_indexer_replay(model, torch.zeros(4, 3, K, dtype=torch.int32))
+
+
 def test_refusals():
     model = _model(0)
     with pytest.raises(ValueError, match="recorded must be a"):

@@ -1,8 +1,8 @@
 """Indexer records (moe_ops.indexer): top-k key-position rows in every batch layout (a capture case
 whose rows are positions), with -1 padding, per-row key counts and injected faults, and the rows the
 capture must store, computed here from the contract (walk each row left to right: -1 stays, a
-position outside its row's range or a repeat of an earlier one becomes -1), independently of the
-library's sort."""
+position outside its row's range or a repeat of an earlier one is a fault, and a row with a fault is
+stored as all -1), independently of the library's sort."""
 
 from __future__ import annotations
 
@@ -39,18 +39,22 @@ def expected_positions(rows: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray
     bad = dup = 0
     for i in range(rows.shape[0]):
         seen = set()
+        faulty = False
+        bound = min(int(bounds[i]), 1 << 31)
         for j in range(rows.shape[1]):
             p = int(rows[i, j])
             if p == -1:
                 continue
-            if p < -1 or p >= bounds[i]:
-                out[i, j] = -1
+            if p < -1 or p >= bound:
                 bad += 1
+                faulty = True
             elif p in seen:
-                out[i, j] = -1
                 dup += 1
+                faulty = True
             else:
                 seen.add(p)
+        if faulty:  # no record rather than a shorter set
+            out[i] = -1
     return out, bad, dup
 
 

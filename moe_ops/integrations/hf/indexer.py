@@ -107,7 +107,8 @@ class IndexerAttachment:
     # the replay's record (max_tokens, num_indexer_layers, k) int32, and the rows of this batch
     recorded: torch.Tensor | None = None
     num_rows: int | None = None
-    _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    # (module, the forward set, the forward it replaced or None) per wrapped indexer
+    _restore: list[tuple[nn.Module, Callable, Callable | None]] = field(default_factory=list, repr=False)
 
     def set_batch(self, positions: torch.Tensor) -> None:
         """The record of the next forward's ``B * S`` query tokens: (n, num_indexer_layers, k)
@@ -131,18 +132,28 @@ class IndexerAttachment:
         self.num_rows = positions.shape[0]
 
     def detach(self) -> None:
-        """Restores every indexer's own forward."""
+        """Restores the forward each indexer had before this attachment. Attachments are undone in
+        reverse order: where a later attachment still wraps an indexer, ValueError and nothing
+        changes."""
+        if any(vars(module).get("forward") is not mine for module, mine, _ in self._restore):
+            raise ValueError(
+                "another attachment wraps this model's indexers: detach it first (attachments are "
+                "undone in reverse order)"
+            )
         while self._restore:
-            self._restore.pop()()
+            module, _, before = self._restore.pop()
+            if before is None:
+                del module.forward  # the class's forward again
+            else:
+                module.forward = before
 
 
-def _wrap(module: nn.Module, forward: Callable) -> Callable[[], None]:
+def _wrap(module: nn.Module, forward: Callable) -> tuple[nn.Module, Callable, Callable | None]:
+    """Sets ``module.forward`` to ``forward``; returns (module, forward, the forward it replaced:
+    an attachment made before, or None for the class's)."""
+    before = vars(module).get("forward")
     module.forward = forward
-
-    def restore() -> None:
-        del module.forward  # the class's forward again
-
-    return restore
+    return module, forward, before
 
 
 def attach_indexer_capture(
@@ -189,6 +200,13 @@ def attach_indexer_replay(model: nn.Module, recorded: torch.Tensor) -> IndexerAt
     Rows without a record or with a faulty one (a position beyond the query's keys, a repeat) read
     the live indexer's choice; faulty rows are counted (:func:`moe_ops.check_faults`)."""
     layers, k = _record_layers(model)
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("eager", "sdpa"):
+        raise ValueError(
+            f"attach_indexer_replay supports the eager and SDPA attention paths (transformers scatters "
+            f"the positions into the mask, where a repeated position changes nothing); "
+            f"_attn_implementation={impl!r} reads them as kernel indices"
+        )
     if (
         not isinstance(recorded, torch.Tensor)
         or recorded.dim() != 3
