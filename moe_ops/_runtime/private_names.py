@@ -301,6 +301,13 @@ PRIVATE_ATTRIBUTES: dict[str, Private] = {
         "the timeout the group was created with (gloo's options; NCCL's have the same field)",
         GLOO_TIMEOUT,
     ),
+    "transformers.PretrainedConfig._attn_implementation": Private(
+        "transformers', not torch's: integrations.hf.indexer refuses to replay indexer positions on an "
+        "attention path other than eager/SDPA (the others read them as kernel indices); transformers "
+        "has no public getter of the resolved implementation",
+        "transformers 5.25 here (tests/integrations/test_indexer_attach.py); not run on the GPU "
+        "machine's transformers 5.17 (the tests run on the CPU)",
+    ),
     "ctypes.CDLL._handle": Private(
         "the standard library's, not torch's: the loader handle that tells torch's libcudart from "
         "another package's copy where two are mapped (cudart._torch_cudart)",
