@@ -282,7 +282,7 @@ def compare_with_megatron_replay(
     equal Megatron's RouterReplay's. The other rows (-1, faulty): with ``live_rows="router"`` the
     router's own output, bit for bit; with "rule" the rule's live routing (``rule_live_ids``),
     weights and gradients equal to Megatron's RouterReplay of the ids the hook returned - except
-    softmax with groups, which routes them as "router" does."""
+    groups no moe-ops rule routes (softmax, sigmoid top-1 without a bias), routed as "router" does."""
     router = case_router(case, device)
     x, grad_out = case_inputs(case, device)
     k = case.top_k
@@ -305,7 +305,10 @@ def compare_with_megatron_replay(
     assert ours.probs.dtype == ref.probs.dtype == dtype
     assert torch.equal(ours.map[replayed], ref.map[replayed])
     torch.testing.assert_close(ours.probs[replayed], ref.probs[replayed], **PROB_TOL[dtype])
-    as_router = live_rows == "router" or (case.score_function == "softmax" and case.group_topk)
+    # groups no moe-ops rule routes (softmax with groups; sigmoid top-1 without a bias, with groups):
+    # the hook takes the router's own output for every row, as live_rows="router" does
+    grouped_without_rule = bool(case.group_topk) and mg.replay_rule(router.config).n_group is None
+    as_router = live_rows == "router" or grouped_without_rule
     if not as_router:
         # the -1 and faulty rows: the rule's live routing; every row's weights and the gradients
         # are Megatron's RouterReplay's of the ids the hook returned
@@ -352,6 +355,8 @@ def test_every_score_function_replays_each_configuration(router_dtype):
         dict(score_function="sigmoid", top_k=1, expert_bias=True, scaling=2.5),
         # a share of 3 keys per group score (top_k // group_topk): not DeepSeek-V3's two
         dict(score_function="sigmoid", top_k=6, expert_bias=True, num_groups=4, group_topk=2),
+        # groups no moe-ops method routes: the -1 rows take the router's own output under "rule" too
+        dict(score_function="sigmoid", top_k=1, num_groups=4, group_topk=2),
     ]
     for i, branch in enumerate(branches):
         fields = dict(pre_softmax=False, scaling=None, expert_bias=False, num_groups=None, group_topk=None)
