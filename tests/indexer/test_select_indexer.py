@@ -18,7 +18,14 @@ from moe_ops import BatchLayout
 from moe_ops.capture.errors import FaultCounter
 from moe_ops.capture.target import CaptureTarget
 from moe_ops.graphs import CompileCounters
-from moe_ops.indexer.select import select_indexer_topk, select_topk_torch, select_topk_triton
+from moe_ops.indexer.select import (
+    _MIN_CHUNK,
+    SELECT_CAPTURE_OP,
+    _programs_per_row,
+    select_indexer_topk,
+    select_topk_torch,
+    select_topk_triton,
+)
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
@@ -72,23 +79,41 @@ def _tensor(scores, dtype, view, device):
     return t.to(device)
 
 
-@pytest.mark.parametrize("impl", ["triton", "torch", "op"])
+@pytest.mark.parametrize("impl", ["triton", "triton-split", "torch", "op"])
 @settings(max_examples=60, deadline=None)
 @given(case=select_cases())
 def test_selection_is_the_oracle(impl, case):
+    """ "triton-split": rows split into programs of >= 4 keys (a GPU splits rows of >= 4096 keys
+    when the rows alone leave SMs idle), so chunks meet ties and kv_lens mid-row."""
     scores, k, lens, dtype, view = case
-    if impl == "triton":
+    if impl.startswith("triton"):
         skip_unless_triton_runs("cpu")
     s = _tensor(scores, dtype, view, "cpu")
     want = oracle(s.float().numpy(), k, lens)  # the oracle sees the scores as the kernel does
     lens_t = None if lens is None else torch.from_numpy(lens).to(torch.int32)
     out = torch.full((s.shape[0], k), POISON, dtype=torch.int32)
+    no_lens = torch.empty(0, dtype=torch.int32)
     if impl == "op":
         select_indexer_topk(s, k, kv_lens=lens_t, out=out)
+    elif impl == "torch":
+        select_topk_torch(out, s, lens_t if lens_t is not None else no_lens)
     else:
-        fn = select_topk_triton if impl == "triton" else select_topk_torch
-        fn(out, s, lens_t if lens_t is not None else torch.empty(0, dtype=torch.int32))
+        chunk = 4 if impl == "triton-split" else _MIN_CHUNK
+        select_topk_triton(out, s, lens_t if lens_t is not None else no_lens, min_chunk=chunk)
     assert np.array_equal(out.numpy(), want)
+
+
+def test_rows_split_as_the_gpu_is_filled():
+    """Programs per row: >= 4 per SM in flight, chunks of >= min_chunk keys, whole 1024-key blocks."""
+    cuda = torch.device("cuda")
+    cases = {
+        (1, 131072): 32, (128, 131072): 5, (4096, 131072): 1, (1, 8192): 2, (1, 4096): 1, (600, 8192): 1,
+    }  # fmt: skip
+    for (n, t), parts in cases.items():
+        got, chunk = _programs_per_row(n, t, cuda, _MIN_CHUNK, sm_count=132)
+        assert got == parts, (n, t, got)
+        assert (got - 1) * chunk < t <= got * chunk and (got == 1 or chunk % 1024 == 0)
+    assert _programs_per_row(0, 100, cuda, 4, sm_count=132) == (1, 100)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -138,8 +163,6 @@ def test_fused_capture_records_this_ranks_rows(device, layout):
     # the twin ops write the same
     ref_out = torch.empty_like(out)
     ref_buf = torch.full_like(buffer, POISON)
-    from moe_ops.indexer.select import SELECT_CAPTURE_OP
-
     ref_target = CaptureTarget(
         ref_buf,
         2,
@@ -215,3 +238,63 @@ def test_cuda_graph_replays_with_live_counts_and_lengths(cuda_device):
         want = np.asarray(oracle(scores.cpu().numpy(), k, lens.cpu().numpy()))
         assert np.array_equal(out.cpu().numpy(), want)
         assert torch.equal(buffer[:live, 0], out[:live]) and (buffer[live:] == POISON).all()
+
+
+@pytest.mark.parametrize("layout", [BatchLayout.LOCAL, BatchLayout.GATHERED], ids=lambda v: v.name)
+def test_split_rows_record_as_the_twin(layout):
+    """The fused capture of rows split across programs (chunks of >= 8 keys): the positions and the
+    record equal the twin's, ties across chunk boundaries and kv_lens mid-chunk included."""
+    skip_unless_triton_runs("cpu")
+    gen = torch.Generator().manual_seed(3)
+    n, t, k = 5, 70, 16
+    scores = torch.randint(0, 4, (n, t), generator=gen).float()  # ties in every chunk
+    lens = torch.tensor([70, 33, 0, 9, 61], dtype=torch.int32)
+    if layout == BatchLayout.LOCAL:
+        counts, sizes, rank = torch.tensor([4], dtype=torch.int32), None, 0
+    else:
+        counts, sizes, rank = (
+            torch.tensor([2, 3], dtype=torch.int32),
+            torch.tensor([2, 3], dtype=torch.int32),
+            1,
+        )
+    records = []
+    for launch in ("triton", "torch"):
+        buffer = torch.full((6, 2, k), POISON, dtype=torch.int32)
+        target = CaptureTarget(
+            buffer, 1, token_counts=counts, dp_rank=rank, layout=layout, shard_sizes=sizes,
+            fault_counter=FaultCounter("cpu"),
+        )  # fmt: skip
+        out = torch.full((n, k), POISON, dtype=torch.int32)
+        if launch == "triton":
+            select_topk_triton(out, scores, lens, target.spec, min_chunk=8)
+        else:
+            select_topk_torch(out, scores, lens, target.spec)
+        records.append((out, buffer))
+    (out, buffer), (ref_out, ref_buffer) = records
+    assert np.array_equal(out.numpy(), oracle(scores.numpy(), k, lens.numpy()))
+    assert torch.equal(out, ref_out) and torch.equal(buffer, ref_buffer)
+    assert (buffer[:, 1] != POISON).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, t, k", [(1, 131072, 2048), (2, 40000, 512), (64, 20000, 2048), (300, 9000, 512)])
+def test_long_rows_split_across_programs_equal_the_twin(cuda_device, n, t, k):
+    """Rows long enough to split on a GPU (one program per >= 4096 keys while the rows leave SMs
+    idle), with a record: positions and record equal the twin's, on distinct and on tied scores."""
+    gen = torch.Generator(device=cuda_device).manual_seed(n)
+    for kind in ("distinct", "ties"):
+        if kind == "distinct":
+            scores = torch.randn(n, t, device=cuda_device, generator=gen)
+        else:
+            scores = torch.randint(0, 8, (n, t), device=cuda_device, generator=gen).to(torch.bfloat16)
+        lens = torch.randint(t // 2, t + 1, (n,), device=cuda_device, generator=gen, dtype=torch.int32)
+        counts = torch.tensor([n], dtype=torch.int32, device=cuda_device)
+        results = []
+        for launch in (select_topk_triton, select_topk_torch):
+            buffer = torch.full((n, 1, k), POISON, dtype=torch.int32, device=cuda_device)
+            out = torch.full((n, k), POISON, dtype=torch.int32, device=cuda_device)
+            launch(out, scores, lens, CaptureTarget(buffer, 0, token_counts=counts).spec)
+            results.append((out, buffer))
+        (out, buffer), (ref_out, ref_buffer) = results
+        assert torch.equal(out, ref_out), kind
+        assert torch.equal(buffer, ref_buffer), kind
