@@ -5,7 +5,8 @@ Wire (runs on the CPU): bytes per (token, indexer layer) of the compact format o
 of the context (the floor is log2 C(context, k) bits: the ratio to it is reported) and (b) decode
 traces whose adjacent rows share 95% of their positions (target <= 512 bytes at k = 2048, 128K
 context; int32 takes 8 KiB), and encode / decode throughput in MB/s of int32-equivalent input on
-one core (target >= 1000).
+one core (target >= 1000), with the codec that ran (the C loops, or the numpy twin and why). The
+rows are handed over shuffled, as SGLang's indexer lists them (by score): the encoder sorts them.
 
 Capture (CUDA): ``capture_indexer`` per call inside a CUDA graph (repeats checked, and not) against
 ``buffer[:n, layer] = positions`` (target <= 1.1x). Selection (CUDA): ``select_indexer_topk``
@@ -35,6 +36,7 @@ from moe_ops.capture.target import CaptureTarget
 from moe_ops.indexer import capture_indexer, select_indexer_topk
 from moe_ops.indexer.wire import (
     canonical_positions,
+    codec,
     decode_positions_bytes,
     encode_positions_bytes,
     set_bound_bits,
@@ -102,10 +104,13 @@ def wire_table(cases, quick: bool) -> Table:
             "ratio to floor",
             "encode MB/s",
             "decode MB/s",
+            "codec",
             "target",
             "met",
         ],
     )
+    # "native": the C loops (codec.c); else why the numpy twin runs
+    which = codec()
     rng = np.random.default_rng(0)
     n = 16 if quick else WIRE_TOKENS
     for case in cases:
@@ -143,6 +148,7 @@ def wire_table(cases, quick: bool) -> Table:
                 per_row / floor if workload == "random" else "",
                 enc,
                 dec,
+                which,
                 target,
                 "met" if met else "missed",
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -416,7 +417,7 @@ def test_the_release_path_sdist_then_wheel_then_a_fresh_environment(tmp_path):
     wanted = {
         str(p.relative_to(ROOT))
         for p in wanted
-        if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".typed")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix in (".py", ".typed", ".c")
     }
     assert not wanted - members, f"files the sdist lacks: {sorted(wanted - members)}"
     with zipfile.ZipFile(wheel) as z:
@@ -425,6 +426,7 @@ def test_the_release_path_sdist_then_wheel_then_a_fresh_environment(tmp_path):
             "moe_ops/graphs/__init__.py",
             "moe_ops/graphs/runner.py",
             "moe_ops/graphs/compile.py",
+            "moe_ops/indexer/codec.c",  # the C codec's source, built at first use
         } <= names
         assert z.read("moe_ops/graphs/__init__.py") == (ROOT / "graphs" / "__init__.py").read_bytes()
 
@@ -461,6 +463,7 @@ def test_the_release_path_sdist_then_wheel_then_a_fresh_environment(tmp_path):
     _stage_requirements(extras, tmp_path / "extras" / "site-packages")
     Path(site, "_tested_packages.pth").write_text(f"{stage}\n{tmp_path / 'extras' / 'site-packages'}\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env["MOE_OPS_CACHE_DIR"] = str(tmp_path / "cache")  # the C codec built afresh from the wheel's source
     install = subprocess.run(
         [sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "-q", f"{wheel}[test]"],
         capture_output=True,
@@ -478,6 +481,13 @@ def test_the_release_path_sdist_then_wheel_then_a_fresh_environment(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert all(Path(f).is_relative_to(site) for f in out.stdout.split()), out.stdout
+    # the installed package builds its C codec from the source it carries (where cc exists)
+    out = run(
+        python, "-c", "from moe_ops.indexer import wire; print(wire.codec())",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    if shutil.which(os.environ.get("CC") or "cc"):
+        assert out.stdout.strip() == "native", out.stdout
     out = run(venv / "bin" / "moe-ops", "demo", "--help")
     assert out.returncode == 0 and "--requests" in out.stdout, out.stderr
     out = run(

@@ -35,10 +35,10 @@ Layout (little-endian)::
     end-4 4  CRC-32 (zlib) of everything before it
 
 The text form is the base64 of those bytes. Decoding is exact (the set of every row, ``-1`` padding
-after it) and checks everything before it allocates the output: the CRC, the sizes against the
-bytes present and ``max_elements``, each width (at most 31 bits), that a DELTA drops only
-positions the previous row had and adds only ones it lacked, rows of at most k positions, every
-position below ``context``. Anything else is a ValueError naming the problem. Memory: the output
+after it). Before the output is allocated it checks the CRC and the sizes against the bytes present
+and ``max_elements``; then each width (at most 31 bits), that a DELTA drops only positions the
+previous row had and adds only ones it lacked, rows of at most k positions, every position below
+``context``, the payload's length. Anything else is a ValueError naming the problem. Memory: the output
 (``max_elements`` int32 at most, 2**28 by default) and temporaries of a few dozen bytes a value for
 spans of about 2**18 values (a dense row codes in 0 bits, so a short text may describe a large
 output; the output bound is what limits it).
@@ -47,6 +47,8 @@ output; the output bound is what limits it).
 from __future__ import annotations
 
 import base64
+import ctypes
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -54,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from .._runtime import native
 from ..wire import sglang as _sglang
 from ..wire._base import as_text, b64_decoded_size, b64decode, check_size
 
@@ -62,6 +65,7 @@ __all__ = [
     "COMPACT_VERSION",
     "INDEXER_FORMATS",
     "canonical_positions",
+    "codec",
     "decode_positions",
     "decode_positions_bytes",
     "encode_positions",
@@ -117,6 +121,49 @@ def canonical_positions(positions: Any) -> np.ndarray:
     key = np.where(array >= 0, array, np.iinfo(np.int64).max)
     out = np.sort(key, axis=2)
     return np.where(out == np.iinfo(np.int64).max, -1, out).astype(np.int32)
+
+
+# the C encoder tests membership in the previous row through bitmaps up to this context (codec.c)
+_BITMAP_CONTEXT = 1 << 22
+_CODEC_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "codec.c")
+
+
+def _native() -> ctypes.CDLL | None:
+    lib = native.load(_CODEC_SOURCE)
+    if lib is not None and not getattr(lib, "_moei_typed", False):
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.moei_encode.restype = i64
+        lib.moei_encode.argtypes = [
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+        ]
+        lib.moei_decode.restype = i64
+        lib.moei_decode.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+        lib._moei_typed = True
+    return lib
+
+
+def codec() -> str:
+    """Which codec the compact format runs: "native" (codec.c, built at the first call with the
+    system C compiler) or why the numpy twin runs instead (no compiler, ``MOE_OPS_NATIVE=0``, a
+    failed build). Builds the C codec if it is not built yet."""
+    _native()
+    return native.status(_CODEC_SOURCE)
 
 
 def set_bound_bits(k: int, context: int) -> float:
@@ -228,8 +275,21 @@ def encode_positions_bytes(positions: Any, *, context: int) -> bytes:
 
     Raises ValueError for a wrong shape or dtype, a position outside ``[-1, context)`` or repeated
     within its row (the capture stored those as -1; a row handed here with one is not a record).
+    The rows are coded in C where a compiler is at hand (:func:`codec`), else by the numpy twin:
+    the same bytes. Thread-safe; the C loop runs without the GIL.
     """
     context = _check_context(context)
+    array = _checked_shape(positions)
+    lib = _native()
+    if lib is not None:
+        data = _encode_native(lib, array, context)
+        if data is not None:
+            return data
+    # no C codec, or bad input: the numpy twin codes the rows or names the problem
+    return _encode_numpy(array, context)
+
+
+def _checked_shape(positions: Any) -> np.ndarray:
     array = _positions_array(positions)
     n, n_layers, k = array.shape
     for name, v in (("n", n), ("num_indexer_layers", n_layers)):
@@ -237,6 +297,48 @@ def encode_positions_bytes(positions: Any, *, context: int) -> bytes:
             raise ValueError(f"{name}={v} does not fit the format's uint32 header field")
     if k > MAX_K:
         raise ValueError(f"k={k} positions per row: the compact format carries at most {MAX_K}")
+    return array
+
+
+def _encode_native(lib: ctypes.CDLL, array: np.ndarray, context: int) -> bytes | None:
+    """The C codec's bytes of a shape-checked array, or None where it found bad input (the numpy
+    twin then says what)."""
+    n, n_layers, k = array.shape
+    if array.dtype != np.int32:
+        if array.size and (array.min() < -1 or array.max() >= context):
+            return None
+        array = array.astype(np.int32)
+    if any(st % 4 for st in array.strides):  # a view whose strides are not whole int32 elements
+        array = np.ascontiguousarray(array)
+    n_records = n * n_layers
+    mode_w1 = np.empty(n_records, np.uint8)
+    w2 = np.empty(n_records, np.uint8)
+    c1 = np.empty(n_records, "<u2")
+    c2 = np.empty(n_records, "<u2")
+    payload = np.empty(n_records * k * 4 + 8, np.uint8)
+    scratch = np.empty(5 * max(k, 1), np.uint32)
+    # membership of a row's positions in the previous row through bitmaps of the context while
+    # they stay in cache (2 x 64 KiB at 4M positions), else a merge of the sorted rows
+    n_words = -(-context // 64) if context <= _BITMAP_CONTEXT else 0
+    bitmaps = np.zeros(2 * max(n_words, 1), np.uint64)
+    bad = ctypes.c_int64(0)
+    size = lib.moei_encode(
+        array.ctypes.data, n, n_layers, k, *(st // 4 for st in array.strides), context,
+        mode_w1.ctypes.data, w2.ctypes.data, c1.ctypes.data, c2.ctypes.data, payload.ctypes.data,
+        scratch.ctypes.data, bitmaps.ctypes.data, n_words, ctypes.byref(bad),
+    )  # fmt: skip
+    if size < 0:
+        return None
+    head = _HEADER.pack(COMPACT_MAGIC, COMPACT_VERSION, 0, 0, n, n_layers, k, context)
+    body = b"".join(
+        (head, mode_w1.tobytes(), w2.tobytes(), c1.tobytes(), c2.tobytes(), payload[:size].tobytes())
+    )
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def _encode_numpy(array: np.ndarray, context: int) -> bytes:
+    """The numpy twin of the C codec's encoder (the format's definition)."""
+    n, n_layers, k = array.shape
     pos = array.astype(np.int64)
     if pos.size and (pos.min() < -1 or pos.max() >= context):
         bad = pos[(pos < -1) | (pos >= context)][0]
@@ -340,8 +442,15 @@ def encode_positions(positions: Any, *, format: str = "compact", context: int | 
 
 def decode_positions_bytes(data: Any, *, max_elements: int | None = DEFAULT_MAX_ELEMENTS) -> np.ndarray:
     """The (n, num_indexer_layers, k) int32 positions of compact bytes: each row's set sorted
-    ascending, -1 after it. ValueError for anything malformed (see the module docstring), found
-    before the output is allocated; ``max_elements`` bounds the output (None: numpy's limit)."""
+    ascending, -1 after it. ValueError for anything malformed (see the module docstring); sizes
+    over ``max_elements`` are refused before the output is allocated (None: numpy's limit).
+    The rows are decoded in C where a compiler is at hand (:func:`codec`), else by the numpy twin;
+    a payload the C loop refuses is decoded again by the twin, which names the problem."""
+    return _decode(data, max_elements, native_ok=True)
+
+
+def _decode(data: Any, max_elements: int | None, *, native_ok: bool) -> np.ndarray:
+    """decode_positions_bytes; ``native_ok`` False: the numpy twin alone."""
     if isinstance(data, memoryview):
         data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -375,6 +484,26 @@ def decode_positions_bytes(data: Any, *, max_elements: int | None = DEFAULT_MAX_
             f"bytes, {size - 4 - _HEADER.size} present"
         )
     raw = np.frombuffer(data, dtype=np.uint8, count=size - 4)
+    lib = _native() if native_ok else None
+    if lib is not None:
+        # the C loop checks the record headers and the payload as the twin below does
+        at = head_end
+        payload_bytes = size - 4 - at
+        padded = np.zeros(payload_bytes + 8, dtype=np.uint8)  # 8 spare bytes: a field is read as a word
+        padded[:payload_bytes] = raw[at:]
+        counts = np.frombuffer(data, dtype="<u2", count=2 * n_records, offset=_HEADER.size + 2 * n_records)
+        if counts.dtype.byteorder not in "=<|" or not counts.flags.aligned:
+            counts = counts.astype(np.uint16)  # native order, aligned
+        rows = np.empty((n, n_layers, k), dtype=np.int32)
+        scratch = np.empty(4 * max(k, 1), np.uint32)
+        code = lib.moei_decode(
+            padded.ctypes.data, 8 * payload_bytes, n, n_layers, k, context,
+            raw[_HEADER.size :].ctypes.data, raw[_HEADER.size + n_records :].ctypes.data,
+            counts.ctypes.data, counts[n_records:].ctypes.data, rows.ctypes.data, scratch.ctypes.data,
+        )  # fmt: skip
+        if code == 0:
+            return rows
+        # something the C loop refuses: the numpy twin below names it
     at = _HEADER.size
     mode_w1 = raw[at : at + n_records].astype(np.int64)
     at += n_records

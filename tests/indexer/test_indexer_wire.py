@@ -5,7 +5,12 @@ memory."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import struct
+import subprocess
+import sys
+import threading
 import zlib
 
 import numpy as np
@@ -13,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moe_ops.indexer import wire
 from moe_ops.indexer.wire import (
     canonical_positions,
     decode_positions,
@@ -83,6 +89,10 @@ def test_compact_round_trip_is_exact(record, dtype):
     back = decode_positions(text)
     assert back.dtype == np.int32 and back.shape == rows.shape
     assert np.array_equal(back, canonical_positions(rows))
+    # the C codec (where it is built) writes the numpy twin's bytes and reads its rows
+    data = encode_positions_bytes(rows, context=context)
+    assert data == wire._encode_numpy(rows, context)
+    assert np.array_equal(wire._decode(data, None, native_ok=False), back)
     # the set of every row, whatever order the indexer listed it in
     assert np.array_equal(
         decode_positions_bytes(encode_positions_bytes(rows[:, :, ::-1], context=context)), back
@@ -176,10 +186,17 @@ def test_crafted_bytes_with_a_valid_crc_decode_or_raise_value_error(i, value, se
     data = encode_positions_bytes(trace(rng, 5, 2, 8, 64, 0.8, pad=0.3), context=64)
     body = bytearray(data[:-4])
     body[i % len(body)] = value
+    crafted = _recrc(bytes(body))
     try:
-        out = decode_positions_bytes(_recrc(bytes(body)))
+        twin = wire._decode(crafted, wire.DEFAULT_MAX_ELEMENTS, native_ok=False)
     except ValueError:
+        twin = None
+    try:
+        out = decode_positions_bytes(crafted)
+    except ValueError:
+        assert twin is None, "the C decoder refused what the numpy twin reads"
         return
+    assert twin is not None and np.array_equal(out, twin), "the C decoder read what the twin refuses"
     assert out.dtype == np.int32 and out.ndim == 3
     _, _, _, _, _, _, _, context = struct.unpack_from("<4sBBHIIII", body, 0)
     for row in out.reshape(-1, out.shape[-1]):
@@ -231,17 +248,15 @@ def test_torch_tensors_are_accepted():
 
 
 def test_spans_decode_what_one_span_decodes(monkeypatch):
-    """The decoder works in spans of records; a DELTA at a span's start continues from the row
-    decoded before it. Tiny spans give the same rows as one span."""
-    from moe_ops.indexer import wire
-
+    """The numpy decoder works in spans of records; a DELTA at a span's start continues from the
+    row decoded before it. Tiny spans give the same rows as one span."""
     rng = np.random.default_rng(3)
     rows = trace(rng, 20, 3, 16, 400, 0.8, pad=0.2)
     data = encode_positions_bytes(rows, context=400)
     whole = decode_positions_bytes(data)
     for span in (1, 2, 7, 33):
         monkeypatch.setattr(wire, "_SPAN", span)
-        assert np.array_equal(decode_positions_bytes(data), whole)
+        assert np.array_equal(wire._decode(data, None, native_ok=False), whole)  # spans: the twin's
     assert np.array_equal(whole, canonical_positions(rows))
 
 
@@ -256,12 +271,13 @@ def test_a_short_text_of_a_large_record_decodes_in_bounded_memory():
     mode = bytes([0] + [0x80] * (n - 1))
     body += mode + bytes(n) + struct.pack("<H", k) + bytes(2 * (n - 1)) + bytes(2 * n)
     data = _recrc(body)
-    tracemalloc.start()
-    out = decode_positions_bytes(data)
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert out.shape == (n, 1, k) and (out[:, 0] == np.arange(k)).all()
-    assert peak < 3 * out.nbytes + (64 << 20), peak  # output, its transposed copy, one span's work
+    for native_ok in (True, False):  # the C decoder where it is built, and the numpy twin
+        tracemalloc.start()
+        out = wire._decode(data, wire.DEFAULT_MAX_ELEMENTS, native_ok=native_ok)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert out.shape == (n, 1, k) and (out[:, 0] == np.arange(k)).all()
+        assert peak < 3 * out.nbytes + (64 << 20), peak  # output, its transposed copy, one span's work
     with pytest.raises(ValueError, match="at most 65535"):
         decode_positions_bytes(_recrc(struct.pack("<4sBBHIIII", b"MOEI", 1, 0, 0, 1, 1, 1 << 25, 1 << 25)))
 
@@ -271,3 +287,104 @@ def test_wide_unsigned_input_is_refused_not_wrapped():
         encode_positions(np.array([[[2**64 - 1]]], dtype=np.uint64), context=10)
     with pytest.raises(ValueError, match="at most 65535"):
         encode_positions(np.zeros((1, 1, 70_000), np.int32) - 1, context=10)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the C codec (codec.c, built at first use) against its numpy twin
+# ---------------------------------------------------------------------------------------------------
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler: the numpy codec runs alone"
+)
+
+
+@needs_compiler
+def test_the_c_codec_is_built_where_a_compiler_is():
+    assert wire.codec() == "native"
+
+
+@needs_compiler
+@pytest.mark.parametrize("context", [8192, 131072, 1 << 23])  # bitmaps, bitmaps, a merge (codec.c)
+def test_c_and_numpy_write_the_same_bytes_for_views_and_dtypes(context):
+    rng = np.random.default_rng(context)
+    rows = trace(rng, 9, 3, 64, context, 0.9, pad=0.3)
+    views = {
+        "int64": rows,
+        "int32 transposed copy": np.ascontiguousarray(rows.transpose(1, 0, 2))
+        .transpose(1, 0, 2)
+        .astype(np.int32),
+        "reversed k": rows[:, :, ::-1].astype(np.int32),
+        "every other token": np.repeat(rows, 2, axis=0)[::2].astype(np.int32),
+        "uint32": trace(rng, 9, 3, 64, context, 0.9).astype(np.uint32),  # no -1 in an unsigned record
+    }
+    for name, view in views.items():
+        data = encode_positions_bytes(view, context=context)
+        assert data == wire._encode_numpy(view, context), name
+        assert np.array_equal(decode_positions_bytes(data), canonical_positions(view)), name
+
+
+@needs_compiler
+def test_c_codec_refuses_as_the_twin_does():
+    for rows, match in (
+        (np.array([[[1, 1, 2]]]), "repeat"),
+        (np.array([[[1, 9, 2]]]), "lie in"),
+        (np.array([[[1, -2, 2]]], dtype=np.int32), "lie in"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            encode_positions_bytes(rows, context=9)
+
+
+@needs_compiler
+def test_threads_share_the_c_codec():
+    """Encode and decode from 8 threads at once (the C loops run without the GIL): every result
+    equals the one-thread result."""
+    rng = np.random.default_rng(5)
+    records = [trace(rng, 16, 2, 128, 50_000, 0.9, pad=0.1) for _ in range(8)]
+    want = [encode_positions_bytes(r, context=50_000) for r in records]
+    errors = []
+
+    def work(i):
+        try:
+            for _ in range(20):
+                data = encode_positions_bytes(records[i], context=50_000)
+                assert data == want[i]
+                assert np.array_equal(decode_positions_bytes(data), canonical_positions(records[i]))
+        except Exception as exc:  # reported below with the thread's index
+            errors.append((i, exc))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+
+
+_BUILD = """
+import sys, numpy as np
+from moe_ops.indexer import wire
+rows = np.arange(24, dtype=np.int32).reshape(2, 3, 4)
+print(wire.codec(), wire.encode_positions_bytes(rows, context=100).hex())
+"""
+
+
+@needs_compiler
+def test_processes_building_at_once_share_one_library(tmp_path):
+    """Four processes build the codec into one empty cache at once (each builds under a temporary
+    name and renames it); all load it and write the same bytes. MOE_OPS_NATIVE=0 runs the twin:
+    the same bytes again."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, MOE_OPS_CACHE_DIR=str(tmp_path), PYTHONPATH=root)
+    runs = [
+        subprocess.Popen([sys.executable, "-c", _BUILD], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    outs = [r.communicate(timeout=300)[0].split() for r in runs]
+    assert all(r.returncode == 0 for r in runs)
+    assert {o[0] for o in outs} == {"native"} and len({o[1] for o in outs}) == 1
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so" and not p.name.startswith(".")]
+    off = subprocess.run(
+        [sys.executable, "-c", _BUILD], env=dict(env, MOE_OPS_NATIVE="0"), capture_output=True, text=True,
+        timeout=300, check=True,
+    ).stdout.split()  # fmt: skip
+    assert " ".join(off[:-1]) == "disabled by MOE_OPS_NATIVE=0" and off[-1] == outs[0][1]
