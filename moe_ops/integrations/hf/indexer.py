@@ -1,5 +1,6 @@
 """Recording and forcing the sparse-attention indexer of a transformers model (DeepSeek-V3.2, and the
-models built on its ``Indexer`` module: GLM-5's ``GlmMoeDsa``), beside the router.
+models built on its ``Indexer`` module: GLM-5's ``GlmMoeDsa``; DeepSeek-V4's compressed-entry
+indexer), beside the router.
 
 transformers' indexer (``DeepseekV32Indexer.forward``) returns the ``[B, S, topk]`` int32 positions
 of ``index_scores.topk(min(index_topk, T))``, and its eager/SDPA attention scatters them into the
@@ -16,12 +17,20 @@ never chosen), found on the device from the attention mask the indexer was given
   indexer's; faulty rows are counted). -1 entries of a replayed row are handed to the attention as a
   repeat of a chosen position (the eager/SDPA path scatters them; a repeat changes nothing there).
 
+DeepSeek-V4 (``DeepseekV4Indexer``, inside each compressed-sparse-attention layer's compressor)
+chooses among compressed entries of ``compress_rate`` tokens, and marks a choice a query may not
+read yet (an entry past ``(position + 1) // compress_rate``) with -1 itself: the record keeps its
+-1, the capture checks each position against that bound, and a replayed row hands its -1 to the
+compressor as the indexer's own "no entry" (valid positions first, as many columns as the live
+call returned).
+
 Both return a handle whose ``detach()`` restores the modules' own ``forward``. The layer axis is
 :func:`moe_ops.indexer.indexer_shape`'s: the indexer layers that run, in model order.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,18 +42,46 @@ from ...indexer import capture_indexer, indexer_shape, replay_indexer
 __all__ = ["IndexerAttachment", "attach_indexer_capture", "attach_indexer_replay", "find_indexers"]
 
 
+_LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
 def find_indexers(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
     """(model layer, module name, module) of every indexer of ``model`` (modules with
-    ``index_topk`` and ``layer_idx`` whose class name ends in ``Indexer``), in layer order."""
+    ``index_topk`` whose class name ends in ``Indexer``; the layer is the module's ``layer_idx``,
+    else the ``layers.<i>.`` of its name - DeepSeek-V4's indexer is handed its layer per call), in
+    layer order."""
     found = []
     for name, module in model.named_modules():
-        if (
-            type(module).__name__.endswith("Indexer")
-            and hasattr(module, "index_topk")
-            and hasattr(module, "layer_idx")
-        ):
+        if not (type(module).__name__.endswith("Indexer") and hasattr(module, "index_topk")):
+            continue
+        if hasattr(module, "layer_idx"):
             found.append((int(module.layer_idx), name, module))
+        elif (match := _LAYER_IN_NAME.search(name)) is not None:
+            found.append((int(match.group(1)), name, module))
     return sorted(found, key=lambda item: item[0])
+
+
+def _compressed(module: nn.Module) -> bool:
+    """DeepSeek-V4's indexer: it chooses compressed entries and marks unreadable ones -1 itself."""
+    return hasattr(module, "compress_rate")
+
+
+def _entry_bounds(module: nn.Module, args: tuple, kwargs: dict, shape) -> torch.Tensor:
+    """(B * S,) int32: the compressed entries each query may read, ``(position + 1) //
+    compress_rate`` (DeepseekV4Indexer.forward(hidden_states, q_residual, position_ids, ...))."""
+    position_ids = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    if not isinstance(position_ids, torch.Tensor):
+        raise ValueError("the DeepSeek-V4 indexer was called without its position_ids")
+    bound = (position_ids + 1) // int(module.compress_rate)
+    return bound.expand(shape[0], shape[1]).reshape(-1).to(torch.int32)
+
+
+def _padded(positions: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., k] int32: ``positions`` with -1 columns after them (a call over fewer entries than k)."""
+    out = positions.to(torch.int32)
+    if out.shape[-1] < k:
+        out = torch.cat([out, out.new_full((*out.shape[:-1], k - out.shape[-1]), -1)], dim=-1)
+    return out
 
 
 def _record_layers(model: nn.Module) -> tuple[dict[int, int], int]:
@@ -172,12 +209,16 @@ def attach_indexer_capture(
     for layer, _, module in find_indexers(model):
         orig = module.forward
 
-        def forward(*args, _orig=orig, _layer=layers[layer], **kwargs):
+        def forward(*args, _orig=orig, _layer=layers[layer], _module=module, **kwargs):
             out = _orig(*args, **kwargs)
-            allowed = _allowed(_mask_of(args, kwargs))
-            rows = _chosen(out, allowed, k).reshape(-1, k)
-            kv_lens = (allowed * torch.arange(1, allowed.shape[-1] + 1, device=allowed.device)).amax(-1)
-            kv_lens = kv_lens.expand(out.shape[0], out.shape[1]).reshape(-1).to(torch.int32)
+            if _compressed(_module):  # its own -1 for an entry the query may not read yet
+                rows = _padded(out, k).reshape(-1, k)
+                kv_lens = _entry_bounds(_module, args, kwargs, out.shape)
+            else:
+                allowed = _allowed(_mask_of(args, kwargs))
+                rows = _chosen(out, allowed, k).reshape(-1, k)
+                kv_lens = (allowed * torch.arange(1, allowed.shape[-1] + 1, device=allowed.device)).amax(-1)
+                kv_lens = kv_lens.expand(out.shape[0], out.shape[1]).reshape(-1).to(torch.int32)
             capture_indexer(
                 buffer,
                 rows,
@@ -221,7 +262,7 @@ def attach_indexer_replay(model: nn.Module, recorded: torch.Tensor) -> IndexerAt
     for layer, _, module in find_indexers(model):
         orig = module.forward
 
-        def forward(*args, _orig=orig, _layer=layers[layer], **kwargs):
+        def forward(*args, _orig=orig, _layer=layers[layer], _module=module, **kwargs):
             live = _orig(*args, **kwargs)
             n = live.shape[0] * live.shape[1]
             if handle.num_rows != n:
@@ -229,6 +270,14 @@ def attach_indexer_replay(model: nn.Module, recorded: torch.Tensor) -> IndexerAt
                     f"the indexer reads {n} query rows but set_batch gave {handle.num_rows}: set the "
                     "batch's record before the forward"
                 )
+            if _compressed(_module):
+                kv_lens = _entry_bounds(_module, args, kwargs, live.shape)
+                rows = replay_indexer(_padded(live, k).reshape(n, k), recorded[:n, _layer], kv_lens=kv_lens)
+                # its valid entries first, -1 (the indexer's own "none") after them, in the live
+                # call's columns: a query reads at most min(k, entries) of them
+                key = torch.where(rows >= 0, rows, torch.iinfo(torch.int32).max).sort(dim=-1).values
+                rows = torch.where(key == torch.iinfo(torch.int32).max, -1, key)[:, : live.shape[-1]]
+                return rows.reshape(live.shape).to(live.dtype)
             allowed = _allowed(_mask_of(args, kwargs))
             kv_lens = (allowed * torch.arange(1, allowed.shape[-1] + 1, device=allowed.device)).amax(-1)
             kv_lens = kv_lens.expand(live.shape[0], live.shape[1]).reshape(-1)
