@@ -181,6 +181,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--hf", default=None, metavar="ARCH", help="serve a tiny transformers model of ARCH instead"
     )
     p.add_argument(
+        "--indexer",
+        action="store_true",
+        help="with --hf deepseek_v4: give the tiny model compressed sparse attention and record its "
+        "indexer's top-k beside the routing (verified, written compact; see docs/indexer.md)",
+    )
+    p.add_argument(
         "--requests",
         type=_int_in(1, MAX_DEMO_REQUESTS),
         default=12,
@@ -238,10 +244,13 @@ def _output_folder_problem(path: str) -> str | None:
 
 
 def check_demo_args(args: argparse.Namespace) -> None:
-    """The demo's checks that parsing cannot make alone (UsageError), in order: CUDA-graph modes need
+    """The demo's checks that parsing cannot make alone (UsageError), in order: ``--indexer`` needs
+    ``--hf``, CUDA-graph modes need
     a CUDA device (torch is imported only when ``--device`` is not given and a mode needs CUDA), then
     the output folder is created and checked writable, so that a run that cannot write its files
     never starts."""
+    if getattr(args, "indexer", False) and not args.hf:
+        raise UsageError("--indexer records a transformers model's indexer: add --hf deepseek_v4")
     modes = args.modes.split(",") if args.modes else []
     unknown = [m for m in modes if m not in _MODES]
     if unknown:

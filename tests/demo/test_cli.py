@@ -128,6 +128,8 @@ LATE = [
         "include CUDA-graph modes, but the device is cpu",
     ),
     (["demo", "--hf", "no-such-arch", "--device", "cpu"], "--hf 'no-such-arch' is not supported; supported:"),
+    (["demo", "--indexer", "--device", "cpu"], "--indexer records a transformers model's indexer: add --hf"),
+    (["demo", "--hf", "qwen3_moe", "--indexer", "--device", "cpu"], "--hf deepseek_v4, got 'qwen3_moe'"),
 ]
 
 

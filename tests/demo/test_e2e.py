@@ -242,6 +242,45 @@ def test_demo_hf_uses_the_transformers_integration(tmp_path, capsys):
     assert code.value.code == 2 and arch in err and "moe-ops demo: error: --hf 'no-such-arch'" in err
 
 
+def test_demo_indexer_records_deepseek_v4s_indexer_beside_the_routing(tmp_path, capsys):
+    """``--hf deepseek_v4 --indexer``: the indexer's choices ride the snapshot ring, the slot store
+    and the ledger beside the ids, match the reference forwards row for row, and the compact text
+    written per request decodes to rows of positions the query could read."""
+    transformers = pytest.importorskip("transformers", reason="the demo's model is transformers' DeepSeek-V4")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip("this transformers has no DeepSeek-V4 (5.24 and later)")
+    from moe_ops.indexer import decode_positions
+
+    code = main(
+        [
+            "demo",
+            "--hf",
+            "deepseek_v4",
+            "--indexer",
+            "--requests",
+            "3",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "0 mismatched, 0 requests without a record PASS" in out
+    texts = sorted(tmp_path.glob("request_*/indexer.compact"))
+    assert len(texts) == 3
+    for path in texts:
+        rows = decode_positions(path.read_text())
+        routing = np.load(path.parent / "routing.npz")
+        assert rows.shape[0] == routing["routing"].shape[0] and rows.shape[1:] == (2, 4)
+        # query t reads entries below (t + 1) // 4: at most that many positions, every one below it
+        bound = (np.arange(rows.shape[0]) + 1) // 4
+        chosen = (rows >= 0).sum(-1)
+        assert (chosen <= np.minimum(bound, 4)[:, None]).all() and chosen.sum() > 0
+        assert (np.where(rows >= 0, rows, -1) < bound[:, None, None]).all()
+
+
 def test_the_demo_program_asks_for_scalar_cpu_kernels_for_the_whole_process():
     """A cold first run: inductor's vectorised C++ took the demo from 27 to 42 s of CPU (docs/demo.md);
     the tiny model gains nothing from it. The command sets TORCHINDUCTOR_VEC_ISA_OK=0 before torch
