@@ -40,6 +40,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from .handoff import HandoffRecord, decode_handoff, encode_handoff, new_handoff_id
 from .slot_store import SlotStore, slots_for
 
 __all__ = ["POLICIES", "FinishedRouting", "RoutingLedger", "ScheduledStep"]
@@ -48,6 +49,9 @@ __all__ = ["POLICIES", "FinishedRouting", "RoutingLedger", "ScheduledStep"]
 # complete attempt's rows (the latest on a tie)
 POLICIES = ("sampling", "latest")
 _ENDED = ("finished", "aborted")
+# handoff ids a ledger remembers beyond its held requests (a record imported twice is refused):
+# 65536 ids, about 6 MB of a Python dict
+_REMEMBERED_HANDOFFS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,8 @@ class RoutingLedger:
         # ended requests whose rows have all arrived (or were dropped), in the order they got ready
         self._ready: dict[Hashable, _Request] = {}
         self._next_seq = 0
+        # handoff ids imported, oldest first (the last _REMEMBERED_HANDOFFS): a record lands once
+        self._imported: dict[int, None] = {}
 
     # ----------------------------------------------------------------------------------- requests
 
@@ -300,6 +306,135 @@ class RoutingLedger:
         req.blocks = list(blocks)
         req.cached = req.computed = int(num_cached_tokens)
         req.sampled = req.prompt_len is None
+
+    # ------------------------------------------------------------------- prefill/decode handoff
+
+    @_locked
+    def export_handoff(self, req_id: Hashable, num_tokens: int | None = None) -> bytes:
+        """Prefill side: the rows of a running request's positions ``[0, num_tokens)`` (default:
+        every position it computed) as a handoff record (:mod:`moe_ops.store.handoff`), bytes that
+        a KV connector carries beside the request's KV blocks to the decode instance, whose
+        ledger continues the request with :meth:`import_handoff`.
+
+        The rows are read from the store: export once the steps that computed them landed (or
+        were dropped: such rows travel as missing). ValueError while one is in flight, for
+        ``num_tokens`` beyond what the request computed, or a request id that is not a str or an
+        int. The request stays as it is (finish or abort it on this instance as the engine does).
+        """
+        req = self._get(req_id, "running")
+        n = req.computed if num_tokens is None else _check_int("num_tokens", num_tokens, 0)
+        if n > req.computed:
+            raise ValueError(f"num_tokens={n}: request {req_id!r} has computed {req.computed} tokens")
+        slots = slots_for(req.blocks, self.block_size, 0, n)
+        waiting = self._pending_seq[slots]
+        if (waiting >= 0).any():
+            seqs = sorted(set(waiting[waiting >= 0].tolist()))
+            raise ValueError(
+                f"rows of request {req_id!r} are in flight (steps {seqs[:8]}): export its handoff once "
+                "they land or are dropped"
+            )
+        record = HandoffRecord(
+            req_id,
+            new_handoff_id(),
+            sampled=req.sampled,
+            prompt_len=req.prompt_len,
+            num_experts=self.store.shape.num_experts,
+            channels=self.store.channels,
+            rows={c.name: self.store.arrays[c.name][slots] for c in self.store.channels},
+            missing=self._no_row[slots].copy(),
+        )
+        return encode_handoff(record)
+
+    @_locked
+    def import_handoff(
+        self,
+        req_id: Hashable,
+        record: bytes,
+        block_ids: Sequence[int],
+        num_tokens: int | None = None,
+        *,
+        start: int = 0,
+    ) -> None:
+        """Decode side: starts request ``req_id`` on ``block_ids`` - free blocks the KV connector
+        wrote the request's KV into, in block-table order - with the handoff record's rows of
+        positions ``[0, num_tokens)`` at their slots, as if this ledger had computed them.
+
+        Args:
+            req_id: the request, as the prefill instance named it (the record's own id must match).
+            record: :meth:`export_handoff`'s bytes.
+            block_ids: the request's blocks holding the transferred KV; more are appended with
+                :meth:`append_blocks` as decode goes on.
+            num_tokens: the positions whose KV arrived (default: every row of the record). With
+                fewer, the decode instance recomputes the rest and its own forwards' rows are the
+                ones returned for them (the rows of the forward whose KV is used).
+            start: as :meth:`add_request`'s.
+
+        The request then runs as one this ledger started: ``schedule`` its next tokens, ``finish``,
+        ``collect`` (prefill rows + decode rows, exactly as one instance would return them; rows
+        that never arrived on the prefill side are ``missing``). Its first sample is the prefill
+        attempt's when the record says it sampled (vLLM and SGLang prefill instances sample the
+        first token).
+
+        ValueError, with nothing changed, for a record that is malformed or truncated, of another
+        request, from another model shape (channels, dtypes, row shapes or expert count differ from
+        this store's), imported already (while its request is held, or among the last 65536
+        imports), or for blocks that are held or do not cover ``num_tokens``.
+        """
+        rec = decode_handoff(record)
+        if rec.req_id != req_id or type(rec.req_id) is not type(req_id):
+            raise ValueError(f"handoff record is for request {rec.req_id!r}, not {req_id!r}")
+        if req_id in self._requests:
+            raise ValueError(f"request {req_id!r} already exists (state {self._requests[req_id].state})")
+        if rec.handoff_id in self._imported:
+            raise ValueError(
+                f"handoff record {rec.handoff_id:#018x} of request {req_id!r} was imported already: a record "
+                "lands once"
+            )
+        mine = [(c.name, c.dtype.str, c.row_shape) for c in self.store.channels]
+        theirs = [(c.name, c.dtype.str, c.row_shape) for c in rec.channels]
+        if theirs != mine or rec.num_experts != self.store.shape.num_experts:
+            raise ValueError(
+                f"handoff record is from another model shape: channels {theirs} of {rec.num_experts} "
+                f"experts, this store holds {mine} of {self.store.shape.num_experts}"
+            )
+        n = rec.num_tokens if num_tokens is None else _check_int("num_tokens", num_tokens, 0)
+        if n > rec.num_tokens:
+            raise ValueError(f"num_tokens={n}: the handoff record holds {rec.num_tokens} rows")
+        start = _check_int("start", start, 0)
+        blocks = self._block_list("block_ids", block_ids)
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"block_ids has duplicates: {blocks}")
+        held = [b for b in blocks if self._refs[b] > 0]
+        if held:
+            raise ValueError(
+                f"blocks {held} are held by running requests; the transferred KV goes into free blocks"
+            )
+        if n > len(blocks) * self.block_size:
+            raise ValueError(
+                f"num_tokens={n} needs {-(-n // self.block_size)} blocks of {self.block_size}, "
+                f"got {len(blocks)}"
+            )
+        # the blocks are fresh: no step scheduled before now writes into them, no old row is read
+        bs = self.block_size
+        self._refs[blocks] = 1
+        self._epoch[blocks] = self._next_seq
+        every = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+        self._no_row[every] = True
+        slots = slots_for(blocks, bs, 0, n)
+        for channel in self.store.channels:
+            self.store.arrays[channel.name][slots] = rec.rows[channel.name][:n]
+        self._no_row[slots] = rec.missing[:n]
+        # an older step in flight that wrote these slots before the blocks were freed lands nowhere
+        # here, and the request's copy-out never waits for it
+        self._pending_seq[slots] = -1
+        req = _Request(req_id, start=start, blocks=list(blocks), cached=n, computed=n)
+        if rec.prompt_len is not None:
+            req.prompt_len = req.sample_at = rec.prompt_len
+            req.sampled = rec.sampled
+        self._requests[req_id] = req
+        self._imported[rec.handoff_id] = None
+        if len(self._imported) > _REMEMBERED_HANDOFFS:
+            del self._imported[next(iter(self._imported))]
 
     @_locked
     def append_blocks(self, req_id: Hashable, block_ids: Sequence[int]) -> None:
