@@ -9,7 +9,11 @@ instead of returning wrong rows later:
   step, typically outside CUDA graphs); the capture's ordering rules were not verified there.
 - KV caches filled from outside the engine (disaggregated prefill, KV connectors, KV transfer):
   those tokens never passed through this engine's routers, so their slots hold no routing of them
-  (or a previous request's, if the blocks were reused).
+  (or a previous request's, if the blocks were reused) - unless the engine carries each request's
+  handoff record with its KV (``routing_handoff=True``: ``RoutingLedger.export_handoff`` on the
+  prefill instance, ``import_handoff`` on the decode instance), which serves disaggregated prefill
+  and the connectors that move a request's KV between instances (:data:`HANDOFF_CONNECTORS`).
+  Connectors that move KV to and from offload tiers are still refused.
 - non-MoE models: there is nothing to capture.
 - speculative decoding whose draft routes through MoE layers: multi-token-prediction (MTP) layers
   and draft models are not part of the target model's routing layer axis (it holds the target's
@@ -71,6 +75,12 @@ class UnsupportedConfigError(ValueError):
         super().__init__(f"routing capture cannot serve this configuration:\n{lines}")
 
 
+# KV connectors that move a request's KV from a prefill instance to a decode instance, served with
+# routing_handoff=True: vLLM's kv_transfer_config.kv_connector names and SGLang's
+# --disaggregation-transfer-backend values
+HANDOFF_CONNECTORS = frozenset({"NixlConnector", "MooncakeConnector", "P2pNcclConnector", "nixl", "mooncake"})
+
+
 def validate_serving_config(
     model_config: Any = None,
     *,
@@ -80,6 +90,7 @@ def validate_serving_config(
     disaggregated_prefill: bool = False,
     speculative_method: str | None = None,
     draft_model_config: Any = None,
+    routing_handoff: bool = False,
 ) -> RoutingShape | None:
     """Checks a serving setup and returns the model's :class:`RoutingShape` (None without a model).
 
@@ -89,9 +100,10 @@ def validate_serving_config(
         pipeline_parallel_size: pipeline-parallel stages; must be 1.
         cpu_offload_gb: weights offloaded to CPU memory (vLLM's ``cpu_offload_gb``); must be 0.
         kv_connector: name of a KV connector / KV transfer backend filling the cache from outside
-            (e.g. vLLM's ``kv_transfer_config.kv_connector``); must be None.
+            (e.g. vLLM's ``kv_transfer_config.kv_connector``); None, or with ``routing_handoff`` one
+            of :data:`HANDOFF_CONNECTORS`.
         disaggregated_prefill: True when prefill runs on another instance and the KV cache arrives
-            by transfer; must be False.
+            by transfer; served with ``routing_handoff`` only.
         speculative_method: the engine's speculative-decoding method (vLLM's
             ``speculative_config.method``, SGLang's ``--speculative-algorithm``), None without
             speculative decoding. Draft-free methods (``ngram``, ``suffix``, ``lookahead``) and MLP
@@ -100,6 +112,8 @@ def validate_serving_config(
             (``eagle``, ``eagle3``, ``draft_model``, ``standalone``) need ``draft_model_config``
             and are refused when it has a router.
         draft_model_config: the draft model's config, for the draft-model methods only.
+        routing_handoff: True when the engine carries each request's handoff record beside its KV
+            (``RoutingLedger.export_handoff`` / ``import_handoff``, docs/transfer.md).
 
     Raises:
         UnsupportedConfigError (a ValueError): every problem found, one line each.
@@ -129,19 +143,32 @@ def validate_serving_config(
             f"cpu_offload_gb={cpu_offload_gb}: CPU weight offloading is not supported (offloaded layers "
             "run outside the verified capture path); use cpu_offload_gb=0"
         )
+    handoff = routing_handoff is True
+    if not isinstance(routing_handoff, bool):
+        reasons.append(f"routing_handoff must be True or False, got {routing_handoff!r}")
     if kv_connector is not None and not isinstance(kv_connector, str):
         reasons.append(f"kv_connector must be None or the connector's name (a str), got {kv_connector!r}")
-    elif kv_connector is not None:
+    elif kv_connector is not None and not (handoff and kv_connector in HANDOFF_CONNECTORS):
+        why = (
+            f"with routing_handoff=True the connectors that move KV between instances are served "
+            f"({', '.join(sorted(HANDOFF_CONNECTORS))}); KV offload tiers are not yet"
+            if handoff
+            else "carry each request's handoff record with its KV and pass routing_handoff=True "
+            "(RoutingLedger.export_handoff / import_handoff)"
+        )
         reasons.append(
             f"kv_connector={kv_connector!r}: KV caches filled from outside the engine are not supported "
-            "(transferred tokens never ran through this engine's routers, so their routing is unknown)"
+            "(transferred tokens never ran through this engine's routers, so their routing is unknown); "
+            f"{why}"
         )
     if not isinstance(disaggregated_prefill, bool):
         reasons.append(f"disaggregated_prefill must be True or False, got {disaggregated_prefill!r}")
-    elif disaggregated_prefill:
+    elif disaggregated_prefill and not handoff:
         reasons.append(
-            "disaggregated_prefill=True: prefill on another instance is not supported (the prompt's "
-            "routing is computed there and never reaches this engine's capture buffer)"
+            "disaggregated_prefill=True: prefill on another instance is not supported without the "
+            "handoff (the prompt's routing is computed there and never reaches this engine's capture "
+            "buffer); carry each request's handoff record with its KV (RoutingLedger.export_handoff / "
+            "import_handoff) and pass routing_handoff=True"
         )
     shape = None
     if model_config is not None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from strategies import HOSTILE_CONFIG_VALUES, hostile_model_configs
 
 from moe_ops import RoutingShape, UnsupportedConfigError, validate_serving_config
+from moe_ops.guards import HANDOFF_CONNECTORS
 
 try:
     import transformers
@@ -50,6 +51,11 @@ def test_supported_setup_returns_the_shape():
         (dict(disaggregated_prefill=0), r"disaggregated_prefill must be True or False, got 0"),
         (dict(kv_connector="NixlConnector"), r"kv_connector='NixlConnector': KV caches filled from outside"),
         (dict(disaggregated_prefill=True), r"disaggregated_prefill=True: prefill on another instance"),
+        (dict(routing_handoff="yes"), r"routing_handoff must be True or False, got 'yes'"),
+        (
+            dict(kv_connector="LMCacheConnectorV1", routing_handoff=True),
+            r"kv_connector='LMCacheConnectorV1'.*KV offload tiers are not yet",
+        ),
     ],
 )
 def test_each_unsupported_setting_is_named(kwargs, match):
@@ -341,3 +347,17 @@ def test_deepseek_v3_config_object_with_its_mtp_layer():
     match = r"num_nextn_predict_layers=1.*model layers 0\.\.60" if announced else "the config announces none"
     with pytest.raises(UnsupportedConfigError, match=match):
         validate_serving_config(config, speculative_method="deepseek_mtp")
+
+
+@pytest.mark.parametrize("connector", [*sorted(HANDOFF_CONNECTORS), None])
+def test_disaggregated_prefill_is_served_with_the_handoff(connector):
+    """With routing_handoff=True (the engine carries RoutingLedger.export_handoff's record beside the
+    KV and the decode instance imports it): disaggregated prefill and the KV-transfer connectors are
+    served; without it, both are refused saying what to do."""
+    shape = validate_serving_config(
+        MOE, kv_connector=connector, disaggregated_prefill=True, routing_handoff=True
+    )
+    assert shape is not None
+    with pytest.raises(UnsupportedConfigError, match="routing_handoff=True") as info:
+        validate_serving_config(MOE, kv_connector=connector, disaggregated_prefill=True)
+    assert len(info.value.reasons) == (2 if connector else 1)
