@@ -15,7 +15,9 @@ moe-ops' own; a format's :attr:`WireFormat.weights` says how it carries them, or
 ``no_weights`` why it cannot.
 
 Raw bytes (``encode_routing_bytes`` / ``decode_routing_bytes``, the ``MOER`` form, :mod:`._raw`)
-are for clients that skip base64.
+are for clients that skip base64. A batch for trainer ranks that each read their own rows is one
+framed file (``write_framed`` / ``FramedReader``, the ``MOEF`` form, :mod:`._framed`): rows read by
+(request, token range), checked per block, never the whole batch.
 
 ``pybase64`` (SIMD) is used when importable, the standard library otherwise; both produce and accept
 the same text. Every malformed input raises ValueError, sizes checked before anything is allocated;
@@ -47,11 +49,13 @@ from ._base import (
     integer_array,
     weight_array,
 )
+from ._framed import FRAMED_MAGIC, FramedEntry, FramedReader, write_framed
 from ._raw import RAW_MAGIC, RAW_VERSION, decode_routing_bytes, encode_routing_bytes
 from .sglang import SGLANG_DTYPES
 
 __all__ = [
     "FORMATS",
+    "FRAMED_MAGIC",
     "HAS_PYBASE64",
     "LAYER_AXES",
     "RAW_MAGIC",
@@ -59,6 +63,8 @@ __all__ = [
     "SGLANG_DTYPES",
     "WEIGHT_WIRE_DTYPES",
     "WIRE_FORMATS",
+    "FramedEntry",
+    "FramedReader",
     "WeightsCodec",
     "WireFormat",
     "bfloat16_bits",
@@ -72,6 +78,7 @@ __all__ = [
     "from_bfloat16_bits",
     "sniff_format",
     "wire_format",
+    "write_framed",
 ]
 
 
