@@ -41,6 +41,7 @@ from types import MappingProxyType
 import numpy as np
 
 from .handoff import HandoffRecord, decode_handoff, encode_handoff, new_handoff_id
+from .session import Session, row_digests
 from .slot_store import SlotStore, slots_for
 
 __all__ = ["POLICIES", "FinishedRouting", "RoutingLedger", "ScheduledStep"]
@@ -129,6 +130,8 @@ class _Request:
     covered: int = 0
     # the rows to return, tokens [start, start + len); None while no attempt has ended
     result: _Rows | None = None
+    # the session this request is a turn of (add_request(session=)), or None
+    session: Hashable | None = None
 
 
 @dataclass(eq=False)
@@ -224,6 +227,8 @@ class RoutingLedger:
         self._next_seq = 0
         # handoff ids imported, oldest first (the last _REMEMBERED_HANDOFFS): a record lands once
         self._imported: dict[int, None] = {}
+        # session id -> what the ledger delivered for it (multi-turn deltas; moe_ops.store.session)
+        self._sessions: dict[Hashable, Session] = {}
 
     # ----------------------------------------------------------------------------------- requests
 
@@ -233,9 +238,10 @@ class RoutingLedger:
         req_id: Hashable,
         cached_blocks: Sequence[int] = (),
         num_cached_tokens: int = 0,
-        start: int = 0,
+        start: int | None = None,
         *,
         prompt_len: int | None = None,
+        session: Hashable | None = None,
     ) -> None:
         """Starts a request, optionally on a prefix-cache hit.
 
@@ -247,7 +253,16 @@ class RoutingLedger:
             start: first token position whose row is returned (multi-turn clients ask for the rows
                 after the previous turn's; SGLang's ``routed_experts_start_len``). Rows of tokens
                 before it are never copied out of the store. Fixed for the request's life: every
-                attempt is cut at the same position, and prefix hits do not move it.
+                attempt is cut at the same position, and prefix hits do not move it. None
+                (default): 0, or with ``session`` the first position the client may not hold.
+            session: the multi-turn session this request is a turn of (any hashable id), or None.
+                The ledger remembers what it delivered for the session (positions and a digest of
+                each row, 16 bytes a token) and, unless ``start`` is given, starts the request at the
+                first position whose row the client does not hold: the delivered rows the turn
+                reads unchanged from the prefix cache are not sent again; positions it recomputes,
+                or whose cached row differs from the delivered one, are (the client splices the
+                delta: :func:`moe_ops.store.session.splice_turn`). A finished turn (not an aborted
+                one) updates the session when collected; :meth:`end_session` forgets it.
             prompt_len: tokens of the prompt (vLLM's ``num_prompt_tokens``, SGLang's
                 ``len(origin_input_ids)``), an int >= 1. The request first samples with the step
                 that computes its last prompt token; an attempt preempted before that step, or
@@ -260,16 +275,52 @@ class RoutingLedger:
         """
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} already exists (state {self._requests[req_id].state})")
-        start = _check_int("start", start, 0)
+        if start is None and session is not None:
+            start = self._session_start(session, cached_blocks, num_cached_tokens)
+        start = _check_int("start", 0 if start is None else start, 0)
         if prompt_len is not None and (
             isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, np.integer)) or prompt_len < 1
         ):
             raise ValueError(f"prompt_len must be an int >= 1 or None, got {prompt_len!r}")
-        req = _Request(req_id, start=start)
+        req = _Request(req_id, start=start, session=session)
         if prompt_len is not None:
             req.prompt_len = req.sample_at = int(prompt_len)
         self._start_attempt(req, cached_blocks, num_cached_tokens)
+        if session is not None:
+            self._sessions.setdefault(session, Session())
         self._requests[req_id] = req
+
+    def _session_start(self, session: Hashable, cached_blocks, num_cached_tokens) -> int:
+        """The first position of a new turn whose row the session's client may not hold: at most
+        what it holds, at most the prefix hit (the rest is recomputed), and the first cached row
+        that differs from the delivered one (or has not landed). Reads only; no state changes."""
+        sess = self._sessions.get(session)
+        if sess is None or sess.delivered == 0:
+            return 0
+        blocks = self._block_list("cached_blocks", cached_blocks)
+        counted = isinstance(num_cached_tokens, (int, np.integer)) and not isinstance(num_cached_tokens, bool)
+        # (a bad num_cached_tokens is named by _start_attempt's check, which runs next)
+        hit = min(int(num_cached_tokens) if counted else 0, len(blocks) * self.block_size, sess.delivered)
+        slots = slots_for(blocks, self.block_size, 0, hit)
+        ready = (self._pending_seq[slots] < 0) & ~self._no_row[slots]
+        first_blank = int(np.argmin(ready)) if not ready.all() else hit
+        arrays = [self.store.arrays[c.name][slots[:first_blank]] for c in self.store.channels]
+        return sess.first_change(row_digests(arrays))
+
+    @_locked
+    def end_session(self, session: Hashable) -> None:
+        """Forgets what the ledger delivered for ``session`` (its next turn, if any, starts at 0).
+        KeyError for a session it does not know."""
+        if session not in self._sessions:
+            raise KeyError(f"unknown session {session!r}")
+        del self._sessions[session]
+
+    @_locked
+    def session_delivered(self, session: Hashable) -> int:
+        """Positions ``[0, n)`` whose rows the session's client holds, as far as the ledger knows
+        (0 for a session it does not know)."""
+        sess = self._sessions.get(session)
+        return 0 if sess is None else sess.delivered
 
     @_locked
     def resume(self, req_id: Hashable, cached_blocks: Sequence[int] = (), num_cached_tokens: int = 0) -> None:
@@ -655,6 +706,9 @@ class RoutingLedger:
         for req in self._ready.values():
             result = req.result if req.result is not None else self._rows(0)
             channels = MappingProxyType(result.more)
+            if req.session is not None and req.state == "finished" and req.session in self._sessions:
+                digests = row_digests([result.rows, *(result.more[c.name] for c in self.store.channels[1:])])
+                self._sessions[req.session].record(req.start, digests, result.missing)
             out.append(
                 FinishedRouting(
                     req.req_id, result.rows, req.state == "aborted", result.missing, req.start, channels
