@@ -11,9 +11,9 @@ instead of returning wrong rows later:
   those tokens never passed through this engine's routers, so their slots hold no routing of them
   (or a previous request's, if the blocks were reused) - unless the engine carries each request's
   handoff record with its KV (``routing_handoff=True``: ``RoutingLedger.export_handoff`` on the
-  prefill instance, ``import_handoff`` on the decode instance), which serves disaggregated prefill
-  and the connectors that move a request's KV between instances (:data:`HANDOFF_CONNECTORS`).
-  Connectors that move KV to and from offload tiers are still refused.
+  prefill instance, ``import_handoff`` on the decode instance) and each offloaded block's rows with
+  its KV (``offload_blocks`` / ``load_blocks``), which serves disaggregated prefill and the
+  connectors of :data:`HANDOFF_CONNECTORS`. Other connectors are refused (unknown: what they move).
 - non-MoE models: there is nothing to capture.
 - speculative decoding whose draft routes through MoE layers: multi-token-prediction (MTP) layers
   and draft models are not part of the target model's routing layer axis (it holds the target's
@@ -75,10 +75,21 @@ class UnsupportedConfigError(ValueError):
         super().__init__(f"routing capture cannot serve this configuration:\n{lines}")
 
 
-# KV connectors that move a request's KV from a prefill instance to a decode instance, served with
-# routing_handoff=True: vLLM's kv_transfer_config.kv_connector names and SGLang's
-# --disaggregation-transfer-backend values
-HANDOFF_CONNECTORS = frozenset({"NixlConnector", "MooncakeConnector", "P2pNcclConnector", "nixl", "mooncake"})
+# KV connectors served with routing_handoff=True, the engine carrying the rows wherever the KV goes:
+# between instances (RoutingLedger.export_handoff / import_handoff: vLLM's kv_transfer_config
+# kv_connector names, SGLang's --disaggregation-transfer-backend values) and to offload tiers and back
+# (RoutingLedger.offload_blocks / load_blocks: vLLM's LMCache and offloading connectors)
+HANDOFF_CONNECTORS = frozenset(
+    {
+        "NixlConnector",
+        "MooncakeConnector",
+        "P2pNcclConnector",
+        "nixl",
+        "mooncake",
+        "LMCacheConnectorV1",
+        "OffloadingConnector",
+    }
+)
 
 
 def validate_serving_config(
@@ -112,8 +123,10 @@ def validate_serving_config(
             (``eagle``, ``eagle3``, ``draft_model``, ``standalone``) need ``draft_model_config``
             and are refused when it has a router.
         draft_model_config: the draft model's config, for the draft-model methods only.
-        routing_handoff: True when the engine carries each request's handoff record beside its KV
-            (``RoutingLedger.export_handoff`` / ``import_handoff``, docs/transfer.md).
+        routing_handoff: True when the engine carries the rows wherever the KV goes: each
+            request's handoff record beside its KV (``RoutingLedger.export_handoff`` /
+            ``import_handoff``) and each offloaded block's rows (``offload_blocks`` /
+            ``load_blocks``), docs/transfer.md.
 
     Raises:
         UnsupportedConfigError (a ValueError): every problem found, one line each.
@@ -150,8 +163,8 @@ def validate_serving_config(
         reasons.append(f"kv_connector must be None or the connector's name (a str), got {kv_connector!r}")
     elif kv_connector is not None and not (handoff and kv_connector in HANDOFF_CONNECTORS):
         why = (
-            f"with routing_handoff=True the connectors that move KV between instances are served "
-            f"({', '.join(sorted(HANDOFF_CONNECTORS))}); KV offload tiers are not yet"
+            f"with routing_handoff=True the connectors whose KV moves the ledger follows are served "
+            f"({', '.join(sorted(HANDOFF_CONNECTORS))}); this one is not known"
             if handoff
             else "carry each request's handoff record with its KV and pass routing_handoff=True "
             "(RoutingLedger.export_handoff / import_handoff)"

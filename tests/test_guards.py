@@ -53,8 +53,8 @@ def test_supported_setup_returns_the_shape():
         (dict(disaggregated_prefill=True), r"disaggregated_prefill=True: prefill on another instance"),
         (dict(routing_handoff="yes"), r"routing_handoff must be True or False, got 'yes'"),
         (
-            dict(kv_connector="LMCacheConnectorV1", routing_handoff=True),
-            r"kv_connector='LMCacheConnectorV1'.*KV offload tiers are not yet",
+            dict(kv_connector="SharedStorageConnector", routing_handoff=True),
+            r"kv_connector='SharedStorageConnector'.*this one is not known",
         ),
     ],
 )

@@ -1,4 +1,5 @@
-"""Prefill/decode handoff: a request's routing rows travel with its KV from one instance to another.
+"""Rows that travel with their KV: from a prefill instance to a decode instance (the handoff), and
+to a lower KV tier and back (the blocks record, at the end of this module).
 
 In a disaggregated deployment the prefill instance computes a request's prompt (its KV and its
 routing), a connector moves the KV blocks to a decode instance, and decode continues the request.
@@ -53,10 +54,14 @@ import numpy as np
 from ..channels import Channel
 
 __all__ = [
+    "BLOCKS_MAGIC",
     "HANDOFF_MAGIC",
     "HANDOFF_VERSION",
+    "BlocksRecord",
     "HandoffRecord",
+    "decode_blocks",
     "decode_handoff",
+    "encode_blocks",
     "encode_handoff",
     "new_handoff_id",
 ]
@@ -100,6 +105,36 @@ def new_handoff_id() -> int:
     return secrets.randbits(64)
 
 
+def _rows_part(channels: tuple[Channel, ...], rows: dict, missing: np.ndarray, n: int, what: str) -> list:
+    """The channel table, the missing bits and every channel's rows (the part both records share)."""
+    parts = []
+    for channel in channels:
+        name = channel.name.encode("utf-8")
+        dtype = np.dtype(channel.dtype).str.encode("ascii")
+        shape = tuple(channel.row_shape)
+        parts += [struct.pack("<H", len(name)), name, struct.pack("<B", len(dtype)), dtype]
+        parts += [struct.pack("<B", len(shape)), struct.pack(f"<{len(shape)}I", *shape)]
+    if missing.shape != (n,):
+        raise ValueError(f"{what}: missing must be ({n},), got {missing.shape}")
+    parts.append(np.packbits(missing.astype(bool), bitorder="little").tobytes())
+    for channel in channels:
+        values = rows[channel.name]
+        if values.shape != (n, *channel.row_shape) or values.dtype != np.dtype(channel.dtype):
+            raise ValueError(
+                f"{what}: rows of channel {channel.name!r} must be {(n, *channel.row_shape)} "
+                f"{np.dtype(channel.dtype)}, got {values.shape} {values.dtype}"
+            )
+        parts.append(
+            np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<"), copy=False).tobytes()
+        )
+    return parts
+
+
+def _sealed(parts: list) -> bytes:
+    body = b"".join(parts)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
 def encode_handoff(record: HandoffRecord) -> bytes:
     """The bytes of ``record`` (see the module docstring). ValueError for a request id that is not
     a str or an int, or rows that disagree with the channels."""
@@ -118,81 +153,48 @@ def encode_handoff(record: HandoffRecord) -> bytes:
         HANDOFF_MAGIC, HANDOFF_VERSION, flags, len(record.channels), record.handoff_id, n,
         record.prompt_len or 0, record.num_experts, len(rid_bytes), rid_type, 0,
     )  # fmt: skip
-    parts = [head, rid_bytes]
-    for channel in record.channels:
-        name = channel.name.encode("utf-8")
-        dtype = np.dtype(channel.dtype).str.encode("ascii")
-        shape = tuple(channel.row_shape)
-        parts += [struct.pack("<H", len(name)), name, struct.pack("<B", len(dtype)), dtype]
-        parts += [struct.pack("<B", len(shape)), struct.pack(f"<{len(shape)}I", *shape)]
-    parts.append(np.packbits(record.missing.astype(bool), bitorder="little").tobytes())
-    for channel in record.channels:
-        rows = record.rows[channel.name]
-        if rows.shape != (n, *channel.row_shape) or rows.dtype != np.dtype(channel.dtype):
-            raise ValueError(
-                f"rows of channel {channel.name!r} must be {(n, *channel.row_shape)} "
-                f"{np.dtype(channel.dtype)}, got {rows.shape} {rows.dtype}"
-            )
-        parts.append(np.ascontiguousarray(rows).astype(rows.dtype.newbyteorder("<"), copy=False).tobytes())
-    body = b"".join(parts)
-    return body + struct.pack("<I", zlib.crc32(body))
+    return _sealed([head, rid_bytes, *_rows_part(record.channels, record.rows, record.missing, n, "handoff")])
 
 
 class _Reader:
-    def __init__(self, data: bytes, end: int):
-        self.data, self.at, self.end = data, 0, end
+    def __init__(self, data: bytes, end: int, what: str):
+        self.data, self.at, self.end, self.what = data, 0, end, what
 
-    def take(self, size: int, what: str) -> memoryview:
+    def take(self, size: int, part: str) -> memoryview:
         if size < 0 or self.at + size > self.end:
             raise ValueError(
-                f"handoff record truncated: {what} needs {size} bytes at {self.at}, {self.end - self.at} left"
+                f"{self.what} truncated: {part} needs {size} bytes at {self.at}, {self.end - self.at} left"
             )
         view = memoryview(self.data)[self.at : self.at + size]
         self.at += size
         return view
 
-    def unpack(self, fmt: str, what: str) -> tuple:
-        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
+    def unpack(self, fmt: str, part: str) -> tuple:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), part))
 
 
-def decode_handoff(data: bytes, *, max_rows: int = _MAX_ROWS) -> HandoffRecord:
-    """The :class:`HandoffRecord` of ``data``. ValueError naming the problem for bytes that are not
-    a whole, intact version-1 record (every size is checked before anything is allocated;
-    ``max_rows`` bounds the rows)."""
+def _opened(data, magic: bytes, head_size: int, what: str) -> _Reader:
+    """A reader over ``data`` after the checks of every record: bytes, long enough, the magic, the
+    CRC-32."""
     if isinstance(data, memoryview):
         data = data.tobytes()
     if not isinstance(data, (bytes, bytearray)):
-        raise TypeError(f"a handoff record is bytes, got {type(data).__name__}")
+        raise TypeError(f"a {what} is bytes, got {type(data).__name__}")
     size = len(data)
-    if size < _HEAD.size + 4:
-        raise ValueError(f"handoff record truncated: {size} bytes, the header alone is {_HEAD.size + 4}")
-    if data[:4] != HANDOFF_MAGIC:
-        raise ValueError(f"not a handoff record: magic {bytes(data[:4])!r}, expected {HANDOFF_MAGIC!r}")
+    if size < head_size + 4:
+        raise ValueError(f"{what} truncated: {size} bytes, the header alone is {head_size + 4}")
+    if data[:4] != magic:
+        raise ValueError(f"not a {what}: magic {bytes(data[:4])!r}, expected {magic!r}")
     (crc,) = struct.unpack_from("<I", data, size - 4)
     if zlib.crc32(memoryview(data)[: size - 4]) != crc:
-        raise ValueError("handoff record corrupt or truncated: CRC-32 mismatch")
-    r = _Reader(bytes(data), size - 4)
-    _, version, flags, n_channels, hid, n, prompt_len, num_experts, rid_len, rid_type, reserved = r.unpack(
-        _HEAD.format, "the header"
-    )
-    if version != HANDOFF_VERSION:
-        raise ValueError(f"handoff record version {version}, this reader reads {HANDOFF_VERSION}")
-    if flags & ~_SAMPLED or reserved:
-        raise ValueError(f"handoff record has unknown flags {flags:#x} / reserved {reserved:#x}")
-    if n > max_rows:
-        raise ValueError(f"handoff record of {n} rows: more than max_rows={max_rows}")
+        raise ValueError(f"{what} corrupt or truncated: CRC-32 mismatch")
+    return _Reader(bytes(data), size - 4, what)
+
+
+def _read_rows(r: _Reader, n_channels: int, n: int) -> tuple[tuple[Channel, ...], np.ndarray, dict]:
+    """The channel table, the missing bits and the rows of a record (see _rows_part)."""
     if n_channels < 1:
-        raise ValueError("handoff record has no channel (the ids come first)")
-    rid = bytes(r.take(rid_len, "the request id"))
-    if rid_type == 0:
-        try:
-            req_id: Hashable = rid.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError("handoff record's request id is not utf-8") from None
-    elif rid_type == 1 and rid_len == 8:
-        (req_id,) = struct.unpack("<q", rid)
-    else:
-        raise ValueError(f"handoff record's request id has type {rid_type} and {rid_len} bytes")
+        raise ValueError(f"{r.what} has no channel (the ids come first)")
     channels = []
     for i in range(n_channels):
         (name_len,) = r.unpack("<H", f"channel {i}'s name length")
@@ -205,13 +207,13 @@ def decode_handoff(data: bytes, *, max_rows: int = _MAX_ROWS) -> HandoffRecord:
             dtype = np.dtype(dtype_text)
             channel = Channel(name.decode("utf-8"), dtype, tuple(int(d) for d in dims))
         except (TypeError, ValueError, UnicodeDecodeError) as exc:
-            raise ValueError(f"handoff record's channel {i} is not a channel: {exc}") from None
+            raise ValueError(f"{r.what}'s channel {i} is not a channel: {exc}") from None
         if dtype.kind not in "iuf" or dtype.hasobject:
-            raise ValueError(f"handoff record's channel {i} has dtype {dtype}, not an integer or float")
+            raise ValueError(f"{r.what}'s channel {i} has dtype {dtype}, not an integer or float")
         channels.append(channel)
     names = [c.name for c in channels]
     if len(set(names)) != len(names):
-        raise ValueError(f"handoff record names a channel twice: {names}")
+        raise ValueError(f"{r.what} names a channel twice: {names}")
     missing = np.unpackbits(
         np.frombuffer(r.take((n + 7) // 8, "the missing-row bits"), np.uint8), count=n, bitorder="little"
     ).astype(bool)
@@ -222,7 +224,92 @@ def decode_handoff(data: bytes, *, max_rows: int = _MAX_ROWS) -> HandoffRecord:
         little = np.frombuffer(view, dtype=channel.dtype.newbyteorder("<"))
         rows[channel.name] = little.astype(channel.dtype).reshape(n, *channel.row_shape)
     if r.at != r.end:
-        raise ValueError(f"handoff record has {r.end - r.at} bytes after its rows")
-    return HandoffRecord(
-        req_id, hid, bool(flags & _SAMPLED), prompt_len or None, num_experts, tuple(channels), rows, missing
+        raise ValueError(f"{r.what} has {r.end - r.at} bytes after its rows")
+    return tuple(channels), missing, rows
+
+
+def decode_handoff(data: bytes, *, max_rows: int = _MAX_ROWS) -> HandoffRecord:
+    """The :class:`HandoffRecord` of ``data``. ValueError naming the problem for bytes that are not
+    a whole, intact version-1 record (every size is checked before anything is allocated;
+    ``max_rows`` bounds the rows)."""
+    r = _opened(data, HANDOFF_MAGIC, _HEAD.size, "handoff record")
+    _, version, flags, n_channels, hid, n, prompt_len, num_experts, rid_len, rid_type, reserved = r.unpack(
+        _HEAD.format, "the header"
     )
+    if version != HANDOFF_VERSION:
+        raise ValueError(f"handoff record version {version}, this reader reads {HANDOFF_VERSION}")
+    if flags & ~_SAMPLED or reserved:
+        raise ValueError(f"handoff record has unknown flags {flags:#x} / reserved {reserved:#x}")
+    if n > max_rows:
+        raise ValueError(f"handoff record of {n} rows: more than max_rows={max_rows}")
+    rid = bytes(r.take(rid_len, "the request id"))
+    if rid_type == 0:
+        try:
+            req_id: Hashable = rid.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("handoff record's request id is not utf-8") from None
+    elif rid_type == 1 and rid_len == 8:
+        (req_id,) = struct.unpack("<q", rid)
+    else:
+        raise ValueError(f"handoff record's request id has type {rid_type} and {rid_len} bytes")
+    channels, missing, rows = _read_rows(r, n_channels, n)
+    return HandoffRecord(
+        req_id, hid, bool(flags & _SAMPLED), prompt_len or None, num_experts, channels, rows, missing
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# KV offload tiers: a block's rows beside its KV in a lower tier
+# --------------------------------------------------------------------------------------------------
+
+BLOCKS_MAGIC = b"MOEB"
+_BLOCKS_HEAD = struct.Struct("<4sBBHIIQ")
+
+
+@dataclass(frozen=True)
+class BlocksRecord:
+    """The rows of whole KV blocks, saved beside their KV in a lower tier (``MOEB``)."""
+
+    # tokens per block of the ledger that saved them
+    block_size: int
+    # experts of the routing shape the rows index
+    num_experts: int
+    # (ids, *extra) channels, row shapes resolved
+    channels: tuple[Channel, ...]
+    # channel name -> (num_blocks * block_size, *row_shape) rows, block after block
+    rows: dict[str, np.ndarray]
+    # (num_blocks * block_size,) bool: True where the slot holds no row (never landed, dropped)
+    missing: np.ndarray
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.missing.shape[0]) // self.block_size
+
+
+def encode_blocks(record: BlocksRecord) -> bytes:
+    """The bytes of ``record``: magic b"MOEB", version 1, flags 0, C channels (uint16), block_size
+    (uint32), num_experts (uint32), num_blocks (uint64), then the channel table, the missing bits and
+    the rows as a handoff record has them, and a CRC-32."""
+    n = record.missing.shape[0]
+    if n != record.num_blocks * record.block_size:
+        raise ValueError(f"blocks record: {n} rows are not whole blocks of {record.block_size}")
+    head = _BLOCKS_HEAD.pack(
+        BLOCKS_MAGIC, 1, 0, len(record.channels), record.block_size, record.num_experts, record.num_blocks
+    )
+    return _sealed([head, *_rows_part(record.channels, record.rows, record.missing, n, "blocks record")])
+
+
+def decode_blocks(data: bytes, *, max_rows: int = _MAX_ROWS) -> BlocksRecord:
+    """The :class:`BlocksRecord` of ``data``; ValueError naming the problem as decode_handoff."""
+    r = _opened(data, BLOCKS_MAGIC, _BLOCKS_HEAD.size, "blocks record")
+    _, version, flags, n_channels, block_size, num_experts, num_blocks = r.unpack(
+        _BLOCKS_HEAD.format, "the header"
+    )
+    if version != 1 or flags:
+        raise ValueError(f"blocks record version {version} flags {flags:#x}: this reader reads version 1")
+    if block_size < 1 or num_blocks * block_size > max_rows:
+        raise ValueError(
+            f"blocks record of {num_blocks} blocks of {block_size}: more than max_rows={max_rows}"
+        )
+    channels, missing, rows = _read_rows(r, n_channels, num_blocks * block_size)
+    return BlocksRecord(block_size, num_experts, channels, rows, missing)

@@ -40,7 +40,15 @@ from types import MappingProxyType
 
 import numpy as np
 
-from .handoff import HandoffRecord, decode_handoff, encode_handoff, new_handoff_id
+from .handoff import (
+    BlocksRecord,
+    HandoffRecord,
+    decode_blocks,
+    decode_handoff,
+    encode_blocks,
+    encode_handoff,
+    new_handoff_id,
+)
 from .session import Session, row_digests
 from .slot_store import SlotStore, slots_for
 
@@ -486,6 +494,87 @@ class RoutingLedger:
         self._imported[rec.handoff_id] = None
         if len(self._imported) > _REMEMBERED_HANDOFFS:
             del self._imported[next(iter(self._imported))]
+
+    # -------------------------------------------------------------------------- KV offload tiers
+
+    @_locked
+    def offload_blocks(self, block_ids: Sequence[int]) -> bytes:
+        """KV offload: the rows of whole blocks whose KV the engine copies to a lower tier (CPU
+        memory, disk, a remote cache), as a blocks record (:mod:`moe_ops.store.handoff`, ``MOEB``)
+        that the tier keeps beside the KV; :meth:`load_blocks` puts them back wherever the KV is
+        loaded. Reads only: the blocks stay as they are, held or cached (the engine frees and reuses
+        them as it does; a later fresh allocation clears them here).
+
+        ValueError while a step that writes one of their slots is in flight (offload once it lands
+        or is dropped: a dropped row travels as missing), for a block twice or out of range."""
+        blocks = self._block_list("block_ids", block_ids)
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"block_ids has duplicates: {blocks}")
+        bs = self.block_size
+        slots = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+        waiting = self._pending_seq[slots]
+        if (waiting >= 0).any():
+            seqs = sorted(set(waiting[waiting >= 0].tolist()))
+            raise ValueError(
+                f"blocks {blocks[:8]} have rows in flight (steps {seqs[:8]}): offload them once they land "
+                "or are dropped"
+            )
+        record = BlocksRecord(
+            bs,
+            self.store.shape.num_experts,
+            self.store.channels,
+            {c.name: self.store.arrays[c.name][slots] for c in self.store.channels},
+            self._no_row[slots].copy(),
+        )
+        return encode_blocks(record)
+
+    @_locked
+    def load_blocks(self, block_ids: Sequence[int], record: bytes) -> None:
+        """KV loaded back from a lower tier into free blocks ``block_ids`` (as many as the record
+        holds, in its order; other ids than the ones offloaded, as the engine allocates): their rows
+        come back with the KV, so a request that then hits these blocks
+        (``add_request(cached_blocks=...)``) reads the rows of the forward that computed the KV -
+        whatever ran in the blocks it left meanwhile. Call it when the engine decides to load (before
+        the request that hits the blocks is added or resumed). A block dropped from every tier is
+        recomputed instead: its new forward's rows land as any step's (nothing to call).
+
+        ValueError, with nothing changed, for a malformed record, one from another model shape or
+        block size, a count of blocks that differs, a block held by a running request (its rows are
+        in use: load into free blocks), a block twice."""
+        rec = decode_blocks(record)
+        mine = [(c.name, c.dtype.str, c.row_shape) for c in self.store.channels]
+        theirs = [(c.name, c.dtype.str, c.row_shape) for c in rec.channels]
+        if theirs != mine or rec.num_experts != self.store.shape.num_experts:
+            raise ValueError(
+                f"blocks record is from another model shape: channels {theirs} of {rec.num_experts} experts, "
+                f"this store holds {mine} of {self.store.shape.num_experts}"
+            )
+        if rec.block_size != self.block_size:
+            raise ValueError(
+                f"blocks record has blocks of {rec.block_size} tokens, this ledger {self.block_size}"
+            )
+        blocks = self._block_list("block_ids", block_ids)
+        if len(blocks) != rec.num_blocks:
+            raise ValueError(
+                f"the blocks record holds {rec.num_blocks} blocks, block_ids names {len(blocks)}"
+            )
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"block_ids has duplicates: {blocks}")
+        held = [b for b in blocks if self._refs[b] > 0]
+        if held:
+            raise ValueError(
+                f"blocks {held} are held by running requests: load a lower tier's KV and rows into free "
+                "blocks, before the request that hits them starts"
+            )
+        bs = self.block_size
+        slots = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+        # fresh blocks: no step scheduled before now writes into them (an old step in flight lands
+        # nowhere here), and the copy-out of a request that hits them never waits for one
+        self._epoch[blocks] = self._next_seq
+        self._pending_seq[slots] = -1
+        for channel in self.store.channels:
+            self.store.arrays[channel.name][slots] = rec.rows[channel.name]
+        self._no_row[slots] = rec.missing
 
     @_locked
     def append_blocks(self, req_id: Hashable, block_ids: Sequence[int]) -> None:
