@@ -24,11 +24,13 @@ Record layout (little-endian), version 1::
     8    8  handoff id: 64 random bits; a ledger imports each id once
     16   8  n: rows, positions [0, n) of the request
     24   8  prompt_len (0: not known)
-    32   4  num_experts of the routing shape
-    36   2  R: bytes of the request id
-    38   1  request id type: 0 str (utf-8), 1 int (int64)
-    39   1  reserved, 0
-    40   R  the request id
+    32   8  computed: positions the prefill attempt computed (>= n); with the sampled flag, the
+            request knows computed + 1 tokens (the decode side's next attempt samples after them)
+    40   4  num_experts of the routing shape
+    44   2  R: bytes of the request id
+    46   1  request id type: 0 str (utf-8), 1 int (int64)
+    47   1  reserved, 0
+    48   R  the request id
     ...     per channel: uint16 name length, the name (utf-8), uint8 dtype length, numpy's dtype
             string ("|u1", "<f2", ...), uint8 ndim, uint32 dims
     ...     missing: ceil(n / 8) bytes, bit i (LSB first) set where row i never arrived on prefill
@@ -68,7 +70,7 @@ __all__ = [
 
 HANDOFF_MAGIC = b"MOEH"
 HANDOFF_VERSION = 1
-_HEAD = struct.Struct("<4sBBHQQQIHBB")
+_HEAD = struct.Struct("<4sBBHQQQQIHBB")
 _SAMPLED = 0x01
 # rows a record may hold unless the caller says otherwise: a 2**24-token prompt is beyond any served
 _MAX_ROWS = 1 << 24
@@ -94,6 +96,8 @@ class HandoffRecord:
     rows: dict[str, np.ndarray]
     # (num_tokens,) bool: True where the row never arrived on the prefill side (its step dropped)
     missing: np.ndarray
+    # positions the prefill attempt computed (>= num_tokens; None: num_tokens)
+    computed: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -149,9 +153,12 @@ def encode_handoff(record: HandoffRecord) -> bytes:
         raise ValueError(f"request id of {len(rid_bytes)} bytes: a handoff carries at most 65535")
     n = record.num_tokens
     flags = _SAMPLED if record.sampled else 0
+    computed = n if record.computed is None else int(record.computed)
+    if computed < n:
+        raise ValueError(f"handoff: computed={computed} is below the record's {n} rows")
     head = _HEAD.pack(
         HANDOFF_MAGIC, HANDOFF_VERSION, flags, len(record.channels), record.handoff_id, n,
-        record.prompt_len or 0, record.num_experts, len(rid_bytes), rid_type, 0,
+        record.prompt_len or 0, computed, record.num_experts, len(rid_bytes), rid_type, 0,
     )  # fmt: skip
     return _sealed([head, rid_bytes, *_rows_part(record.channels, record.rows, record.missing, n, "handoff")])
 
@@ -233,8 +240,9 @@ def decode_handoff(data: bytes, *, max_rows: int = _MAX_ROWS) -> HandoffRecord:
     a whole, intact version-1 record (every size is checked before anything is allocated;
     ``max_rows`` bounds the rows)."""
     r = _opened(data, HANDOFF_MAGIC, _HEAD.size, "handoff record")
-    _, version, flags, n_channels, hid, n, prompt_len, num_experts, rid_len, rid_type, reserved = r.unpack(
-        _HEAD.format, "the header"
+    head = r.unpack(_HEAD.format, "the header")
+    _, version, flags, n_channels, hid, n, prompt_len, computed, num_experts, rid_len, rid_type, reserved = (
+        head
     )
     if version != HANDOFF_VERSION:
         raise ValueError(f"handoff record version {version}, this reader reads {HANDOFF_VERSION}")
@@ -242,6 +250,8 @@ def decode_handoff(data: bytes, *, max_rows: int = _MAX_ROWS) -> HandoffRecord:
         raise ValueError(f"handoff record has unknown flags {flags:#x} / reserved {reserved:#x}")
     if n > max_rows:
         raise ValueError(f"handoff record of {n} rows: more than max_rows={max_rows}")
+    if computed < n:
+        raise ValueError(f"handoff record says its prefill computed {computed} positions, it holds {n} rows")
     rid = bytes(r.take(rid_len, "the request id"))
     if rid_type == 0:
         try:
@@ -254,7 +264,15 @@ def decode_handoff(data: bytes, *, max_rows: int = _MAX_ROWS) -> HandoffRecord:
         raise ValueError(f"handoff record's request id has type {rid_type} and {rid_len} bytes")
     channels, missing, rows = _read_rows(r, n_channels, n)
     return HandoffRecord(
-        req_id, hid, bool(flags & _SAMPLED), prompt_len or None, num_experts, channels, rows, missing
+        req_id,
+        hid,
+        bool(flags & _SAMPLED),
+        prompt_len or None,
+        num_experts,
+        channels,
+        rows,
+        missing,
+        computed,
     )
 
 

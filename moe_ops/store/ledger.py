@@ -401,6 +401,7 @@ class RoutingLedger:
             channels=self.store.channels,
             rows={c.name: self.store.arrays[c.name][slots] for c in self.store.channels},
             missing=self._no_row[slots].copy(),
+            computed=req.computed,
         )
         return encode_handoff(record)
 
@@ -490,6 +491,8 @@ class RoutingLedger:
         if rec.prompt_len is not None:
             req.prompt_len = req.sample_at = rec.prompt_len
             req.sampled = rec.sampled
+            if rec.sampled:  # it knows the positions the prefill computed and the token it sampled
+                req.sample_at = max(req.sample_at, rec.computed + 1)
         self._requests[req_id] = req
         self._imported[rec.handoff_id] = None
         if len(self._imported) > _REMEMBERED_HANDOFFS:

@@ -708,7 +708,13 @@ class EngineMachine(RuleBasedStateMachine):
     samples the next token. A decode computes the token sampled last plus draft tokens; the verify
     outcome takes back the rejected drafts and appends the token sampled after the accepted ones.
     Preemption keeps the tokens; the next attempt re-prefills all of them. Each attempt records
-    whether it sampled; the oracle reads only that record."""
+    whether it sampled; the oracle reads only that record.
+
+    The routes follow the KV too: a disaggregated request is prefilled on another instance (its
+    own ledger, a step of it maybe dropped), which samples its first token, and only the KV of its
+    first p positions arrives (the handoff record; the rest is recomputed here); cached prefix
+    blocks move to a lower tier with their rows (offload), are evicted from the GPU, come back into
+    other blocks on a later hit (load), or are dropped by the tier (recomputed)."""
 
     DEVICE = "cpu"
     POLICY = "sampling"
@@ -735,8 +741,12 @@ class EngineMachine(RuleBasedStateMachine):
         self.world: dict[int, tuple[int, np.ndarray]] = {}
         self.reqs: dict[int, dict] = {}  # request id -> engine state and truth per attempt
         self.in_flight: list[tuple[int, object]] = []  # (ledger seq, snapshot handle)
-        self.dropped: set[int] = set()  # seqs whose rows never arrived
+        self.dropped: set = set()  # seqs whose rows never arrived (("P", seq): the prefill instance's)
         self.ended: set[int] = set()  # finished/aborted, not collected yet
+        # a lower KV tier: prefix key -> (blocks record, the (seq, row) truth of the block's slots)
+        self.tier: dict[tuple, tuple[bytes, list]] = {}
+        # the prefill instance of disaggregated requests (PD handoff), its own store and blocks
+        self.prefill = RoutingLedger(SlotStore(64 * self.BLOCK_SIZE, SHAPE), self.BLOCK_SIZE)
 
     # -- engine helpers ------------------------------------------------------------------------
 
@@ -787,7 +797,10 @@ class EngineMachine(RuleBasedStateMachine):
         tokens, bs = req["tokens"], self.BLOCK_SIZE
         hit = []
         while (len(hit) + 1) * bs <= len(tokens) - 1:  # at least one token is always computed
-            block = self.cached.get(tuple(tokens[: (len(hit) + 1) * bs]))
+            key = tuple(tokens[: (len(hit) + 1) * bs])
+            block = self.cached.get(key)
+            if block is None and key in self.tier:
+                block = self._load(key, hit)  # the KV (and its rows) come back from the lower tier
             if block is None:
                 break
             hit.append(block)
@@ -802,6 +815,26 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             self.ledger.add_request(rid, hit, len(hit) * bs, start=req["start"], prompt_len=req["prompt_len"])
         req["state"] = "running"
+
+    def _load(self, key, taken):
+        """Loads a prefix block from the lower tier into a free block (one not cached, if any) not in
+        ``taken`` (the hit so far); None when every block is held."""
+        free = [b for b in range(self.NUM_BLOCKS) if self.refs[b] == 0 and b not in taken]
+        if not free:
+            return None
+        uncached = [b for b in free if self.block_key[b] is None]
+        b = (uncached or free)[0]
+        if self.block_key[b] is not None:
+            del self.cached[self.block_key[b]]
+        record, truth = self.tier[key]
+        self.ledger.load_blocks([b], record)
+        event("load a block from the lower tier")
+        bs = self.BLOCK_SIZE
+        for i, entry in enumerate(truth):
+            self.world[b * bs + i] = entry
+        self.cached[key] = b
+        self.block_key[b] = key
+        return b
 
     def _verify(self, rid, k):
         """The verify step's outcome: the last ``k`` of the request's draft tokens are rejected, and
@@ -849,6 +882,67 @@ class EngineMachine(RuleBasedStateMachine):
     def arrive(self, prefix, length, start, tell_prompt):
         """A new request arrives and is scheduled at once (prefix hit included); most engines tell
         the ledger its prompt length, some (old callers) do not."""
+        self._arrive(prefix, length, start, tell_prompt)
+
+    @precondition(lambda self: len(self._ids("running")) < self.MAX_RUNNING)
+    @rule(
+        prefix=st.integers(0, 1),
+        length=st.integers(1, 8),
+        start=st.sampled_from([0, 0, 1, 3, 6, 20]),
+        tell_prompt=st.sampled_from([True, True, True, False]),
+        data=st.data(),
+    )
+    def arrive_from_prefill(self, prefix, length, start, tell_prompt, data):
+        """A disaggregated request: another instance prefills its prompt (in one or two steps, one
+        maybe dropped) and samples its first token; the KV of its first p positions arrives here
+        (all, or part: the rest is recomputed here) with the handoff record."""
+        rid = self._arrive(prefix, length, start, tell_prompt, schedule=False)
+        req = self.reqs[rid]
+        tokens, bs = req["tokens"], self.BLOCK_SIZE
+        n = len(tokens)
+        p = data.draw(st.integers(0, n), label="positions whose KV arrives")
+        free = [b for b in range(self.NUM_BLOCKS) if self.refs[b] == 0]
+        need = -(-p // bs)
+        if need > len(free):
+            event("handoff: no KV space here, the request is prefilled here instead")
+            self._start(rid)
+            return
+        self.prefill.add_request(rid, prompt_len=req["prompt_len"])
+        self.prefill.append_blocks(rid, list(range(-(-n // bs))))
+        truth = {}
+        cut = data.draw(st.integers(1, n), label="first prefill chunk")
+        for lo, hi in ((0, cut), (cut, n)):
+            if hi == lo:
+                continue
+            step = self.prefill.schedule([(rid, hi - lo)])
+            rows = routing_rows(self.rng, hi - lo, SHAPE)
+            for i in range(hi - lo):
+                truth[lo + i] = (("P", step.seq), rows[i])
+            if data.draw(st.integers(0, 5), label="drop if 0") == 0:
+                self.dropped.add(("P", step.seq))
+                self.prefill.drop(step.seq)
+            else:
+                self.prefill.land(step.seq, rows)
+        record = self.prefill.export_handoff(rid)
+        self.prefill.finish(rid)
+        self.prefill.collect()
+        tokens.append(int(self.rng.integers(0, self.VOCAB)))  # the prefill instance sampled it
+        fresh = data.draw(st.permutations(free))[:need]
+        for b in fresh:
+            if self.block_key[b] is not None:
+                del self.cached[self.block_key[b]]
+                self.block_key[b] = None
+            self.refs[b] = 1
+        self.ledger.import_handoff(rid, record, fresh, num_tokens=p, start=req["start"])
+        event("handoff, all the KV" if p == n else "handoff, part of the KV: recompute the rest")
+        req["table"] = list(fresh)
+        req["computed"] = p
+        req["sampled"] = True
+        for pos in range(p):
+            req["truth"][pos] = self.world[fresh[pos // bs] * bs + pos % bs] = truth[pos]
+        req["state"] = "running"
+
+    def _arrive(self, prefix, length, start, tell_prompt, schedule=True):
         common = [[0, 1, 2, 0, 1, 2], [2, 2, 1, 1, 0, 0]][prefix]
         tokens = common[: max(length, 3)] + self.rng.integers(0, self.VOCAB, size=length).tolist()
         rid = len(self.reqs)
@@ -864,7 +958,9 @@ class EngineMachine(RuleBasedStateMachine):
             attempts=[],
             start=start,
         )
-        self._start(rid)
+        if schedule:
+            self._start(rid)
+        return rid
 
     @precondition(lambda self: self._ids("preempted"))
     @rule(data=st.data())
@@ -892,7 +988,11 @@ class EngineMachine(RuleBasedStateMachine):
             if budget == 0:
                 break
             self._settle(rid, data)
-            if req["sampled"]:  # decode: the token sampled last and drafts after it
+            recompute = req["sampled"] and req["computed"] < len(req["tokens"]) - 1
+            if recompute:  # a handed-off request whose KV arrived in part: recompute, no sample
+                draft = 0
+                n = data.draw(st.integers(1, min(len(req["tokens"]) - 1 - req["computed"], budget)))
+            elif req["sampled"]:  # decode: the token sampled last and drafts after it
                 assert req["computed"] == len(req["tokens"]) - 1
                 draft = data.draw(st.integers(0, min(self.MAX_DRAFT, budget - 1)))
                 n = 1 + draft
@@ -904,7 +1004,9 @@ class EngineMachine(RuleBasedStateMachine):
             free = [b for b in range(self.NUM_BLOCKS) if self.refs[b] == 0]
             if need > len(free):
                 continue  # no KV space for this request this step
-            if req["sampled"]:  # the drafts; without any, the sampled token comes with the step
+            if recompute:
+                pass
+            elif req["sampled"]:  # the drafts; without any, the sampled token comes with the step
                 req["tokens"] += self.rng.integers(0, self.VOCAB, size=draft or 1).tolist()
             elif req["computed"] + n == len(req["tokens"]):  # the prefill's last chunk samples
                 req["tokens"].append(int(self.rng.integers(0, self.VOCAB)))
@@ -965,6 +1067,33 @@ class EngineMachine(RuleBasedStateMachine):
             self.ledger.land(seq, handle.result(copy=False))
         handle.release()
         self._collect()
+
+    @precondition(lambda self: self.cached)
+    @rule(data=st.data())
+    def offload(self, data):
+        """A cached prefix block's KV moves to the lower tier with its rows; the GPU block is freed
+        (or, while a request holds it, stays where it is as well)."""
+        key = data.draw(st.sampled_from(sorted(self.cached)))
+        b = self.cached[key]
+        try:
+            record = self.ledger.offload_blocks([b])
+        except ValueError as exc:  # a step that writes it is in flight: the engine waits
+            assert "in flight" in str(exc)
+            event("offload waits for a step in flight")
+            return
+        bs = self.BLOCK_SIZE
+        self.tier[key] = (record, [self.world[b * bs + i] for i in range(bs)])
+        event("offload a block to the lower tier")
+        if self.refs[b] == 0 and data.draw(st.booleans(), label="evict from the GPU"):
+            del self.cached[key]
+            self.block_key[b] = None
+
+    @precondition(lambda self: self.tier)
+    @rule(data=st.data())
+    def tier_drop(self, data):
+        """The lower tier drops a block: a later hit on its prefix recomputes it."""
+        del self.tier[data.draw(st.sampled_from(sorted(self.tier)))]
+        event("the lower tier drops a block")
 
     @precondition(lambda self: self._ids("running"))
     @rule(data=st.data())
