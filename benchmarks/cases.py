@@ -153,6 +153,7 @@ class BenchShape:
 _CAPTURE_TEST = "tests/test_benchmarks.py::test_bench_capture_cases_capture_exactly"
 _ROUTER_TEST = "tests/test_benchmarks.py::test_bench_routers_route_like_the_reference"
 _REPLAY_TEST = "tests/replay/test_replay.py::test_benchmark_shapes_gpu"
+_SESSION_TEST = "tests/store/test_session.py::test_a_hit_on_the_last_turn_sends_only_the_new_rows"
 # DeepSeek-V3 (the router tests' MODEL_ROUTERS[0]): 256 experts, top-8, 8 groups keep 4, routed
 # scaling 2.5, bias
 BENCH_DEEPSEEK_V3 = BenchRouter(
@@ -192,6 +193,16 @@ BENCH_CASES: dict[str, tuple] = {
             RoutingShape(num_layers=61, num_experts=256, top_k=8),
             "tests/test_benchmarks.py::test_bench_transfer_shape_snapshots_and_encodes_exactly",
         ),
+    ),
+    # the multi-turn bytes table: models by (layers, experts, top-k)
+    "sessions": tuple(
+        BenchShape(name, RoutingShape(num_layers=layers, num_experts=experts, top_k=top_k), _SESSION_TEST)
+        for name, layers, experts, top_k in (
+            ("qwen3-30b-a3b", 48, 128, 8),
+            ("deepseek-v3", 58, 256, 8),
+            ("kimi-k2", 60, 384, 8),
+            ("512-experts", 48, 512, 10),  # Qwen3-Next's: 512 experts, top-10
+        )
     ),
     "replay": (
         replace(BENCH_DEEPSEEK_V3, test=_REPLAY_TEST),

@@ -414,3 +414,17 @@ def test_scheduler_and_output_threads_against_the_oracle():
     _assert_exercised(engine)
     engine.check(delivered, "sampling")
     _assert_drained(ledger, num_blocks)
+
+
+# ------------------------------------------------------------------------------------------ the soak
+
+
+def test_the_soak_at_ci_size():
+    """``tests/store/soak_ledger.py`` (the 10**7-event fault-injection soak, docs/performance.md) at
+    a budget CI affords: every delivered request checked against the oracle, none wrong."""
+    from soak_ledger import events, soak
+
+    counts = soak(20_000, seed=7)
+    assert events(counts) >= 20_000 and counts["silent-wrong requests"] == 0
+    assert counts["drops"] and counts["reject"] and counts["preempt after the attempt sampled"]
+    assert counts["delivered requests"] == counts["arrivals"]
