@@ -7,8 +7,9 @@ silent-wrong rows is the only passing result).
     python tests/store/soak_ledger.py --events 10000000 [--seed 0] [--policy sampling]
 
 Events counted (``EVENT_KINDS``): arrivals, scheduled steps, landed and dropped steps, preemptions,
-verifies that rejected drafts, and request ends (finish or abort). ``tests/store/test_ledger_stress.py::test_the_soak_at_ci_size`` runs it
-at a small budget. The hypothesis state machine (``test_ledger.py::EngineMachine``) covers what this
+verifies that rejected drafts, and request ends (finish or abort).
+``tests/store/test_ledger_stress.py::test_the_soak_at_ci_size`` runs it at a small budget. The
+hypothesis state machine (``test_ledger.py::EngineMachine``) covers what this
 model does not: the capture path, the prefix cache, prefill/decode handoff and KV offload tiers.
 """
 
