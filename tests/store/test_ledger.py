@@ -714,7 +714,8 @@ class EngineMachine(RuleBasedStateMachine):
     own ledger, a step of it maybe dropped), which samples its first token, and only the KV of its
     first p positions arrives (the handoff record; the rest is recomputed here); cached prefix
     blocks move to a lower tier with their rows (offload), are evicted from the GPU, come back into
-    other blocks on a later hit (load), or are dropped by the tier (recomputed)."""
+    other blocks on a later hit (load), or are dropped by the tier (recomputed). EPLB maps change
+    between steps: the router picks physical replicas, the capture maps them back."""
 
     DEVICE = "cpu"
     POLICY = "sampling"
@@ -747,6 +748,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.tier: dict[tuple, tuple[bytes, list]] = {}
         # the prefill instance of disaggregated requests (PD handoff), its own store and blocks
         self.prefill = RoutingLedger(SlotStore(64 * self.BLOCK_SIZE, SHAPE), self.BLOCK_SIZE)
+        # EPLB: per MoE layer, (physical -> logical map, first replica, second replica) or None
+        self.eplb = None
 
     # -- engine helpers ------------------------------------------------------------------------
 
@@ -1049,7 +1052,18 @@ class EngineMachine(RuleBasedStateMachine):
         for i, layer in enumerate(SHAPE.moe_layers):
             ids = np.full((n_total + pad, SHAPE.top_k), PAD_ID, dtype=np.int64)
             ids[:n_total] = batch[:, i]
-            self.capturer.capture(layer, torch.from_numpy(ids).to(self.DEVICE))
+            if self.eplb is None:
+                self.capturer.capture(layer, torch.from_numpy(ids).to(self.DEVICE))
+                continue
+            # the router picked physical replicas; the capture maps them back to logical ids
+            phys_map, first, second = self.eplb[i]
+            phys = np.where(self.rng.random(ids.shape) < 0.5, first[ids], second[ids])
+            self.capturer.capture(
+                layer,
+                torch.from_numpy(phys).to(self.DEVICE),
+                expert_map=torch.from_numpy(phys_map).to(self.DEVICE),
+                num_logical_experts=SHAPE.num_experts,
+            )
         self.in_flight.append((step.seq, self.capturer.snapshot()))
 
     @precondition(lambda self: self.in_flight)
@@ -1087,6 +1101,31 @@ class EngineMachine(RuleBasedStateMachine):
         if self.refs[b] == 0 and data.draw(st.booleans(), label="evict from the GPU"):
             del self.cached[key]
             self.block_key[b] = None
+
+    @rule(redundant=st.sampled_from([None, 0, 7, 40]))
+    def rebalance(self, redundant):
+        """EPLB moves experts between steps: a new physical -> logical map per MoE layer (a
+        permutation of the logical experts and ``redundant`` replicas), or none (None). Steps in
+        flight were captured under the map of their own step."""
+        if not hasattr(self, "ledger"):
+            return
+        if redundant is None:
+            self.eplb = None
+            return
+        event("EPLB map change")
+        layers = []
+        for _ in SHAPE.moe_layers:
+            n = SHAPE.num_experts
+            phys_map = np.concatenate([np.arange(n), self.rng.integers(0, n, size=redundant)])
+            phys_map = phys_map[self.rng.permutation(phys_map.size)].astype(np.int32)
+            first = np.full(n, -1, np.int64)
+            second = np.full(n, -1, np.int64)
+            for p, logical in enumerate(phys_map.tolist()):
+                if first[logical] < 0:
+                    first[logical] = p
+                second[logical] = p  # the last replica (the first when there is one)
+            layers.append((phys_map, first, second))
+        self.eplb = layers
 
     @precondition(lambda self: self.tier)
     @rule(data=st.data())
