@@ -9,6 +9,9 @@ NeMo-RL's envelope and moe-ops' raw ``MOER`` bytes (what a client gets that skip
 prime-rl moves raw arrays). Reported: bytes per new token over the session, and the last turn's
 delta against its full re-send (target <= 10%).
 
+Host cost: CPU seconds of the ledger (with its slot store) and of the wire per 1M delivered tokens
+in a serving loop of 64 running requests.
+
 Per-rank delivery: a batch written as one framed file (``write_framed``), read by one of 8 trainer
 ranks (its requests only) against reading the whole batch; peak host memory by tracemalloc.
 
@@ -77,6 +80,56 @@ def _session(shape, with_session: bool, rng):
     return out
 
 
+def _host_table(shape, requests: int = 256, prompt: int = 1024, new: int = 256, batch: int = 64) -> Table:
+    """Host time of delivery per 1M delivered tokens: the ledger (schedule, land, finish, collect)
+    with its slot store, and the wire (vLLM's npy text of each finished request), for a serving
+    loop of ``batch`` concurrent requests (a prefill step each, then decode steps of every running
+    request); the rows are made before the clock starts."""
+    t = Table(
+        f"host cost per 1M delivered tokens ({shape.num_layers}x{shape.top_k} rows, {batch} running, "
+        f"prompt {prompt}, {new} new tokens): CPU seconds",
+        ["ledger + store s", "wire s", "total s", "tokens"],
+    )
+    bs = 16
+    per_request = -(-(prompt + new) // bs)
+    ledger = RoutingLedger(SlotStore(batch * per_request * bs, shape), bs)
+    rng = np.random.default_rng(2)
+    prompt_rows = rng.integers(0, shape.num_experts, (prompt, shape.num_layers, shape.top_k)).astype(
+        shape.id_dtype
+    )
+    decode_rows = rng.integers(0, shape.num_experts, (batch, shape.num_layers, shape.top_k)).astype(
+        shape.id_dtype
+    )
+    free = list(range(batch * per_request))
+    ledger_s = wire_s = 0.0
+    delivered = 0
+    for wave in range(requests // batch):
+        t0 = time.process_time()
+        ids = [f"{wave}-{i}" for i in range(batch)]
+        tables = {}
+        for rid in ids:
+            ledger.add_request(rid, prompt_len=prompt)
+            tables[rid] = [free.pop() for _ in range(per_request)]
+            ledger.append_blocks(rid, tables[rid])
+            ledger.land(ledger.schedule([(rid, prompt)]).seq, prompt_rows)
+        for _ in range(new - 1):
+            ledger.land(ledger.schedule([(rid, 1) for rid in ids]).seq, decode_rows)
+        for rid in ids:
+            ledger.finish(rid)
+        done = ledger.collect()
+        ledger_s += time.process_time() - t0
+        t0 = time.process_time()
+        for d in done:
+            encode_routing(d.routing, format="npy")
+        wire_s += time.process_time() - t0
+        delivered += sum(d.routing.shape[0] for d in done)
+        for rid in ids:
+            free += tables[rid]
+    scale = 1e6 / delivered
+    t.add(ledger_s * scale, wire_s * scale, (ledger_s + wire_s) * scale, delivered)
+    return t
+
+
 def _rank_table(shape, requests: int, tokens: int, ranks: int) -> Table:
     """Peak host memory (tracemalloc) of one trainer rank reading its requests' rows from a framed
     file (``FramedReader`` over a path: reads with seeks) against decoding the whole batch once."""
@@ -115,6 +168,7 @@ def _rank_table(shape, requests: int, tokens: int, ranks: int) -> Table:
     ],
     tables=[
         table("multi-turn bytes per new token, deltas vs full re-sends", needs="cpu"),
+        table("host cost of delivery per 1M tokens: ledger, store, wire", needs="cpu"),
         table("per-rank delivery: one rank's peak host memory against the whole batch", needs="cpu"),
     ],
 )
@@ -151,7 +205,7 @@ def sessions(cases, run) -> list[Table]:
     deepseek = (
         next(c.shape for c in cases if c.name == "deepseek-v3") if cases else BENCH_CASES["sessions"][1].shape
     )
-    return [t, _rank_table(deepseek, requests, tokens, ranks)]
+    return [t, _host_table(deepseek), _rank_table(deepseek, requests, tokens, ranks)]
 
 
 if __name__ == "__main__":
