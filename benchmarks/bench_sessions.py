@@ -202,9 +202,8 @@ def sessions(cases, run) -> list[Table]:
                 f"last turn <= {TARGET}", "met" if last <= TARGET else "missed",
             )  # fmt: skip
     requests, tokens, ranks = (int(v) for v in run.rank_batch.split(","))
-    deepseek = (
-        next(c.shape for c in cases if c.name == "deepseek-v3") if cases else BENCH_CASES["sessions"][1].shape
-    )
+    # the per-rank and host tables use DeepSeek-V3's rows, whichever cases were chosen
+    deepseek = next(c.shape for c in BENCH_CASES["sessions"] if c.name == "deepseek-v3")
     return [t, _host_table(deepseek), _rank_table(deepseek, requests, tokens, ranks)]
 
 

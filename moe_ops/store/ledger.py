@@ -384,14 +384,9 @@ class RoutingLedger:
         n = req.computed if num_tokens is None else _check_int("num_tokens", num_tokens, 0)
         if n > req.computed:
             raise ValueError(f"num_tokens={n}: request {req_id!r} has computed {req.computed} tokens")
-        slots = slots_for(req.blocks, self.block_size, 0, n)
-        waiting = self._pending_seq[slots]
-        if (waiting >= 0).any():
-            seqs = sorted(set(waiting[waiting >= 0].tolist()))
-            raise ValueError(
-                f"rows of request {req_id!r} are in flight (steps {seqs[:8]}): export its handoff once "
-                "they land or are dropped"
-            )
+        rows, missing = self._landed_rows(
+            slots_for(req.blocks, self.block_size, 0, n), f"rows of request {req_id!r}", "export its handoff"
+        )
         record = HandoffRecord(
             req_id,
             new_handoff_id(),
@@ -399,8 +394,8 @@ class RoutingLedger:
             prompt_len=req.prompt_len,
             num_experts=self.store.shape.num_experts,
             channels=self.store.channels,
-            rows={c.name: self.store.arrays[c.name][slots] for c in self.store.channels},
-            missing=self._no_row[slots].copy(),
+            rows=rows,
+            missing=missing,
             computed=req.computed,
         )
         return encode_handoff(record)
@@ -450,13 +445,7 @@ class RoutingLedger:
                 f"handoff record {rec.handoff_id:#018x} of request {req_id!r} was imported already: a record "
                 "lands once"
             )
-        mine = [(c.name, c.dtype.str, c.row_shape) for c in self.store.channels]
-        theirs = [(c.name, c.dtype.str, c.row_shape) for c in rec.channels]
-        if theirs != mine or rec.num_experts != self.store.shape.num_experts:
-            raise ValueError(
-                f"handoff record is from another model shape: channels {theirs} of {rec.num_experts} "
-                f"experts, this store holds {mine} of {self.store.shape.num_experts}"
-            )
+        self._check_record_shape(rec.channels, rec.num_experts, "handoff record")
         n = rec.num_tokens if num_tokens is None else _check_int("num_tokens", num_tokens, 0)
         if n > rec.num_tokens:
             raise ValueError(f"num_tokens={n}: the handoff record holds {rec.num_tokens} rows")
@@ -474,19 +463,14 @@ class RoutingLedger:
                 f"num_tokens={n} needs {-(-n // self.block_size)} blocks of {self.block_size}, "
                 f"got {len(blocks)}"
             )
-        # the blocks are fresh: no step scheduled before now writes into them, no old row is read
-        bs = self.block_size
         self._refs[blocks] = 1
-        self._epoch[blocks] = self._next_seq
-        every = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
-        self._no_row[every] = True
-        slots = slots_for(blocks, bs, 0, n)
-        for channel in self.store.channels:
-            self.store.arrays[channel.name][slots] = rec.rows[channel.name][:n]
-        self._no_row[slots] = rec.missing[:n]
-        # an older step in flight that wrote these slots before the blocks were freed lands nowhere
-        # here, and the request's copy-out never waits for it
-        self._pending_seq[slots] = -1
+        self._no_row[self._block_slots(blocks)] = True  # positions past n: no row until computed
+        self._write_fresh(
+            blocks,
+            slots_for(blocks, self.block_size, 0, n),
+            {k: v[:n] for k, v in rec.rows.items()},
+            rec.missing[:n],
+        )
         req = _Request(req_id, start=start, blocks=list(blocks), cached=n, computed=n)
         if rec.prompt_len is not None:
             req.prompt_len = req.sample_at = rec.prompt_len
@@ -513,21 +497,11 @@ class RoutingLedger:
         blocks = self._block_list("block_ids", block_ids)
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"block_ids has duplicates: {blocks}")
-        bs = self.block_size
-        slots = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
-        waiting = self._pending_seq[slots]
-        if (waiting >= 0).any():
-            seqs = sorted(set(waiting[waiting >= 0].tolist()))
-            raise ValueError(
-                f"blocks {blocks[:8]} have rows in flight (steps {seqs[:8]}): offload them once they land "
-                "or are dropped"
-            )
+        rows, missing = self._landed_rows(
+            self._block_slots(blocks), f"rows of blocks {blocks[:8]}", "offload them"
+        )
         record = BlocksRecord(
-            bs,
-            self.store.shape.num_experts,
-            self.store.channels,
-            {c.name: self.store.arrays[c.name][slots] for c in self.store.channels},
-            self._no_row[slots].copy(),
+            self.block_size, self.store.shape.num_experts, self.store.channels, rows, missing
         )
         return encode_blocks(record)
 
@@ -545,13 +519,7 @@ class RoutingLedger:
         block size, a count of blocks that differs, a block held by a running request (its rows are
         in use: load into free blocks), a block twice."""
         rec = decode_blocks(record)
-        mine = [(c.name, c.dtype.str, c.row_shape) for c in self.store.channels]
-        theirs = [(c.name, c.dtype.str, c.row_shape) for c in rec.channels]
-        if theirs != mine or rec.num_experts != self.store.shape.num_experts:
-            raise ValueError(
-                f"blocks record is from another model shape: channels {theirs} of {rec.num_experts} experts, "
-                f"this store holds {mine} of {self.store.shape.num_experts}"
-            )
+        self._check_record_shape(rec.channels, rec.num_experts, "blocks record")
         if rec.block_size != self.block_size:
             raise ValueError(
                 f"blocks record has blocks of {rec.block_size} tokens, this ledger {self.block_size}"
@@ -569,15 +537,41 @@ class RoutingLedger:
                 f"blocks {held} are held by running requests: load a lower tier's KV and rows into free "
                 "blocks, before the request that hits them starts"
             )
+        self._write_fresh(blocks, self._block_slots(blocks), rec.rows, rec.missing)
+
+    def _block_slots(self, blocks: list[int]) -> np.ndarray:
+        """Every slot of ``blocks``, block after block."""
         bs = self.block_size
-        slots = (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
-        # fresh blocks: no step scheduled before now writes into them (an old step in flight lands
-        # nowhere here), and the copy-out of a request that hits them never waits for one
+        return (np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+
+    def _landed_rows(self, slots: np.ndarray, what: str, then: str) -> tuple[dict, np.ndarray]:
+        """Every channel's rows at ``slots`` and which hold no row (copies), for a record that
+        carries them away; ValueError while a step that writes one is in flight."""
+        waiting = self._pending_seq[slots]
+        if (waiting >= 0).any():
+            seqs = sorted(set(waiting[waiting >= 0].tolist()))
+            raise ValueError(f"{what} are in flight (steps {seqs[:8]}): {then} once they land or are dropped")
+        rows = {c.name: self.store.arrays[c.name][slots] for c in self.store.channels}
+        return rows, self._no_row[slots].copy()
+
+    def _check_record_shape(self, channels, num_experts: int, what: str) -> None:
+        """ValueError unless a record's channels and expert count are this store's."""
+        mine = [(c.name, c.dtype.str, c.row_shape) for c in self.store.channels]
+        theirs = [(c.name, c.dtype.str, c.row_shape) for c in channels]
+        if theirs != mine or num_experts != self.store.shape.num_experts:
+            raise ValueError(
+                f"{what} is from another model shape: channels {theirs} of {num_experts} experts, "
+                f"this store holds {mine} of {self.store.shape.num_experts}"
+            )
+
+    def _write_fresh(self, blocks: list[int], slots: np.ndarray, rows: dict, missing: np.ndarray) -> None:
+        """A record's rows into freshly filled blocks: no step scheduled before now writes into them
+        (an older step in flight lands nowhere here), and a copy-out never waits for one."""
         self._epoch[blocks] = self._next_seq
         self._pending_seq[slots] = -1
         for channel in self.store.channels:
-            self.store.arrays[channel.name][slots] = rec.rows[channel.name]
-        self._no_row[slots] = rec.missing
+            self.store.arrays[channel.name][slots] = rows[channel.name]
+        self._no_row[slots] = missing
 
     @_locked
     def append_blocks(self, req_id: Hashable, block_ids: Sequence[int]) -> None:
@@ -599,8 +593,7 @@ class RoutingLedger:
             )
         self._refs[blocks] = 1
         self._epoch[blocks] = self._next_seq
-        bs = self.block_size
-        self._no_row[(np.asarray(blocks, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)] = True
+        self._no_row[self._block_slots(blocks)] = True
         req.blocks.extend(blocks)
 
     @_locked

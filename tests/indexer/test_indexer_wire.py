@@ -10,13 +10,13 @@ import shutil
 import struct
 import subprocess
 import sys
-import threading
 import zlib
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from threads import run_threads
 
 from moe_ops.indexer import wire
 from moe_ops.indexer.wire import (
@@ -352,11 +352,7 @@ def test_threads_share_the_c_codec():
         except Exception as exc:  # reported below with the thread's index
             errors.append((i, exc))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    run_threads(work, 8, timeout=300.0)
     assert not errors, errors
 
 

@@ -5,13 +5,13 @@ partial KV gives the decode forward's rows where it recomputed; bad records chan
 from __future__ import annotations
 
 import struct
-import threading
 import zlib
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from threads import run_threads
 
 from moe_ops import RoutingLedger, RoutingShape, SlotStore
 from moe_ops.channels import IDS, Channel
@@ -328,11 +328,7 @@ def test_threads_import_and_serve_at_once():
         except Exception as exc:  # reported below with the thread's index
             errors.append((i, exc))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    run_threads(work, 8, timeout=120.0)
     assert not errors, errors
     got = {d.req_id: d.routing for d in decode.collect()}
     assert sorted(got) == list(range(8))

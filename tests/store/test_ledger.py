@@ -699,6 +699,15 @@ def test_reject_needs_a_running_request():
 # ----------------------------------------------------------------------------------- state machine
 
 
+# a request's arrival: which common prefix, its own tokens, start, whether the engine tells prompt_len
+_ARRIVAL = dict(
+    prefix=st.integers(0, 1),
+    length=st.integers(1, 8),
+    start=st.sampled_from([0, 0, 1, 3, 6, 20]),
+    tell_prompt=st.sampled_from([True, True, True, False]),
+)
+
+
 class EngineMachine(RuleBasedStateMachine):
     """A small paged-KV engine with async scheduling and speculative decoding, driving the real
     capture -> store path; some steps' rows never arrive (dropped).
@@ -876,25 +885,14 @@ class EngineMachine(RuleBasedStateMachine):
     # -- rules ---------------------------------------------------------------------------------
 
     @precondition(lambda self: len(self._ids("running")) < self.MAX_RUNNING)
-    @rule(
-        prefix=st.integers(0, 1),
-        length=st.integers(1, 8),
-        start=st.sampled_from([0, 0, 1, 3, 6, 20]),
-        tell_prompt=st.sampled_from([True, True, True, False]),
-    )
+    @rule(**_ARRIVAL)
     def arrive(self, prefix, length, start, tell_prompt):
         """A new request arrives and is scheduled at once (prefix hit included); most engines tell
         the ledger its prompt length, some (old callers) do not."""
         self._arrive(prefix, length, start, tell_prompt)
 
     @precondition(lambda self: len(self._ids("running")) < self.MAX_RUNNING)
-    @rule(
-        prefix=st.integers(0, 1),
-        length=st.integers(1, 8),
-        start=st.sampled_from([0, 0, 1, 3, 6, 20]),
-        tell_prompt=st.sampled_from([True, True, True, False]),
-        data=st.data(),
-    )
+    @rule(**_ARRIVAL, data=st.data())
     def arrive_from_prefill(self, prefix, length, start, tell_prompt, data):
         """A disaggregated request: another instance prefills its prompt (in one or two steps, one
         maybe dropped) and samples its first token; the KV of its first p positions arrives here
